@@ -1,0 +1,14 @@
+"""connmon: training-time monitoring of transformer attention read as a connection walk (arXiv 2607.10677).
+
+Example:
+    >>> import connmon
+    >>> import connmon.functional as F
+    >>> connmon.__version__
+    '0.1.0'
+"""
+
+from connmon import functional
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "functional"]

@@ -1,0 +1,174 @@
+"""Krylov-Schur eigenvalue solver for a real linear operator given only by its matvec (Stewart, 2001).
+
+Design notes:
+
+* The long vectors (the basis ``V``, ``(ncv + 1, N)``) and every matvec live on the operator's device and in its
+  dtype; only the small projected matrix (``(ncv + 1) x ncv``, float64) lives on the host, where scipy reorders
+  its real Schur form. One device-to-host copy per Arnoldi step (``ncv + 1`` numbers), so the solver
+  synchronizes the GPU, like ``torch.linalg.eig``.
+* Orthogonalization is classical Gram-Schmidt applied twice (DGKS), which keeps the basis orthonormal to
+  working precision for the non-normal operators attention produces.
+* The restart keeps the wanted Schur vectors (``k + (ncv - k) // 2`` of them, complex-conjugate pairs never
+  split), so it needs no shifts and never stalls on a pair. The projected matrix stays a general Krylov
+  decomposition ``A V_p = V_p S + v_{p+1} b^T``.
+* Convergence follows ARPACK: a Ritz pair ``(theta, V y)`` is converged when its residual
+  ``|b^T y| <= tol * max(|theta|, eps^(2/3))``. Iterations are bounded by ``max_restarts``; the residuals are
+  returned whether or not they converged.
+* An invariant subspace found early (breakdown) is kept and the basis continues from a fresh random vector, so
+  operators of low rank are fine. Non-finite numbers end the iteration with NaN eigenvalues, never a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import scipy.linalg
+import torch
+from torch import Tensor
+
+Which = Literal["LM", "LR"]
+
+
+@dataclass(frozen=True)
+class KrylovResult:
+    """What :func:`krylov_schur` found: ``k`` Ritz values in the wanted order and how good they are."""
+
+    eigenvalues: np.ndarray  # (k,) complex128
+    residuals: np.ndarray  # (k,) float64, ||A x - theta x|| for unit x
+    converged: np.ndarray  # (k,) bool
+    num_matvecs: int
+    num_restarts: int
+
+
+def sort_key(values: np.ndarray, which: Which) -> np.ndarray:
+    """The quantity that orders eigenvalues, largest first: modulus (LM) or real part (LR)."""
+    return np.abs(values) if which == "LM" else values.real
+
+
+def krylov_schur(
+    matvec: Callable[[Tensor], Tensor],
+    dim: int,
+    k: int,
+    *,
+    which: Which,
+    dtype: torch.dtype,
+    device: torch.device,
+    ncv: int | None = None,
+    tol: float | None = None,
+    max_restarts: int = 100,
+    seed: int = 0,
+) -> KrylovResult:
+    """Find the ``k`` eigenvalues of a real ``dim x dim`` operator that come first by ``which``.
+
+    Args:
+        matvec: ``x (dim,) -> A x (dim,)`` on ``device`` in ``dtype``.
+        dim: size of the operator; needs ``k + 2 <= dim``.
+        k: number of eigenvalues wanted.
+        which: ``"LM"`` largest modulus or ``"LR"`` largest real part.
+        dtype: float32 or float64, the dtype of the basis vectors.
+        device: device of the basis vectors.
+        ncv: basis size; default ``min(dim, max(2k + 1, 20))`` as in ARPACK.
+        tol: relative residual tolerance; default 1e-5 (float32) or 1e-10 (float64).
+        max_restarts: bound on the number of restarts.
+        seed: seed of the random start vector.
+
+    Returns:
+        A :class:`KrylovResult`.
+    """
+    if k + 2 > dim:
+        raise ValueError(f"the Krylov solver needs k + 2 <= dim, got k={k}, dim={dim}")
+    ncv = min(dim, max(2 * k + 1, 20)) if ncv is None else ncv
+    if not k + 2 <= ncv <= dim:
+        raise ValueError(f"ncv must satisfy k + 2 <= ncv <= dim (k={k}, dim={dim}), got ncv={ncv}")
+    tol = (1e-5 if dtype == torch.float32 else 1e-10) if tol is None else tol
+    eps = float(torch.finfo(dtype).eps)
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def random_unit(basis: Tensor) -> Tensor:
+        vector = torch.randn(dim, generator=generator, device=device, dtype=dtype)
+        for _ in range(2):
+            vector = vector - basis.mT @ (basis @ vector)
+        return vector / torch.linalg.vector_norm(vector)
+
+    basis = torch.zeros(ncv + 1, dim, device=device, dtype=dtype)
+    basis[0] = random_unit(basis[:0])
+    projected = np.zeros((ncv + 1, ncv))  # rows 0..ncv-1: S; row ncv: b^T
+    kept, matvecs = 0, 0
+    for restart in range(max_restarts + 1):
+        for j in range(kept, ncv):
+            w = matvec(basis[j])
+            matvecs += 1
+            norm_in = torch.linalg.vector_norm(w)
+            h = basis[: j + 1] @ w
+            w = w - basis[: j + 1].mT @ h
+            h2 = basis[: j + 1] @ w
+            w = w - basis[: j + 1].mT @ h2
+            beta = torch.linalg.vector_norm(w)
+            numbers = torch.cat([h + h2, torch.stack([beta, norm_in])]).double().cpu().numpy()
+            projected[: j + 1, j] = numbers[: j + 1]
+            beta_host, norm_host = numbers[j + 1], numbers[j + 2]
+            if not np.isfinite(numbers).all():
+                return _nan_result(k, matvecs, restart)
+            if beta_host > 10 * eps * norm_host:
+                projected[j + 1, j] = beta_host
+                basis[j + 1] = w / beta
+            else:  # breakdown: span(basis[:j+1]) is invariant; continue the basis from a fresh direction
+                projected[j + 1, j] = 0.0
+                basis[j + 1] = random_unit(basis[: j + 1])
+
+        square, coupling = projected[:ncv], projected[ncv]
+        theta, vectors = np.linalg.eig(square)
+        residuals = np.abs(coupling @ vectors)
+        order = np.argsort(-sort_key(theta, which), kind="stable")
+        wanted = order[:k]
+        converged = residuals[wanted] <= tol * np.maximum(np.abs(theta[wanted]), eps ** (2 / 3))
+        if converged.all() or restart == max_restarts:
+            return KrylovResult(theta[wanted], residuals[wanted], converged, matvecs, restart)
+
+        kept = _restart(projected, basis, theta, order, k, ncv, which)
+    raise AssertionError("unreachable")  # the loop returns on its last pass
+
+
+def _restart(
+    projected: np.ndarray, basis: Tensor, theta: np.ndarray, order: np.ndarray, k: int, ncv: int, which: Which
+) -> int:
+    """Compress the decomposition onto the wanted Schur vectors in place; return how many are kept."""
+    square, coupling = projected[:ncv], projected[ncv].copy()
+    keys = sort_key(theta, which)
+    for size in (k + (ncv - k) // 2, k):
+        threshold = keys[order[size - 1]]
+        margin = 1e-12 * max(abs(threshold), 1.0)
+        try:
+            schur, vectors, kept = scipy.linalg.schur(
+                square, output="real", sort=lambda re, im, t=threshold, m=margin: _key(re, im, which) >= t - m
+            )
+        except (ValueError, np.linalg.LinAlgError):  # reordering failed on ill-conditioned eigenvalues
+            continue
+        if kept < ncv:
+            break
+    else:  # explicit restart from the wanted Ritz vectors' real parts
+        _, ritz = np.linalg.eig(square)
+        start = torch.as_tensor(ritz[:, order[:k]].real.sum(axis=1), dtype=basis.dtype, device=basis.device)
+        vector = start @ basis[:ncv]
+        basis[0] = vector / torch.linalg.vector_norm(vector)
+        projected[:] = 0.0
+        return 0
+    keep = vectors[:, :kept]  # (ncv, kept) orthonormal
+    basis[:kept] = torch.as_tensor(keep.T, dtype=basis.dtype, device=basis.device) @ basis[:ncv]
+    basis[kept] = basis[ncv]
+    projected[:] = 0.0
+    projected[:kept, :kept] = schur[:kept, :kept]
+    projected[kept, :kept] = coupling @ keep
+    return kept
+
+
+def _key(re: float, im: float, which: Which) -> float:
+    return float(np.hypot(re, im)) if which == "LM" else float(re)
+
+
+def _nan_result(k: int, matvecs: int, restarts: int) -> KrylovResult:
+    nan = np.full(k, np.nan)
+    return KrylovResult(nan.astype(np.complex128), nan, np.zeros(k, dtype=bool), matvecs, restarts)

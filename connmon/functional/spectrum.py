@@ -1,0 +1,457 @@
+"""The connection walk operator ``M = sum_h kron(A^h, T_h)`` and its spectrum (DESIGN section 1).
+
+``M`` acts on token-major vector fields ``X`` (``n x d``, flat index ``i * d + a``) as
+``M(X) = sum_h A^h X T_h^T``. Spectral quantities are of ``M / s``, ``s`` the transport scale
+(:func:`connmon.functional.transport_scale`); a zero transport (``s = 0``) has the zero normalized operator.
+
+The spectrum solver picks the cheapest exact path that the layer allows (``method="auto"``):
+
+* ``"kron"``: one head, ``M = kron(A, T)``: the eigenvalues are the products ``lambda_i(A) mu_a(T)``.
+* ``"dense"``: ``n d <= 512``: ``torch.linalg.eigvals`` of the dense operator.
+* ``"causal"``: every head causal (``A^h`` lower triangular), so ``M`` is block lower triangular and its
+  eigenvalues are the union over tokens of ``eig(sum_h A^h_ii T_h)``. Krylov methods stall on such non-normal
+  operators; this path is exact. Detecting it costs one GPU synchronization.
+* ``"krylov"``: otherwise, a restarted Krylov-Schur method that only calls :func:`connection_matvec` and never
+  forms ``M``. The operator norm uses the same solver on ``M^T M`` (thick-restart Lanczos).
+
+Shapes: ``attn (*, H, n, n)``, ``w_v (*, H, d_h, d)``, ``w_o (*, H, d, d_h)``, leading dims broadcast. All paths
+except the matvec synchronize the GPU (eigenvalue solvers). Non-finite input gives NaN and never hangs.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from connmon.functional._checks import as_float, check_layer, promote, shape
+from connmon.functional._krylov import Which, krylov_schur
+from connmon.functional._linalg import eigvals, spectral_norm
+from connmon.functional.transport import _concat_heads, transport_scale
+
+__all__ = [
+    "SpectrumResult",
+    "connection_laplacian_gap",
+    "connection_matvec",
+    "connection_operator",
+    "connection_operator_norm",
+    "connection_spectral_radius",
+    "connection_spectrum",
+]
+
+Method = Literal["auto", "dense", "kron", "causal", "krylov"]
+DENSE_MAX_DIM = 512  # n * d up to which "auto" takes the dense eigensolver
+_CHUNK_ELEMENTS = 2**24  # bound on the causal path's block tensor (64 MiB in float32)
+
+
+class SpectrumResult(NamedTuple):
+    """Eigenvalues of ``M / s`` with the evidence of how they were found.
+
+    Attributes:
+        eigenvalues: ``(*, k)`` complex, in the wanted order.
+        residuals: ``(*, k)`` ``||(M/s) x - theta x||`` of the unit Ritz vectors (Krylov path); 0 on the direct
+            paths, whose accuracy is LAPACK's.
+        converged: ``(*, k)`` bool, residual within tolerance.
+        num_matvecs: ``(*,)`` matvecs used (0 on the direct paths).
+        method: the path taken.
+    """
+
+    eigenvalues: Tensor
+    residuals: Tensor
+    converged: Tensor
+    num_matvecs: Tensor
+    method: str
+
+
+def _layer(attn: Tensor, w_v: Tensor, w_o: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[int, int, int, int]]:
+    attn, w_v, w_o = promote(as_float(attn, "attn"), as_float(w_v, "w_v"), as_float(w_o, "w_o"))
+    return attn, w_v, w_o, check_layer(attn, w_v, w_o)
+
+
+def _matvec(attn: Tensor, v_cat: Tensor, o_cat: Tensor, x: Tensor) -> Tensor:
+    """``M(X) = sum_h A^h X V_h^T O_h^T`` with the heads stacked: ``x (*, n, d) -> (*, n, d)``."""
+    heads = attn.shape[-3]
+    y = (x @ v_cat.mT).unflatten(-1, (heads, -1)).transpose(-3, -2)  # (*, H, n, d_h)
+    z = (attn @ y).transpose(-3, -2).flatten(-2)  # (*, n, H*d_h)
+    return z @ o_cat.mT
+
+
+def _rmatvec(attn: Tensor, v_cat: Tensor, o_cat: Tensor, y: Tensor) -> Tensor:
+    """``M^T(Y) = sum_h (A^h)^T Y O_h V_h``: ``y (*, n, d) -> (*, n, d)``."""
+    heads = attn.shape[-3]
+    u = (y @ o_cat).unflatten(-1, (heads, -1)).transpose(-3, -2)  # (*, H, n, d_h)
+    z = (attn.mT @ u).transpose(-3, -2).flatten(-2)  # (*, n, H*d_h)
+    return z @ v_cat
+
+
+def connection_matvec(attn: Tensor, w_v: Tensor, w_o: Tensor, x: Tensor) -> Tensor:
+    """Apply the connection walk to a vector field: ``M(X)_i = sum_h sum_j A^h_ij T_h x_j``.
+
+    Two GEMMs of the stacked heads and one batched attention GEMM, ``O(n d H d_h + H n^2 d_h)``: the cost of an
+    attention forward. ``module_output = M(X) + c`` for the layer's input ``X`` (DESIGN: reconstruction).
+
+    Args:
+        attn: ``(*, H, n, n)``.
+        w_v: ``(*, H, d_h, d)``.
+        w_o: ``(*, H, d, d_h)``.
+        x: ``(*, n, d)``.
+
+    Returns:
+        ``(*, n, d)``.
+
+    Raises:
+        ValueError: if the shapes do not match.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional import connection_matvec, connection_operator
+        >>> _ = torch.manual_seed(0)
+        >>> attn = torch.randn(2, 3, 3).softmax(-1)  # H=2, n=3
+        >>> w_v, w_o, x = torch.randn(2, 2, 4), torch.randn(2, 4, 2), torch.randn(3, 4)  # d_h=2, d=4
+        >>> dense = (connection_operator(attn, w_v, w_o) @ x.flatten()).view(3, 4)
+        >>> bool(torch.allclose(connection_matvec(attn, w_v, w_o, x), dense, atol=1e-5))
+        True
+    """
+    attn, w_v, w_o, (_, n, _, d) = _layer(attn, w_v, w_o)
+    x = as_float(x, "x").to(attn.dtype)
+    if x.ndim < 2 or tuple(x.shape[-2:]) != (n, d):
+        raise ValueError(f"x must have shape (*, n, d) = (*, {n}, {d}) to match attn and w_v, got x{shape(x)}")
+    return _matvec(attn, *_concat_heads(w_v, w_o), x)
+
+
+def connection_operator(attn: Tensor, w_v: Tensor, w_o: Tensor, max_dim: int = 4096) -> Tensor:
+    """Dense connection operator ``M = sum_h kron(A^h, T_h)``, token-major; for small layers and tests.
+
+    Args:
+        attn: ``(*, H, n, n)``.
+        w_v: ``(*, H, d_h, d)``.
+        w_o: ``(*, H, d, d_h)``.
+        max_dim: refuse ``n * d`` above this (memory grows as ``(n d)^2``).
+
+    Returns:
+        ``(*, n*d, n*d)``.
+
+    Raises:
+        ValueError: if the shapes do not match or ``n * d > max_dim``.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional import connection_operator
+        >>> attn, t = torch.tensor([[[0.5, 0.5], [0.0, 1.0]]]), torch.tensor([[2.0]])  # H=1, n=2, d=1
+        >>> connection_operator(attn, t[None], torch.ones(1, 1, 1))
+        tensor([[1., 1.],
+                [0., 2.]])
+    """
+    attn, w_v, w_o, (_, n, _, d) = _layer(attn, w_v, w_o)
+    if n * d > max_dim:
+        raise ValueError(
+            f"the dense operator has n*d = {n}*{d} = {n * d} rows, above max_dim={max_dim}; "
+            "use connection_matvec, or raise max_dim if (n*d)^2 numbers fit in memory"
+        )
+    t = w_o @ w_v  # (*, H, d, d)
+    blocks = torch.einsum("...hij,...hab->...iajb", attn, t)  # (*, n, d, n, d)
+    return blocks.reshape(*blocks.shape[:-4], n * d, n * d)
+
+
+def _inverse_scale(w_v: Tensor, w_o: Tensor) -> Tensor:
+    scale = transport_scale(w_v, w_o)
+    return torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
+
+
+def _first_by(values: Tensor, k: int, which: Which) -> Tensor:
+    """The ``k`` first of ``values (*, N)`` by descending modulus or real part; ties by descending imaginary part."""
+    values = values.gather(-1, values.imag.argsort(dim=-1, descending=True, stable=True))
+    key = values.abs() if which == "LM" else values.real
+    return values.gather(-1, key.argsort(dim=-1, descending=True, stable=True)[..., :k])
+
+
+def _kron_eigenvalues(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
+    lam = eigvals(attn[..., 0, :, :])  # (*, n)
+    mu = eigvals(w_o[..., 0, :, :] @ w_v[..., 0, :, :])  # (*, d)
+    return (lam.unsqueeze(-1) * mu.unsqueeze(-2)).flatten(-2)
+
+
+def _causal_eigenvalues(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
+    """Union over tokens of ``eig(sum_h A^h_ii T_h)``, via the ``H d_h``-dim core when it is smaller than ``d``."""
+    heads, d_h, d = w_v.shape[-3:]
+    n = attn.shape[-1]
+    self_weight = attn.diagonal(dim1=-2, dim2=-1).transpose(-2, -1)  # (*, n, H): A^h_ii
+    inner = heads * d_h
+    if inner < d:  # diag(a_i) V O (H*d_h square) has the nonzero eigenvalues of O diag(a_i) V
+        v_cat, o_cat = _concat_heads(w_v, w_o)
+        core = (v_cat @ o_cat).unsqueeze(-3)  # (*, 1, H*d_h, H*d_h)
+        size = inner
+
+        def blocks(tokens: slice) -> Tensor:
+            return self_weight[..., tokens, :].repeat_interleave(d_h, dim=-1).unsqueeze(-1) * core
+
+    else:
+        maps = w_o @ w_v  # (*, H, d, d)
+        size = d
+
+        def blocks(tokens: slice) -> Tensor:
+            return torch.einsum("...ih,...hab->...iab", self_weight[..., tokens, :], maps)
+
+    chunk = max(1, _CHUNK_ELEMENTS // (size * size))
+    values = torch.cat([eigvals(blocks(slice(i, i + chunk))) for i in range(0, n, chunk)], dim=-2)  # (*, n, size)
+    if size < d:
+        values = torch.cat([values, values.new_zeros(*values.shape[:-1], d - size)], dim=-1)
+    return values.flatten(-2)
+
+
+def _is_causal(attn: Tensor) -> bool:
+    return not bool(torch.triu(attn, diagonal=1).any())  # one GPU synchronization
+
+
+def _choose(method: Method, attn: Tensor, n: int, d: int) -> Method:
+    if method != "auto":
+        return method
+    if attn.shape[-3] == 1:
+        return "kron"
+    if n * d <= DENSE_MAX_DIM:
+        return "dense"
+    return "causal" if _is_causal(attn) else "krylov"
+
+
+def _krylov_per_layer(
+    attn: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    k: int,
+    which: Which,
+    normal_equations: bool,
+    **options: object,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Run the Krylov solver on each layer of the broadcast batch; return eigenvalues, residuals, flags, matvecs."""
+    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+    _, n, _ = attn.shape[-3:]
+    attn = attn.expand(*batch, *attn.shape[-3:]).reshape(-1, *attn.shape[-3:])
+    v_cat, o_cat = _concat_heads(w_v, w_o)
+    v_cat = v_cat.expand(*batch, *v_cat.shape[-2:]).reshape(-1, *v_cat.shape[-2:])
+    o_cat = o_cat.expand(*batch, *o_cat.shape[-2:]).reshape(-1, *o_cat.shape[-2:])
+    d = v_cat.shape[-1]
+    found = []
+    for a, v, o in zip(attn, v_cat, o_cat, strict=True):
+        if normal_equations:
+
+            def operator(x: Tensor, a: Tensor = a, v: Tensor = v, o: Tensor = o) -> Tensor:
+                return _rmatvec(a, v, o, _matvec(a, v, o, x.view(n, d))).flatten()
+
+        else:
+
+            def operator(x: Tensor, a: Tensor = a, v: Tensor = v, o: Tensor = o) -> Tensor:
+                return _matvec(a, v, o, x.view(n, d)).flatten()
+
+        found.append(krylov_schur(operator, n * d, k, which=which, dtype=a.dtype, device=a.device, **options))
+    device = attn.device
+    values = torch.as_tensor(np.stack([f.eigenvalues for f in found]), device=device).reshape(*batch, k)
+    residuals = torch.as_tensor(np.stack([f.residuals for f in found]), device=device).reshape(*batch, k)
+    converged = torch.as_tensor(np.stack([f.converged for f in found]), device=device).reshape(*batch, k)
+    matvecs = torch.tensor([f.num_matvecs for f in found], device=device).reshape(batch)
+    return values, residuals, converged, matvecs
+
+
+def connection_spectrum(
+    attn: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    k: int = 8,
+    which: Which = "LM",
+    *,
+    method: Method = "auto",
+    tol: float | None = None,
+    ncv: int | None = None,
+    max_restarts: int = 100,
+    seed: int = 0,
+    return_info: bool = False,
+) -> Tensor | SpectrumResult:
+    """The ``k`` eigenvalues of ``M / s`` of largest modulus (``"LM"``) or largest real part (``"LR"``).
+
+    Eigenvalues come in descending order of the chosen key; a complex-conjugate pair is ordered with the
+    positive imaginary part first. See the module docstring for the solver paths.
+
+    Args:
+        attn: ``(*, H, n, n)``.
+        w_v: ``(*, H, d_h, d)``.
+        w_o: ``(*, H, d, d_h)``.
+        k: number of eigenvalues.
+        which: ``"LM"`` or ``"LR"``.
+        method: ``"auto"``, ``"dense"``, ``"kron"`` (needs ``H = 1``), ``"causal"`` (needs causal attention; not
+            checked) or ``"krylov"``.
+        tol: Krylov relative residual tolerance; default 1e-5 in float32, 1e-10 in float64.
+        ncv: Krylov basis size; default ``max(2k + 1, 20)``.
+        max_restarts: bound on Krylov restarts.
+        seed: seed of the Krylov start vector (results are deterministic for a seed).
+        return_info: return a :class:`SpectrumResult` with residuals instead of the eigenvalues alone.
+
+    Returns:
+        ``(*, k)`` complex eigenvalues, or a :class:`SpectrumResult`.
+
+    Raises:
+        ValueError: if the shapes do not match, ``k`` is out of range, or ``which``/``method`` are unknown.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional import connection_operator, connection_spectrum, transport_scale
+        >>> _ = torch.manual_seed(0)
+        >>> attn = (3 * torch.randn(4, 32, 32)).softmax(-1)  # H=4, n=32
+        >>> w_v, w_o = torch.randn(4, 8, 32) / 6, torch.randn(4, 32, 8) / 6  # d_h=8, d=32: n*d = 1024
+        >>> found = connection_spectrum(attn, w_v, w_o, k=4, return_info=True)
+        >>> found.method, bool(found.converged.all())
+        ('krylov', True)
+        >>> dense = torch.linalg.eigvals(connection_operator(attn, w_v, w_o).double()) / transport_scale(w_v, w_o)
+        >>> top = dense[dense.abs().argsort(descending=True)][:4]
+        >>> bool(torch.allclose(found.eigenvalues.abs().double(), top.abs(), rtol=1e-4))
+        True
+    """
+    attn, w_v, w_o, (heads, n, _, d) = _layer(attn, w_v, w_o)
+    if which not in ("LM", "LR"):
+        raise ValueError(f"which must be 'LM' (largest modulus) or 'LR' (largest real part), got which={which!r}")
+    if method not in ("auto", "dense", "kron", "causal", "krylov"):
+        raise ValueError(f"method must be one of 'auto', 'dense', 'kron', 'causal', 'krylov', got method={method!r}")
+    if not 1 <= k <= n * d:
+        raise ValueError(f"k must satisfy 1 <= k <= n*d = {n * d}, got k={k}")
+    chosen = _choose(method, attn, n, d)
+    if chosen == "kron" and heads != 1:
+        raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={heads}")
+    if chosen == "krylov" and k + 2 > n * d:
+        raise ValueError(f"method='krylov' needs k + 2 <= n*d = {n * d}, got k={k}; use method='dense'")
+    inverse_scale = _inverse_scale(w_v, w_o).unsqueeze(-1)
+    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+    matvecs = torch.zeros(batch, dtype=torch.long, device=attn.device)
+    if chosen == "krylov":
+        values, residuals, converged, matvecs = _krylov_per_layer(
+            attn, w_v, w_o, k, which, False, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed
+        )
+        values = values.to(torch.complex64 if attn.dtype == torch.float32 else torch.complex128)
+        residuals = residuals.to(attn.dtype) * inverse_scale
+        values = values * inverse_scale
+    else:
+        if chosen == "kron":
+            everything = _kron_eigenvalues(attn, w_v, w_o)
+        elif chosen == "causal":
+            everything = _causal_eigenvalues(attn, w_v, w_o)
+        else:
+            everything = eigvals(connection_operator(attn, w_v, w_o, max_dim=n * d))
+        values = _first_by(everything * inverse_scale, k, which).expand(*batch, k)
+        residuals = torch.zeros(*batch, k, dtype=attn.dtype, device=attn.device)
+        converged = values.isfinite()
+    if not return_info:
+        return values
+    return SpectrumResult(values, residuals, converged, matvecs, chosen)
+
+
+def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: object) -> Tensor:
+    """Spectral radius ``|lambda_1(M / s)|``.
+
+    Args:
+        attn: ``(*, H, n, n)``.
+        w_v: ``(*, H, d_h, d)``.
+        w_o: ``(*, H, d, d_h)``.
+        **solver: keyword options of :func:`connection_spectrum` (method, tol, ncv, max_restarts, seed).
+
+    Returns:
+        ``(*,)``.
+
+    Raises:
+        ValueError: as :func:`connection_spectrum`.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional import connection_spectral_radius
+        >>> attn = torch.full((1, 3, 3), 1 / 3)  # one head, uniform: eigenvalues 1, 0, 0
+        >>> w = torch.eye(2)[None]  # T = I, s = 1
+        >>> connection_spectral_radius(attn, w, w)
+        tensor(1.0000)
+    """
+    return connection_spectrum(attn, w_v, w_o, k=1, which="LM", **solver)[..., 0].abs()
+
+
+def connection_laplacian_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: object) -> Tensor:
+    """Bottom of the connection Laplacian's spectrum: ``1 - max Re lambda(M / s)`` for ``L = I - M / s``.
+
+    0 when some vector field is transported consistently (``M X = s X``); larger when none is.
+
+    Args:
+        attn: ``(*, H, n, n)``.
+        w_v: ``(*, H, d_h, d)``.
+        w_o: ``(*, H, d, d_h)``.
+        **solver: keyword options of :func:`connection_spectrum`.
+
+    Returns:
+        ``(*,)``.
+
+    Raises:
+        ValueError: as :func:`connection_spectrum`.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional import connection_laplacian_gap
+        >>> attn = torch.full((1, 3, 3), 1 / 3)
+        >>> rotation = torch.tensor([[0.0, -1.0], [1.0, 0.0]])[None]  # eigenvalues +-i: no consistent field
+        >>> connection_laplacian_gap(attn, torch.eye(2)[None], torch.eye(2)[None]), connection_laplacian_gap(
+        ...     attn, torch.eye(2)[None], rotation)
+        (tensor(0.), tensor(1.))
+    """
+    return 1 - connection_spectrum(attn, w_v, w_o, k=1, which="LR", **solver)[..., 0].real
+
+
+def connection_operator_norm(
+    attn: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    *,
+    method: Literal["auto", "dense", "kron", "krylov"] = "auto",
+    tol: float | None = None,
+    max_restarts: int = 100,
+    seed: int = 0,
+) -> Tensor:
+    """Operator 2-norm ``||M / s||_2``, the largest singular value.
+
+    One head: ``||A||_2 ||T||_2 / s``; ``n d <= 512``: dense; otherwise Krylov-Schur (thick-restart Lanczos) on
+    ``M^T M`` through the matvec and its adjoint ``M^T(Y) = sum_h (A^h)^T Y T_h``.
+
+    Args:
+        attn: ``(*, H, n, n)``.
+        w_v: ``(*, H, d_h, d)``.
+        w_o: ``(*, H, d, d_h)``.
+        method: ``"auto"``, ``"dense"``, ``"kron"`` or ``"krylov"``.
+        tol: Krylov relative residual tolerance.
+        max_restarts: bound on Krylov restarts.
+        seed: seed of the Krylov start vector.
+
+    Returns:
+        ``(*,)``.
+
+    Raises:
+        ValueError: if the shapes do not match or ``method`` is unknown.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional import connection_operator, connection_operator_norm, transport_scale
+        >>> _ = torch.manual_seed(0)
+        >>> attn = torch.randn(2, 5, 5).softmax(-1)
+        >>> w_v, w_o = torch.randn(2, 3, 6), torch.randn(2, 6, 3)
+        >>> dense = torch.linalg.matrix_norm(connection_operator(attn, w_v, w_o), ord=2) / transport_scale(w_v, w_o)
+        >>> bool(torch.allclose(connection_operator_norm(attn, w_v, w_o, method="krylov"), dense, rtol=1e-4))
+        True
+    """
+    attn, w_v, w_o, (heads, n, _, d) = _layer(attn, w_v, w_o)
+    if method not in ("auto", "dense", "kron", "krylov"):
+        raise ValueError(f"method must be one of 'auto', 'dense', 'kron', 'krylov', got method={method!r}")
+    if method == "auto":
+        method = "kron" if heads == 1 else "dense" if n * d <= DENSE_MAX_DIM else "krylov"
+    if method == "kron" and heads != 1:
+        raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={heads}")
+    if method == "kron":
+        norm = spectral_norm(attn[..., 0, :, :]) * spectral_norm(w_o[..., 0, :, :] @ w_v[..., 0, :, :])
+    elif method == "dense" or n * d < 3:
+        norm = spectral_norm(connection_operator(attn, w_v, w_o, max_dim=n * d))
+    else:
+        values, *_ = _krylov_per_layer(
+            attn, w_v, w_o, 1, "LM", True, tol=tol, ncv=None, max_restarts=max_restarts, seed=seed
+        )
+        norm = values[..., 0].real.clamp(min=0).sqrt().to(attn.dtype)
+    return norm * _inverse_scale(w_v, w_o)
