@@ -1,0 +1,200 @@
+import numpy as np
+import pytest
+import scipy.sparse.linalg as spla
+import torch
+
+import connmon.functional as F
+from tests.functional import reference as ref
+
+
+def assert_same_eigenvalues(got: torch.Tensor, expected: np.ndarray, which: str = "LM", atol: float = 1e-9):
+    """got: the first k by `which`; expected: all eigenvalues. Compare the keys exactly and the values as a set."""
+    got = got.numpy().astype(np.complex128)
+    key = np.abs if which == "LM" else np.real
+    want = np.sort(key(expected))[::-1][: len(got)]
+    np.testing.assert_allclose(key(got), want, atol=atol, rtol=atol)
+    closed = np.concatenate([expected, expected.conj()])  # M is real: conjugates of eigenvalues are eigenvalues
+    for value in got:  # each found eigenvalue is an eigenvalue (conjugate pairs make the order ambiguous)
+        assert np.abs(closed - value).min() <= atol * max(1.0, abs(value)) * 10
+
+
+def test_connection_operator_is_sum_of_krons(layer):
+    np.testing.assert_allclose(
+        F.connection_operator(layer.attn, layer.w_v, layer.w_o).numpy(), ref.connection_operator(*layer.np), atol=1e-15
+    )
+
+
+def test_connection_matvec_matches_dense_operator(layer):
+    n, d = layer.attn.shape[-1], layer.w_v.shape[-1]
+    x = torch.randn(3, n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    dense = ref.connection_operator(*layer.np)
+    got = F.connection_matvec(layer.attn, layer.w_v, layer.w_o, x)
+    for b in range(3):
+        np.testing.assert_allclose(got[b].numpy().ravel(), dense @ x[b].numpy().ravel(), atol=1e-13)
+    adjoint = F.spectrum._rmatvec(layer.attn, *F.transport._concat_heads(layer.w_v, layer.w_o), x[0])
+    np.testing.assert_allclose(adjoint.numpy().ravel(), dense.T @ x[0].numpy().ravel(), atol=1e-13)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_connection_matvec_reconstructs_multihead_attention(causal):
+    """The paper's identity: an nn.MultiheadAttention output is M(X) + c, c from the biases."""
+    torch.manual_seed(0)
+    d, heads, n = 12, 3, 7
+    mha = torch.nn.MultiheadAttention(d, heads, batch_first=True, dtype=torch.float64)
+    torch.nn.init.normal_(mha.in_proj_bias)
+    torch.nn.init.normal_(mha.out_proj.bias)
+    x = torch.randn(1, n, d, dtype=torch.float64)
+    mask = torch.ones(n, n, dtype=torch.bool).triu(1) if causal else None  # True blocks, in nn.MHA
+    out, attn = mha(x, x, x, attn_mask=mask, need_weights=True, average_attn_weights=False)
+    d_h = d // heads
+    w_v = mha.in_proj_weight[2 * d :].reshape(heads, d_h, d)
+    w_o = mha.out_proj.weight.reshape(d, heads, d_h).transpose(0, 1)
+    c = w_o @ mha.in_proj_bias[2 * d :].reshape(heads, d_h, 1)
+    c = c.sum(0).squeeze(-1) + mha.out_proj.bias
+    walk = F.connection_matvec(attn[0], w_v, w_o, x[0]) + c
+    assert torch.linalg.norm(out[0] - walk) / torch.linalg.norm(out[0]) < 1e-13
+
+
+def test_connection_spectrum_auto_and_dense(layer):
+    expected = ref.spectrum(*layer.np)
+    for which in ("LM", "LR"):
+        found = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=5, which=which, return_info=True)
+        assert found.method == ("kron" if layer.attn.shape[0] == 1 else "dense")
+        assert_same_eigenvalues(found.eigenvalues, expected, which)
+        dense = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=5, which=which, method="dense")
+        assert_same_eigenvalues(dense, expected, which)
+
+
+def test_connection_spectrum_krylov_small(layer):
+    expected = ref.spectrum(*layer.np)
+    for which in ("LM", "LR"):
+        found = F.connection_spectrum(
+            layer.attn, layer.w_v, layer.w_o, k=4, which=which, method="krylov", return_info=True
+        )
+        if not bool(found.converged.all()):  # causal operators are non-normal: Krylov may stall (hence "causal")
+            assert layer.attn.triu(1).eq(0).all()
+            continue
+        assert_same_eigenvalues(found.eigenvalues, expected, which, atol=1e-7)
+
+
+def test_connection_spectrum_causal_path_is_exact():
+    layer = ref.make_layer(heads=3, n=9, d_h=2, d=5, mask="padded", seed=4)  # H d_h > d: the d x d blocks
+    narrow = ref.make_layer(heads=2, n=9, d_h=2, d=6, mask="causal", seed=5)  # H d_h < d: the small core
+    for case in (layer, narrow):
+        expected = ref.spectrum(*case.np)
+        for which in ("LM", "LR"):
+            got = F.connection_spectrum(case.attn, case.w_v, case.w_o, k=6, which=which, method="causal")
+            assert_same_eigenvalues(got, expected, which)
+
+
+def test_connection_spectrum_kron_path_is_exact():
+    layer = ref.make_layer(heads=1, n=7, d_h=3, d=5, mask="causal", seed=2)
+    expected = ref.spectrum(*layer.np)
+    got = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=7, method="kron")
+    assert_same_eigenvalues(got, expected)
+
+
+def scipy_eigs(layer, k, which, tol):
+    attn, w_v, w_o = layer.np
+    n, d = attn.shape[-1], w_v.shape[-1]
+    dense = ref.connection_operator(attn, w_v, w_o)
+    operator = spla.LinearOperator((n * d, n * d), matvec=lambda v: dense @ v, dtype=np.float64)
+    values = spla.eigs(operator, k=k, which=which, tol=tol, v0=np.random.default_rng(0).standard_normal(n * d))[0]
+    return values / ref.transport_scale(w_v, w_o)
+
+
+@pytest.mark.parametrize("which", ["LM", "LR"])
+@pytest.mark.parametrize("case", ["mha", "gqa", "one_hot"])
+def test_krylov_matches_scipy_arpack_above_dense_size(which, case):
+    options = {"mha": dict(), "gqa": dict(kv_heads=2), "one_hot": dict(sharpness=20.0)}[case]
+    layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, seed=9, **options)  # n d = 768 > 512
+    restarts = 100 if which == "LM" else 1000  # the rightmost 8 of a non-normal operator take ARPACK ~3000 matvecs
+    found = F.connection_spectrum(
+        layer.attn, layer.w_v, layer.w_o, k=8, which=which, max_restarts=restarts, return_info=True
+    )
+    assert found.method == "krylov"
+    assert bool(found.converged.all())
+    assert (found.residuals <= 1e-10 * found.eigenvalues.abs()).all()
+    assert 0 < found.num_matvecs.item() <= 20 + restarts * 20
+    assert_same_eigenvalues(found.eigenvalues, scipy_eigs(layer, 8, which, tol=1e-12), which, atol=1e-8)
+
+
+def test_krylov_float32_and_determinism():
+    layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, seed=1)
+    expected = ref.spectrum(*layer.np)
+    attn, w_v, w_o = (t.float() for t in (layer.attn, layer.w_v, layer.w_o))
+    first = F.connection_spectrum(attn, w_v, w_o, k=8, return_info=True)
+    assert first.eigenvalues.dtype == torch.complex64 and bool(first.converged.all())
+    np.testing.assert_allclose(
+        np.abs(first.eigenvalues.numpy()), np.sort(np.abs(expected))[::-1][:8], rtol=5e-5
+    )
+    again = F.connection_spectrum(attn, w_v, w_o, k=8)
+    assert torch.equal(first.eigenvalues, again)
+    other_seed = F.connection_spectrum(attn, w_v, w_o, k=8, seed=3)
+    torch.testing.assert_close(other_seed.abs(), again.abs(), rtol=5e-5, atol=1e-6)
+
+
+def test_krylov_reports_unconverged_residuals_when_bounded():
+    layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, seed=1)
+    found = F.connection_spectrum(
+        layer.attn, layer.w_v, layer.w_o, k=8, method="krylov", max_restarts=0, ncv=10, return_info=True
+    )
+    assert found.num_matvecs.item() == 10
+    assert not bool(found.converged.all())
+    assert (found.residuals > 0).any() and found.eigenvalues.isfinite().all()
+
+
+def test_krylov_low_rank_operator_breakdown():
+    layer = ref.make_layer(heads=2, n=5, d_h=1, d=8, seed=2)  # rank M <= n H d_h = 10 of n d = 40
+    found = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=4, method="krylov", return_info=True)
+    assert bool(found.converged.all())
+    assert_same_eigenvalues(found.eigenvalues, ref.spectrum(*layer.np), atol=1e-8)
+
+
+def test_auto_picks_causal_above_dense_size():
+    layer = ref.make_layer(heads=4, n=24, d_h=6, d=24, mask="padded", seed=3)
+    found = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=8, return_info=True)
+    assert found.method == "causal"
+    assert_same_eigenvalues(found.eigenvalues, ref.spectrum(*layer.np))
+
+
+def test_spectrum_batched_with_shared_weights():
+    layers = [ref.make_layer(heads=2, n=6, d_h=2, d=4, seed=s) for s in range(3)]
+    attn = torch.stack([layer.attn for layer in layers])
+    w_v, w_o = layers[0].w_v, layers[0].w_o
+    for method in ("dense", "krylov"):
+        batched = F.connection_spectrum(attn, w_v, w_o, k=3, method=method)
+        assert batched.shape == (3, 3)
+        for b in range(3):
+            expected = ref.spectrum(attn[b].numpy(), w_v.numpy(), w_o.numpy())
+            assert_same_eigenvalues(batched[b], expected, atol=1e-8)
+
+
+def test_spectral_radius_and_laplacian_gap(layer):
+    expected = ref.spectrum(*layer.np)
+    radius = F.connection_spectral_radius(layer.attn, layer.w_v, layer.w_o)
+    assert radius.item() == pytest.approx(np.abs(expected).max(), rel=1e-10)
+    gap = F.connection_laplacian_gap(layer.attn, layer.w_v, layer.w_o)
+    assert gap.item() == pytest.approx(1 - expected.real.max(), abs=1e-10)
+
+
+def test_operator_norm_all_methods(layer):
+    expected = ref.operator_norm(*layer.np)
+    methods = ["auto", "dense", "krylov"] + (["kron"] if layer.attn.shape[0] == 1 else [])
+    for method in methods:
+        got = F.connection_operator_norm(layer.attn, layer.w_v, layer.w_o, method=method)
+        assert got.item() == pytest.approx(expected, rel=1e-8), method
+
+
+def test_operator_norm_krylov_above_dense_size():
+    layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, seed=5)
+    got = F.connection_operator_norm(layer.attn, layer.w_v, layer.w_o)
+    assert got.item() == pytest.approx(ref.operator_norm(*layer.np), rel=1e-8)
+
+
+def test_zero_transport_has_zero_normalized_operator():
+    attn = torch.full((2, 3, 3), 1 / 3)
+    w_v, w_o = torch.randn(2, 2, 4), torch.zeros(2, 4, 2)
+    assert F.connection_spectral_radius(attn, w_v, w_o).item() == 0
+    assert F.connection_laplacian_gap(attn, w_v, w_o).item() == 1
+    assert F.connection_operator_norm(attn, w_v, w_o).item() == 0

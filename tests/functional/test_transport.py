@@ -1,0 +1,94 @@
+import numpy as np
+import pytest
+import torch
+
+import connmon.functional as F
+from tests.functional import reference as ref
+
+
+def test_transport_singular_values(layer):
+    _, w_v, w_o = layer.np
+    got = F.transport_singular_values(layer.w_v, layer.w_o).numpy()
+    np.testing.assert_allclose(got, ref.head_singular_values(w_v, w_o), rtol=1e-10, atol=1e-13)
+
+
+def test_head_isometry_gap(layer):
+    _, w_v, w_o = layer.np
+    expected = ref.head_gaps(w_v, w_o)
+    np.testing.assert_allclose(F.head_isometry_gap(layer.w_v, layer.w_o, reduction="none").numpy(), expected, atol=1e-10)
+    assert F.head_isometry_gap(layer.w_v, layer.w_o).item() == pytest.approx(expected.mean(), abs=1e-10)
+
+
+def test_isometry_gap_matches_closed_form_and_nearest_isometry():
+    gen = torch.Generator().manual_seed(3)
+    s = torch.rand(5, 7, generator=gen, dtype=torch.float64)
+    closed_form = (1 - s.sum(-1) ** 2 / (7 * (s**2).sum(-1))).clamp(min=0).sqrt()
+    torch.testing.assert_close(F.isometry_gap(s), closed_form, rtol=1e-12, atol=1e-12)
+    T = torch.randn(6, 6, generator=gen, dtype=torch.float64)
+    assert F.isometry_gap(torch.linalg.svdvals(T)).item() == pytest.approx(ref.nearest_isometry_gap(T.numpy()))
+    padded = torch.cat([s, torch.zeros(5, 3, dtype=torch.float64)], dim=-1)
+    torch.testing.assert_close(F.isometry_gap(s, rank=10), F.isometry_gap(padded))
+
+
+def test_ov_isometry_gap_and_scale(layer):
+    _, w_v, w_o = layer.np
+    T_bar = ref.ov_map(w_v, w_o)
+    np.testing.assert_allclose(F.ov_transport(layer.w_v, layer.w_o).numpy(), T_bar, atol=1e-14)
+    s = np.linalg.svd(T_bar, compute_uv=False)
+    np.testing.assert_allclose(F.ov_singular_values(layer.w_v, layer.w_o).numpy(), s, atol=1e-12)
+    assert F.ov_isometry_gap(layer.w_v, layer.w_o).item() == pytest.approx(ref.nearest_isometry_gap(T_bar), abs=1e-10)
+    assert F.transport_scale(layer.w_v, layer.w_o).item() == pytest.approx(s.mean(), rel=1e-12)
+
+
+def test_transport_symmetry_gap(layer):
+    T_bar = ref.ov_map(*layer.np[1:])
+    expected = np.linalg.norm(T_bar - T_bar.T) / (2 * np.linalg.norm(T_bar))
+    assert F.transport_symmetry_gap(layer.w_v, layer.w_o).item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_edge_isometry_gap_exact(layer):
+    expected = ref.edge_isometry_gap(*layer.np)
+    assert F.edge_isometry_gap(layer.attn, layer.w_v, layer.w_o).item() == pytest.approx(expected, abs=1e-10)
+
+
+@pytest.mark.parametrize("mask", ["none", "padded"])
+def test_edge_isometry_gap_estimator_is_unbiased_within_its_documented_error(mask):
+    layer = ref.make_layer(heads=4, n=8, d_h=2, d=8, mask=mask, seed=11)
+    exact = F.edge_isometry_gap(layer.attn, layer.w_v, layer.w_o).item()
+    k = 4
+    estimates = torch.stack(
+        [F.edge_isometry_gap(layer.attn, layer.w_v, layer.w_o, num_samples=k, seed=s) for s in range(200)]
+    )
+    bound = 0.5 / (8 * k) ** 0.5  # documented standard-error bound of one estimate
+    assert estimates.std().item() <= bound
+    assert (estimates - exact).abs().max().item() <= 4 * bound
+    assert estimates.mean().item() == pytest.approx(exact, abs=4 * bound / 200**0.5)  # unbiased
+    again = F.edge_isometry_gap(layer.attn, layer.w_v, layer.w_o, num_samples=k, seed=7)
+    assert again.item() == estimates[7].item()  # deterministic for a seed
+
+
+def test_transport_functions_are_batched(layer):
+    w_v = torch.stack([layer.w_v, 2 * layer.w_v.flip(-1)])
+    w_o = torch.stack([layer.w_o, layer.w_o.flip(-2)])
+    for fn in (F.transport_singular_values, F.head_isometry_gap, F.ov_isometry_gap, F.transport_scale):
+        batched = fn(w_v, w_o)
+        for b in range(2):
+            torch.testing.assert_close(batched[b], fn(w_v[b], w_o[b]))
+    attn = torch.stack([layer.attn, layer.attn])
+    torch.testing.assert_close(
+        F.edge_isometry_gap(attn, w_v, w_o)[1], F.edge_isometry_gap(layer.attn, w_v[1], w_o[1])
+    )
+    assert F.edge_isometry_gap(attn, layer.w_v, layer.w_o).shape == (2,)  # weights broadcast over sequences
+
+
+def test_zero_transport_counts_as_isometry():
+    w_v, w_o = torch.randn(2, 3, 6), torch.zeros(2, 6, 3)
+    attn = torch.full((2, 4, 4), 0.25)
+    for value in (
+        F.head_isometry_gap(w_v, w_o),
+        F.ov_isometry_gap(w_v, w_o),
+        F.transport_symmetry_gap(w_v, w_o),
+        F.edge_isometry_gap(attn, w_v, w_o),
+        F.transport_scale(w_v, w_o),
+    ):
+        assert value.item() == 0.0
