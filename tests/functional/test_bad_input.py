@@ -23,7 +23,8 @@ def test_attention_shape_errors_name_the_shape():
 
 
 def test_transport_shape_errors_name_the_shapes():
-    with pytest.raises(ValueError, match=r"w_o must have shape \(\*, H, d, d_h\) = \(\*, 2, 8, 3\).*got w_o\(2, 3, 8\)"):
+    expected = r"w_o must have shape \(\*, H, d, d_h\) = \(\*, 2, 8, 3\).*got w_o\(2, 3, 8\)"
+    with pytest.raises(ValueError, match=expected):
         F.transport_singular_values(torch.rand(2, 3, 8), torch.rand(2, 3, 8))
     with pytest.raises(ValueError, match=r"d_h must not exceed"):
         F.transport_singular_values(torch.rand(2, 8, 3), torch.rand(2, 3, 8))
@@ -31,7 +32,8 @@ def test_transport_shape_errors_name_the_shapes():
         F.connection_spectrum(torch.rand(4, 5, 5), torch.rand(2, 2, 8), torch.rand(2, 8, 2))
     with pytest.raises(ValueError, match=r"leading \(batch\) dims must broadcast"):
         F.edge_isometry_gap(torch.rand(3, 2, 4, 4), torch.rand(2, 2, 1, 4), torch.rand(2, 2, 4, 1))
-    with pytest.raises(ValueError, match=r"x must have shape \(\*, n, d\) = \(\*, 4, 6\) to match attn and w_v, got x\(4, 5\)"):
+    expected = r"x must have shape \(\*, n, d\) = \(\*, 4, 6\) to match attn and w_v, got x\(4, 5\)"
+    with pytest.raises(ValueError, match=expected):
         F.connection_matvec(torch.rand(2, 4, 4), torch.rand(2, 3, 6), torch.rand(2, 6, 3), torch.rand(4, 5))
     with pytest.raises(ValueError, match=r"walk and walk_previous must be"):
         F.depth_drift(torch.rand(3, 3), torch.rand(4, 4))
@@ -71,7 +73,8 @@ def test_type_errors():
 
 def test_dtype_rule():
     layer = ref.make_layer()
-    for dtype, expected in ((torch.bfloat16, torch.float32), (torch.float16, torch.float32), (torch.float32, torch.float32)):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        expected = torch.float32
         attn, w_v, w_o = (t.to(dtype) for t in (layer.attn, layer.w_v, layer.w_o))
         assert F.walk_matrix(attn).dtype == expected
         assert F.head_isometry_gap(w_v, w_o).dtype == expected

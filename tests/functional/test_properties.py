@@ -35,9 +35,10 @@ def test_scaled_orthogonal_transport_has_gap_zero(heads, d_h, scale, seed):
     w_o = scale * image.reshape(d, heads, d_h).transpose(0, 1)  # O_h: orthonormal columns, scaled
     assert F.head_isometry_gap(w_v, w_o, reduction="none").abs().max().item() < 1e-7
     assert F.ov_isometry_gap(w_v, w_o).item() < 1e-7  # T_bar = scale * image @ domain^T: scaled orthogonal
-    assert F.transport_scale(w_v, w_o).item() == np.float64(scale).item() or abs(
-        F.transport_scale(w_v, w_o).item() / scale - 1
-    ) < 1e-12
+    assert (
+        F.transport_scale(w_v, w_o).item() == np.float64(scale).item()
+        or abs(F.transport_scale(w_v, w_o).item() / scale - 1) < 1e-12
+    )
 
 
 @SETTINGS

@@ -125,9 +125,7 @@ def test_krylov_float32_and_determinism():
     attn, w_v, w_o = (t.float() for t in (layer.attn, layer.w_v, layer.w_o))
     first = F.connection_spectrum(attn, w_v, w_o, k=8, return_info=True)
     assert first.eigenvalues.dtype == torch.complex64 and bool(first.converged.all())
-    np.testing.assert_allclose(
-        np.abs(first.eigenvalues.numpy()), np.sort(np.abs(expected))[::-1][:8], rtol=5e-5
-    )
+    np.testing.assert_allclose(np.abs(first.eigenvalues.numpy()), np.sort(np.abs(expected))[::-1][:8], rtol=5e-5)
     again = F.connection_spectrum(attn, w_v, w_o, k=8)
     assert torch.equal(first.eigenvalues, again)
     other_seed = F.connection_spectrum(attn, w_v, w_o, k=8, seed=3)

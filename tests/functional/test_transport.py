@@ -15,7 +15,8 @@ def test_transport_singular_values(layer):
 def test_head_isometry_gap(layer):
     _, w_v, w_o = layer.np
     expected = ref.head_gaps(w_v, w_o)
-    np.testing.assert_allclose(F.head_isometry_gap(layer.w_v, layer.w_o, reduction="none").numpy(), expected, atol=1e-10)
+    per_head = F.head_isometry_gap(layer.w_v, layer.w_o, reduction="none")
+    np.testing.assert_allclose(per_head.numpy(), expected, atol=1e-10)
     assert F.head_isometry_gap(layer.w_v, layer.w_o).item() == pytest.approx(expected.mean(), abs=1e-10)
 
 
@@ -75,9 +76,7 @@ def test_transport_functions_are_batched(layer):
         for b in range(2):
             torch.testing.assert_close(batched[b], fn(w_v[b], w_o[b]))
     attn = torch.stack([layer.attn, layer.attn])
-    torch.testing.assert_close(
-        F.edge_isometry_gap(attn, w_v, w_o)[1], F.edge_isometry_gap(layer.attn, w_v[1], w_o[1])
-    )
+    torch.testing.assert_close(F.edge_isometry_gap(attn, w_v, w_o)[1], F.edge_isometry_gap(layer.attn, w_v[1], w_o[1]))
     assert F.edge_isometry_gap(attn, layer.w_v, layer.w_o).shape == (2,)  # weights broadcast over sequences
 
 

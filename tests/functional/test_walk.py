@@ -65,9 +65,7 @@ def test_stationary_distribution_causal_mass_flows_to_first_token():
 
 def test_stationary_distribution_reducible_depends_on_start():
     # Two closed classes {0, 1} and {2}, token 3 splits its mass 1:3 between them: pi = u^T lim Q^t exactly.
-    P = torch.tensor(
-        [[0.5, 0.5, 0, 0], [0.25, 0.75, 0, 0], [0, 0, 1.0, 0], [0.25, 0, 0.75, 0]], dtype=torch.float64
-    )
+    P = torch.tensor([[0.5, 0.5, 0, 0], [0.25, 0.75, 0, 0], [0, 0, 1.0, 0], [0.25, 0, 0.75, 0]], dtype=torch.float64)
     np.testing.assert_allclose(F.stationary_distribution(P).numpy(), ref.stationary_distribution(P.numpy()), atol=1e-12)
 
 
