@@ -281,7 +281,7 @@ def connection_spectrum(
         method: ``"auto"``, ``"dense"``, ``"kron"`` (needs ``H = 1``), ``"causal"`` (needs causal attention; not
             checked) or ``"krylov"``.
         tol: Krylov relative residual tolerance; default 1e-5 in float32, 1e-10 in float64.
-        ncv: Krylov basis size; default ``max(2k + 1, 20)``.
+        ncv: Krylov basis size; default ``max(2k + 1, 30)``.
         max_restarts: bound on Krylov restarts.
         seed: seed of the Krylov start vector (results are deterministic for a seed).
         return_info: return a :class:`SpectrumResult` with residuals instead of the eigenvalues alone.
