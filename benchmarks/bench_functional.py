@@ -81,50 +81,54 @@ def arpack(attn, w_v, w_o) -> tuple[np.ndarray | None, int, str]:
         return None, count[0], f"{len(error.eigenvalues)}/{K} converged"
 
 
+HEADER = (
+    "| n | d | H | mask | n*d | connmon path | connmon s | matvecs | matvec ms | bound s | connmon/bound "
+    "| ARPACK s | ARPACK matvecs | ARPACK/connmon | dense eigvals s | max rel diff |"
+)
+
+
+def spectrum_row(n: int, d: int, heads: int, causal: bool, device: torch.device, repeats: int, dense_max: int) -> str:
+    attn, w_v, w_o = make_layer(n, d, heads, causal, device)
+    ours_s, found = clock(
+        lambda: F.connection_spectrum(attn, w_v, w_o, k=K, ncv=NCV, return_info=True), device, repeats
+    )
+    matvecs = int(found.num_matvecs)
+    x = torch.randn(n, d, device=device)
+    matvec_s, _ = clock(lambda: F.connection_matvec(attn, w_v, w_o, x), device, 20)
+    bound = matvecs * matvec_s
+    arpack_s, (values, arpack_matvecs, status) = clock(lambda: arpack(attn, w_v, w_o), device, 1)
+    ours = np.sort(found.eigenvalues.abs().cpu().numpy())[::-1]
+    if values is not None:
+        theirs = np.sort(np.abs(values))[::-1]
+        diff = f"{np.max(np.abs(ours - theirs) / theirs):.1e} vs ARPACK"
+    else:
+        diff = f"ARPACK: {status}"
+    dense_s = "-"
+    if n * d <= dense_max:
+        dense_time, everything = clock(
+            lambda: torch.linalg.eigvals(F.connection_operator(attn, w_v, w_o, max_dim=n * d)), device, 1
+        )
+        dense_s = f"{dense_time:.2f}"
+        top = np.sort(everything.abs().cpu().numpy())[::-1][:K] / F.transport_scale(w_v, w_o).item()
+        diff += f"; {np.max(np.abs(ours - top) / top):.1e} vs dense"
+    versus_bound = f"{bound:.3f} | {ours_s / bound:.2f}x" if matvecs else "- | -"
+    arpack_cell = f"{arpack_s:.3f}" + ("" if status == "ok" else f" ({status})")
+    return (
+        f"| {n} | {d} | {heads} | {'causal' if causal else 'full'} | {n * d} | {found.method} | {ours_s:.3f} "
+        f"| {matvecs} | {matvec_s * 1e3:.2f} | {versus_bound} | {arpack_cell} | {arpack_matvecs} "
+        f"| {arpack_s / ours_s:.1f}x | {dense_s} | {diff} |"
+    )
+
+
 def spectrum_table(sizes: list[int], heads_list: list[int], device: torch.device, repeats: int, dense_max: int) -> None:
     print(f"\n### connection_spectrum(k={K}), float32, tol={TOL}, ncv={NCV}, max_restarts={MAX_RESTARTS}\n")
-    print(
-        "| n | d | H | mask | n*d | connmon path | connmon s | matvecs | matvec ms | bound s | connmon/bound "
-        "| ARPACK s | ARPACK matvecs | ARPACK/connmon | dense eigvals s | max rel diff |"
-    )
+    print(HEADER)
     print("|" + "---|" * 16)
     for causal in (False, True):
         for n in sizes:
             for d in sizes:
                 for heads in heads_list:
-                    attn, w_v, w_o = make_layer(n, d, heads, causal, device)
-                    ours_s, found = clock(
-                        lambda: F.connection_spectrum(attn, w_v, w_o, k=K, return_info=True), device, repeats
-                    )
-                    matvecs = int(found.num_matvecs)
-                    x = torch.randn(n, d, device=device)
-                    mv_s, _ = clock(lambda: F.connection_matvec(attn, w_v, w_o, x), device, 20)
-                    bound = matvecs * mv_s
-                    arpack_s, (values, arpack_mv, status) = clock(lambda: arpack(attn, w_v, w_o), device, 1)
-                    ours = np.sort(found.eigenvalues.abs().cpu().numpy())[::-1]
-                    if values is not None:
-                        theirs = np.sort(np.abs(values))[::-1]
-                        diff = f"{np.max(np.abs(ours - theirs) / theirs):.1e} vs ARPACK"
-                    else:
-                        diff = f"ARPACK: {status}"
-                    dense_s = "-"
-                    if n * d <= dense_max:
-                        dense_time, everything = clock(
-                            lambda: torch.linalg.eigvals(F.connection_operator(attn, w_v, w_o, max_dim=n * d)),
-                            device,
-                            1,
-                        )
-                        dense_s = f"{dense_time:.2f}"
-                        top = np.sort(everything.abs().cpu().numpy())[::-1][:K] / F.transport_scale(w_v, w_o).item()
-                        diff += f"; {np.max(np.abs(ours - top) / top):.1e} vs dense"
-                    print(
-                        f"| {n} | {d} | {heads} | {'causal' if causal else 'full'} | {n * d} | {found.method} "
-                        f"| {ours_s:.3f} | {matvecs} | {mv_s * 1e3:.2f} | "
-                        + (f"{bound:.3f} | {ours_s / bound:.2f}x" if matvecs else "- | -")
-                        + f" | {arpack_s:.3f}{'' if status == 'ok' else ' (' + status + ')'} | {arpack_mv} "
-                        f"| {arpack_s / ours_s:.1f}x | {dense_s} | {diff} |",
-                        flush=True,
-                    )
+                    print(spectrum_row(n, d, heads, causal, device, repeats, dense_max), flush=True)
 
 
 def singular_values_table(device: torch.device, repeats: int) -> None:

@@ -14,8 +14,8 @@ Design notes:
   against dense eigvals): keeping ``k + (ncv - k) // 2`` with ncv = 20 missed an eigenvalue in 12 solves,
   ``k + 2`` with ncv = 20 in 6, with ncv = 25 in 1, with ncv = 30 in none (ARPACK, ncv = 20: 2), and ncv = 30
   also used the fewest matvecs (21k against ARPACK's 26k). A Krylov method can still miss an eigenvalue whose
-  eigenvector is nearly absent from the start vector; a different ``seed`` is the check. The projected matrix stays a general Krylov
-  decomposition ``A V_p = V_p S + v_{p+1} b^T``.
+  eigenvector is nearly absent from the start vector; a different ``seed`` is the check.
+* The projected matrix stays a general Krylov decomposition ``A V_p = V_p S + v_{p+1} b^T``.
 * Convergence follows ARPACK: a Ritz pair ``(theta, V y)`` is converged when its residual
   ``|b^T y| <= tol * max(|theta|, eps^(2/3))``. Iterations are bounded by ``max_restarts``; the residuals are
   returned whether or not they converged.

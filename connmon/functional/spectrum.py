@@ -29,7 +29,7 @@ from torch import Tensor
 from connmon.functional._checks import as_float, check_layer, promote, shape
 from connmon.functional._krylov import Which, krylov_schur
 from connmon.functional._linalg import eigvals, spectral_norm
-from connmon.functional.transport import _concat_heads, transport_scale
+from connmon.functional.transport import _concat_heads, transport_scale, transport_singular_values
 
 __all__ = [
     "SpectrumResult",
@@ -160,11 +160,18 @@ def _inverse_scale(w_v: Tensor, w_o: Tensor) -> Tensor:
     return torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
 
 
+def _complex(real: Tensor) -> torch.dtype:
+    return torch.complex64 if real.dtype == torch.float32 else torch.complex128
+
+
+def _key(values: Tensor, which: Which) -> Tensor:
+    return values.abs() if which == "LM" else values.real
+
+
 def _first_by(values: Tensor, k: int, which: Which) -> Tensor:
     """The ``k`` first of ``values (*, N)`` by descending modulus or real part; ties by descending imaginary part."""
     values = values.gather(-1, values.imag.argsort(dim=-1, descending=True, stable=True))
-    key = values.abs() if which == "LM" else values.real
-    return values.gather(-1, key.argsort(dim=-1, descending=True, stable=True)[..., :k])
+    return values.gather(-1, _key(values, which).argsort(dim=-1, descending=True, stable=True)[..., :k])
 
 
 def _kron_eigenvalues(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
@@ -173,32 +180,50 @@ def _kron_eigenvalues(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
     return (lam.unsqueeze(-1) * mu.unsqueeze(-2)).flatten(-2)
 
 
-def _causal_eigenvalues(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
-    """Union over tokens of ``eig(sum_h A^h_ii T_h)``, via the ``H d_h``-dim core when it is smaller than ``d``."""
+def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, k: int, which: Which) -> Tensor:
+    """The first ``k`` of the union over tokens of ``eig(D_i)``, ``D_i = sum_h A^h_ii T_h``: ``(*, k)``.
+
+    Tokens go in descending order of a bound on their blocks' spectral radius,
+    ``||D_i||_2 <= min(sum_h A^h_ii ||T_h||_2, max_h A^h_ii ||O||_2 ||V||_2)``, and stop once the bound falls
+    below the k-th key found (``Re lambda <= |lambda| <= ||D_i||``): blocks that cannot enter the answer are never
+    decomposed. When ``H d_h < d`` each block is solved through its ``H d_h`` core ``diag(a_i) V O``, which has
+    the nonzero eigenvalues of ``O diag(a_i) V``; the other ``d - H d_h`` are 0.
+    """
     heads, d_h, d = w_v.shape[-3:]
-    n = attn.shape[-1]
-    self_weight = attn.diagonal(dim1=-2, dim2=-1).transpose(-2, -1)  # (*, n, H): A^h_ii
+    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+    v_cat, o_cat = _concat_heads(w_v, w_o)
+    self_weight = attn.diagonal(dim1=-2, dim2=-1).transpose(-2, -1).expand(*batch, -1, -1)  # (*, n, H): A^h_ii
+    head_norms = transport_singular_values(w_v, w_o)[..., 0]  # (*, H)
+    bound = torch.minimum(
+        (self_weight * head_norms.unsqueeze(-2)).sum(dim=-1),
+        self_weight.amax(dim=-1) * (spectral_norm(o_cat) * spectral_norm(v_cat)).unsqueeze(-1),
+    ).reshape(-1, self_weight.shape[-2])  # (B, n)
     inner = heads * d_h
-    if inner < d:  # diag(a_i) V O (H*d_h square) has the nonzero eigenvalues of O diag(a_i) V
-        v_cat, o_cat = _concat_heads(w_v, w_o)
-        core = (v_cat @ o_cat).unsqueeze(-3)  # (*, 1, H*d_h, H*d_h)
-        size = inner
-
-        def blocks(tokens: slice) -> Tensor:
-            return self_weight[..., tokens, :].repeat_interleave(d_h, dim=-1).unsqueeze(-1) * core
-
+    if inner < d:
+        blocks = (v_cat @ o_cat).expand(*batch, inner, inner).reshape(-1, inner, inner)  # core V O
+        weights = self_weight.repeat_interleave(d_h, dim=-1).reshape(-1, self_weight.shape[-2], inner)
     else:
-        maps = w_o @ w_v  # (*, H, d, d)
-        size = d
-
-        def blocks(tokens: slice) -> Tensor:
-            return torch.einsum("...ih,...hab->...iab", self_weight[..., tokens, :], maps)
-
-    chunk = max(1, _CHUNK_ELEMENTS // (size * size))
-    values = torch.cat([eigvals(blocks(slice(i, i + chunk))) for i in range(0, n, chunk)], dim=-2)  # (*, n, size)
-    if size < d:
-        values = torch.cat([values, values.new_zeros(*values.shape[:-1], d - size)], dim=-1)
-    return values.flatten(-2)
+        blocks = (w_o @ w_v).expand(*batch, heads, d, d).reshape(-1, heads, d, d)  # T_h
+        weights = self_weight.reshape(-1, *self_weight.shape[-2:])
+    size = min(inner, d)
+    largest_chunk = max(1, _CHUNK_ELEMENTS // (size * size))
+    found = []
+    for b, order in enumerate(bound.argsort(dim=-1, descending=True).cpu()):
+        bounds = bound[b, order].cpu()  # one synchronization per layer
+        best = attn.new_zeros(min(k, attn.shape[-1] * (d - inner)) if inner < d else 0, dtype=_complex(attn))
+        start, chunk = 0, 2
+        while start < len(order):
+            if best.numel() >= k and bounds[start] < _key(best[k - 1 : k], which).item():
+                break
+            tokens = order[start : start + chunk].to(attn.device)
+            start, chunk = start + chunk, min(2 * chunk, largest_chunk)  # few blocks first: pruning often stops early
+            if inner < d:
+                mats = weights[b, tokens].unsqueeze(-1) * blocks[b]  # diag(a_i) V O: (c, H*d_h, H*d_h)
+            else:
+                mats = torch.einsum("ih,hab->iab", weights[b, tokens], blocks[b])  # (c, d, d)
+            best = _first_by(torch.cat([best, eigvals(mats).flatten()]), k, which)
+        found.append(best)
+    return torch.stack(found).reshape(*batch, k)
 
 
 def _is_causal(attn: Tensor) -> bool:
@@ -325,17 +350,17 @@ def connection_spectrum(
         values, residuals, converged, matvecs = _krylov_per_layer(
             attn, w_v, w_o, k, which, False, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed
         )
-        values = values.to(torch.complex64 if attn.dtype == torch.float32 else torch.complex128)
+        values = values.to(_complex(attn))
         residuals = residuals.to(attn.dtype) * inverse_scale
         values = values * inverse_scale
     else:
         if chosen == "kron":
-            everything = _kron_eigenvalues(attn, w_v, w_o)
+            values = _first_by(_kron_eigenvalues(attn, w_v, w_o), k, which)
         elif chosen == "causal":
-            everything = _causal_eigenvalues(attn, w_v, w_o)
+            values = _causal_first(attn, w_v, w_o, k, which)
         else:
-            everything = eigvals(connection_operator(attn, w_v, w_o, max_dim=n * d))
-        values = _first_by(everything * inverse_scale, k, which).expand(*batch, k)
+            values = _first_by(eigvals(connection_operator(attn, w_v, w_o, max_dim=n * d)), k, which)
+        values = (values * inverse_scale).expand(*batch, k)
         residuals = torch.zeros(*batch, k, dtype=attn.dtype, device=attn.device)
         converged = values.isfinite()
     if not return_info:

@@ -177,6 +177,14 @@ def spectrum(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
     return values[np.argsort(-np.abs(values), kind="stable")]
 
 
+def causal_spectrum(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
+    """Block lower-triangular M: the union over tokens of eig(sum_h A^h_ii T_h), / s; descending modulus."""
+    maps = head_maps(w_v, w_o)
+    blocks = [sum(attn[h, i, i] * maps[h] for h in range(len(maps))) for i in range(attn.shape[1])]
+    values = np.concatenate([np.linalg.eigvals(block) for block in blocks]) / transport_scale(w_v, w_o)
+    return values[np.argsort(-np.abs(values), kind="stable")]
+
+
 def operator_norm(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> float:
     return float(np.linalg.norm(connection_operator(attn, w_v, w_o), 2) / transport_scale(w_v, w_o))
 

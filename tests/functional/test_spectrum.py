@@ -87,6 +87,19 @@ def test_connection_spectrum_causal_path_is_exact():
             assert_same_eigenvalues(got, expected, which)
 
 
+@pytest.mark.parametrize("heads", [2, 3])  # H d_h = 4 < d (the core) and H d_h = d (the d x d blocks)
+def test_causal_path_skips_blocks_that_cannot_enter_the_answer(heads, monkeypatch):
+    layer = ref.make_layer(heads=heads, n=100, d_h=2, d=6, mask="causal", sharpness=3.0, seed=heads)
+    blockwise, dense = ref.causal_spectrum(*layer.np), ref.spectrum(*layer.np)
+    solved = []
+    monkeypatch.setattr(F.spectrum, "eigvals", lambda m: solved.append(m.shape[0]) or torch.linalg.eigvals(m))
+    for which in ("LM", "LR"):
+        got = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=8, which=which, method="causal")
+        assert_same_eigenvalues(got, blockwise, which)
+        assert_same_eigenvalues(got, dense, which, atol=1e-6)  # dense eig of a non-normal 600 x 600 M: ~1e-8
+    assert sum(solved) < 2 * 100  # fewer blocks than tokens were decomposed
+
+
 def test_connection_spectrum_kron_path_is_exact():
     layer = ref.make_layer(heads=1, n=7, d_h=3, d=5, mask="causal", seed=2)
     expected = ref.spectrum(*layer.np)
