@@ -1,0 +1,18 @@
+"""The README's quick start runs and prints what its comments say."""
+
+import contextlib
+import io
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_quick_start_prints_what_the_readme_says():
+    block = re.search(r"```python\n(.*?)```", README.read_text(), re.S).group(1)
+    promised = [line.split("# ", 1)[1].strip() for line in block.splitlines() if line.startswith("print(")]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, str(README), "exec"), {})
+    printed = [line.strip() for line in out.getvalue().splitlines()]
+    assert printed == promised
