@@ -20,6 +20,7 @@ except the matvec synchronize the GPU (eigenvalue solvers). Non-finite input giv
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -180,50 +181,58 @@ def _kron_eigenvalues(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
     return (lam.unsqueeze(-1) * mu.unsqueeze(-2)).flatten(-2)
 
 
+def _layers(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Iterator[tuple[tuple[int, ...], Tensor, Tensor, Tensor]]:
+    """Yield ``(index, attn, V, O)`` for each layer of the broadcast batch, as views (shared weights are not copied).
+
+    ``V (H*d_h, d)`` and ``O (d, H*d_h)`` are the stacked heads (``O @ V = T_bar``).
+    """
+    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+    v_cat, o_cat = _concat_heads(w_v, w_o)
+    attn = attn.expand(*batch, *attn.shape[-3:])
+    v_cat = v_cat.expand(*batch, *v_cat.shape[-2:])
+    o_cat = o_cat.expand(*batch, *o_cat.shape[-2:])
+    for index in np.ndindex(*batch):
+        yield index, attn[index], v_cat[index], o_cat[index]
+
+
 def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, k: int, which: Which) -> Tensor:
-    """The first ``k`` of the union over tokens of ``eig(D_i)``, ``D_i = sum_h A^h_ii T_h``: ``(*, k)``.
+    """The first ``k`` of the union over tokens of ``eig(D_i)``, ``D_i = sum_h A^h_ii T_h = O diag(a_i) V``.
 
     Tokens go in descending order of a bound on their blocks' spectral radius,
     ``||D_i||_2 <= min(sum_h A^h_ii ||T_h||_2, max_h A^h_ii ||O||_2 ||V||_2)``, and stop once the bound falls
     below the k-th key found (``Re lambda <= |lambda| <= ||D_i||``): blocks that cannot enter the answer are never
     decomposed. When ``H d_h < d`` each block is solved through its ``H d_h`` core ``diag(a_i) V O``, which has
-    the nonzero eigenvalues of ``O diag(a_i) V``; the other ``d - H d_h`` are 0.
+    the nonzero eigenvalues of ``O diag(a_i) V``; the other ``d - H d_h`` are 0. Blocks are built a chunk at a
+    time, so memory stays within ``_CHUNK_ELEMENTS`` numbers beyond the inputs.
     """
     heads, d_h, d = w_v.shape[-3:]
-    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
-    v_cat, o_cat = _concat_heads(w_v, w_o)
-    self_weight = attn.diagonal(dim1=-2, dim2=-1).transpose(-2, -1).expand(*batch, -1, -1)  # (*, n, H): A^h_ii
-    head_norms = transport_singular_values(w_v, w_o)[..., 0]  # (*, H)
-    bound = torch.minimum(
-        (self_weight * head_norms.unsqueeze(-2)).sum(dim=-1),
-        self_weight.amax(dim=-1) * (spectral_norm(o_cat) * spectral_norm(v_cat)).unsqueeze(-1),
-    ).reshape(-1, self_weight.shape[-2])  # (B, n)
     inner = heads * d_h
-    if inner < d:
-        blocks = (v_cat @ o_cat).expand(*batch, inner, inner).reshape(-1, inner, inner)  # core V O
-        weights = self_weight.repeat_interleave(d_h, dim=-1).reshape(-1, self_weight.shape[-2], inner)
-    else:
-        blocks = (w_o @ w_v).expand(*batch, heads, d, d).reshape(-1, heads, d, d)  # T_h
-        weights = self_weight.reshape(-1, *self_weight.shape[-2:])
+    head_norms = transport_singular_values(w_v, w_o)[..., 0]  # (*, H)
+    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+    head_norms = head_norms.expand(*batch, heads)
     size = min(inner, d)
     largest_chunk = max(1, _CHUNK_ELEMENTS // (size * size))
-    found = []
-    for b, order in enumerate(bound.argsort(dim=-1, descending=True).cpu()):
-        bounds = bound[b, order].cpu()  # one synchronization per layer
-        best = attn.new_zeros(min(k, attn.shape[-1] * (d - inner)) if inner < d else 0, dtype=_complex(attn))
+    values = attn.new_zeros(*batch, k, dtype=_complex(attn))
+    for index, a, v_cat, o_cat in _layers(attn, w_v, w_o):
+        self_weight = a.diagonal(dim1=-2, dim2=-1).mT  # (n, H): A^h_ii
+        bound = torch.minimum(
+            self_weight @ head_norms[index], self_weight.amax(dim=-1) * spectral_norm(o_cat) * spectral_norm(v_cat)
+        )
+        order = bound.argsort(descending=True)
+        bounds = bound[order].cpu()  # one synchronization per layer
+        gates = self_weight.repeat_interleave(d_h, dim=-1)  # (n, H*d_h)
+        core = v_cat @ o_cat if inner < d else None  # (H*d_h, H*d_h)
+        best = a.new_zeros(min(k, a.shape[-1] * (d - inner)) if inner < d else 0, dtype=_complex(attn))
         start, chunk = 0, 2
         while start < len(order):
             if best.numel() >= k and bounds[start] < _key(best[k - 1 : k], which).item():
                 break
-            tokens = order[start : start + chunk].to(attn.device)
+            g = gates[order[start : start + chunk]]  # (c, H*d_h)
             start, chunk = start + chunk, min(2 * chunk, largest_chunk)  # few blocks first: pruning often stops early
-            if inner < d:
-                mats = weights[b, tokens].unsqueeze(-1) * blocks[b]  # diag(a_i) V O: (c, H*d_h, H*d_h)
-            else:
-                mats = torch.einsum("ih,hab->iab", weights[b, tokens], blocks[b])  # (c, d, d)
-            best = _first_by(torch.cat([best, eigvals(mats).flatten()]), k, which)
-        found.append(best)
-    return torch.stack(found).reshape(*batch, k)
+            blocks = g.unsqueeze(-1) * core if core is not None else (o_cat * g.unsqueeze(-2)) @ v_cat  # (c, m, m)
+            best = _first_by(torch.cat([best, eigvals(blocks).flatten()]), k, which)
+        values[index] = best
+    return values
 
 
 def _is_causal(attn: Tensor) -> bool:
@@ -250,32 +259,24 @@ def _krylov_per_layer(
     **options: object,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Run the Krylov solver on each layer of the broadcast batch; return eigenvalues, residuals, flags, matvecs."""
+    n, d = attn.shape[-1], w_v.shape[-1]
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
-    _, n, _ = attn.shape[-3:]
-    attn = attn.expand(*batch, *attn.shape[-3:]).reshape(-1, *attn.shape[-3:])
-    v_cat, o_cat = _concat_heads(w_v, w_o)
-    v_cat = v_cat.expand(*batch, *v_cat.shape[-2:]).reshape(-1, *v_cat.shape[-2:])
-    o_cat = o_cat.expand(*batch, *o_cat.shape[-2:]).reshape(-1, *o_cat.shape[-2:])
-    d = v_cat.shape[-1]
-    found = []
-    for a, v, o in zip(attn, v_cat, o_cat, strict=True):
-        if normal_equations:
+    values = torch.zeros(*batch, k, dtype=torch.complex128)
+    residuals = torch.zeros(*batch, k, dtype=torch.float64)
+    converged = torch.zeros(*batch, k, dtype=torch.bool)
+    matvecs = torch.zeros(batch, dtype=torch.long)
+    for index, a, v, o in _layers(attn, w_v, w_o):
 
-            def operator(x: Tensor, a: Tensor = a, v: Tensor = v, o: Tensor = o) -> Tensor:
-                return _rmatvec(a, v, o, _matvec(a, v, o, x.view(n, d))).flatten()
+        def operator(x: Tensor, a: Tensor = a, v: Tensor = v, o: Tensor = o) -> Tensor:
+            y = _matvec(a, v, o, x.view(n, d))
+            return (_rmatvec(a, v, o, y) if normal_equations else y).flatten()
 
-        else:
-
-            def operator(x: Tensor, a: Tensor = a, v: Tensor = v, o: Tensor = o) -> Tensor:
-                return _matvec(a, v, o, x.view(n, d)).flatten()
-
-        found.append(krylov_schur(operator, n * d, k, which=which, dtype=a.dtype, device=a.device, **options))
-    device = attn.device
-    values = torch.as_tensor(np.stack([f.eigenvalues for f in found]), device=device).reshape(*batch, k)
-    residuals = torch.as_tensor(np.stack([f.residuals for f in found]), device=device).reshape(*batch, k)
-    converged = torch.as_tensor(np.stack([f.converged for f in found]), device=device).reshape(*batch, k)
-    matvecs = torch.tensor([f.num_matvecs for f in found], device=device).reshape(batch)
-    return values, residuals, converged, matvecs
+        found = krylov_schur(operator, n * d, k, which=which, dtype=attn.dtype, device=attn.device, **options)
+        values[index] = torch.from_numpy(found.eigenvalues)
+        residuals[index] = torch.from_numpy(found.residuals)
+        converged[index] = torch.from_numpy(found.converged)
+        matvecs[index] = found.num_matvecs
+    return tuple(t.to(attn.device) for t in (values, residuals, converged, matvecs))
 
 
 def connection_spectrum(
