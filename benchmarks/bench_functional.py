@@ -94,7 +94,7 @@ def spectrum_row(n: int, d: int, heads: int, causal: bool, device: torch.device,
     )
     matvecs = int(found.num_matvecs)
     x = torch.randn(n, d, device=device)
-    matvec_s, _ = clock(lambda: F.connection_matvec(attn, w_v, w_o, x), device, 20)
+    matvec_s, _ = clock(lambda: F.connection_matvec(attn, w_v, w_o, x), device, 50)
     bound = matvecs * matvec_s
     arpack_s, (values, arpack_matvecs, status) = clock(lambda: arpack(attn, w_v, w_o), device, 1)
     ours = np.sort(found.eigenvalues.abs().cpu().numpy())[::-1]

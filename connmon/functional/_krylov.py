@@ -117,7 +117,7 @@ def krylov_schur(
             projected[: j + 1, j] = h
             if beta > 10 * eps * norm_in:
                 projected[j + 1, j] = beta
-                basis[j + 1] = w / beta
+                torch.div(w, beta, out=basis[j + 1])
             else:  # breakdown: span(basis[:j+1]) is invariant; continue the basis from a fresh direction
                 projected[j + 1, j] = 0.0
                 basis[j + 1] = random_unit(basis[: j + 1])
