@@ -7,7 +7,7 @@
 2. ``transport_singular_values`` against a naive SVD of each ``d x d`` head map ``T_h`` (d = 768, H = 12).
 
 Usage:
-    python benchmarks/bench_functional.py            # the full grid (about 15 minutes on 2 CPU cores)
+    python benchmarks/bench_functional.py            # the full grid (about 7 minutes on 2 CPU cores)
     python benchmarks/bench_functional.py --quick    # n, d in {64, 128}
     python benchmarks/bench_functional.py --device cuda
 """
