@@ -7,8 +7,9 @@ Example:
     '0.1.0'
 """
 
-from connmon import functional
+from connmon import capture, functional
+from connmon.capture import AttentionRecord
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "functional"]
+__all__ = ["AttentionRecord", "__version__", "capture", "functional"]

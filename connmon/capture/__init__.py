@@ -1,0 +1,217 @@
+"""Turn one forward pass of your own model into one AttentionRecord per self-attention layer (DESIGN section 3).
+
+Hooks and interceptors exist only while a capture is armed and are removed when it ends, also when the forward
+raises. Records are detached float32 copies of the first ``num_sequences`` sequences.
+
+Example:
+    >>> import torch
+    >>> import connmon
+    >>> _ = torch.manual_seed(0)
+    >>> layer = torch.nn.TransformerEncoderLayer(d_model=16, nhead=4, dim_feedforward=32, batch_first=True)
+    >>> model = torch.nn.TransformerEncoder(layer, num_layers=2).eval()
+    >>> records = connmon.capture(model, torch.randn(3, 10, 16), num_sequences=2)
+    >>> [(r.name, r.index, tuple(r.attn.shape)) for r in records]
+    [('layers.0.self_attn', 0, (2, 4, 10, 10)), ('layers.1.self_attn', 1, (2, 4, 10, 10))]
+    >>> all(float(r.reconstruction_error) < 1e-5 for r in records)
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from connmon.capture.adapters.base import Adapter
+from connmon.capture.adapters.huggingface import HuggingFaceAttention
+from connmon.capture.adapters.sdpa import FusedQKVAttention
+from connmon.capture.adapters.torch_mha import TorchMultiheadAttention
+from connmon.capture.record import AttentionRecord, reconstruction_error
+from connmon.capture.session import CaptureSession, Layer
+
+__all__ = [
+    "ADAPTERS",
+    "Adapter",
+    "AttentionRecord",
+    "FusedQKVAttention",
+    "armed",
+    "attention_layers",
+    "capture",
+    "reconstruction_error",
+    "register_adapter",
+]
+
+ADAPTERS: list[Adapter] = [
+    TorchMultiheadAttention(),
+    HuggingFaceAttention(),
+    FusedQKVAttention("CausalSelfAttention", qkv="c_attn", proj="c_proj", heads="n_head"),  # nanoGPT
+    FusedQKVAttention("Attention", qkv="qkv", proj="proj", heads="num_heads"),  # timm VisionTransformer
+]
+
+
+def register_adapter(adapter: Adapter) -> None:
+    """Teach connmon a new attention module; it is tried before the built-in adapters.
+
+    Args:
+        adapter: an :class:`Adapter`, for example a :class:`FusedQKVAttention` naming your module's projections.
+
+    Example:
+        >>> import connmon.capture as cc
+        >>> mine = cc.FusedQKVAttention("MySelfAttention", qkv="to_qkv", proj="to_out", heads="heads")
+        >>> cc.register_adapter(mine)
+        >>> cc.ADAPTERS[0] is mine
+        True
+        >>> cc.ADAPTERS.remove(mine)
+    """
+    ADAPTERS.insert(0, adapter)
+
+
+def attention_layers(model: nn.Module) -> list[Layer]:
+    """The self-attention modules connmon can read, in module order, each with its adapter.
+
+    Raises:
+        ValueError: if the model has none; the message lists the module types seen and how to add an adapter.
+
+    Example:
+        >>> import torch
+        >>> from connmon.capture import attention_layers
+        >>> model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, batch_first=True), num_layers=3)
+        >>> [layer.name for layer in attention_layers(model)]
+        ['layers.0.self_attn', 'layers.1.self_attn', 'layers.2.self_attn']
+    """
+    layers = []
+    for name, module in model.named_modules():
+        adapter = next((a for a in ADAPTERS if a.matches(module)), None)
+        if adapter is not None:
+            layers.append(Layer(name, len(layers), module, adapter))
+    if not layers:
+        seen = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(
+            f"connmon found no self-attention module it can read in {type(model).__name__}; module types seen: "
+            f"{', '.join(seen)}. Supported: torch.nn.MultiheadAttention, Hugging Face transformers attention "
+            "(GPT-2, LLaMA family, BERT family, ViT), nanoGPT CausalSelfAttention and timm Attention. For your own "
+            "module call connmon.capture.register_adapter(FusedQKVAttention('YourClass', qkv=..., proj=..., "
+            "heads=...)) or subclass connmon.capture.Adapter."
+        )
+    return layers
+
+
+@contextlib.contextmanager
+def armed(
+    model: nn.Module,
+    *,
+    num_sequences: int = 2,
+    max_tokens: int | None = 256,
+    layers: list[Layer] | None = None,
+    dtype: torch.dtype = torch.float32,
+    on_record: Callable[[AttentionRecord], None] | None = None,
+) -> Iterator[CaptureSession]:
+    """Arm a capture for the forwards run inside the block; every hook is removed on exit, also on error.
+
+    Args:
+        model: the model (a ``torch.compile``'d model is unwrapped to its original module).
+        num_sequences: record the first this many sequences of the batch.
+        max_tokens: record at most this many leading tokens (see :func:`capture`); None for all.
+        layers: the layers to arm (default: :func:`attention_layers`).
+        dtype: record dtype, float32 or float64.
+        on_record: called with each record as soon as its layer finishes, instead of keeping it.
+
+    Yields:
+        The :class:`~connmon.capture.session.CaptureSession`; its ``records`` fill as the forward runs.
+
+    Raises:
+        ValueError: for a bad option or a model without readable attention.
+
+    Example:
+        >>> import torch
+        >>> import connmon.capture as cc
+        >>> model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, batch_first=True), 2)
+        >>> with cc.armed(model, num_sequences=1) as session:
+        ...     _ = model(torch.randn(4, 5, 8))
+        >>> len(session.records), tuple(session.records[0].x.shape)
+        (2, (1, 5, 8))
+    """
+    if num_sequences < 1:
+        raise ValueError(f"num_sequences must be >= 1, got num_sequences={num_sequences}")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1 or None, got max_tokens={max_tokens}")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got dtype={dtype}")
+    model = getattr(model, "_orig_mod", model)  # torch.compile wraps the module; hooks go on the original
+    layers = attention_layers(model) if layers is None else layers
+    session = CaptureSession(layers, num_sequences, max_tokens, dtype, on_record)
+    handles = []
+    with contextlib.ExitStack() as stack:
+        try:
+            for adapter in {id(layer.adapter): layer.adapter for layer in layers}.values():
+                stack.enter_context(adapter.armed(model, session))
+            for layer in layers:
+                handles.extend(layer.adapter.hooks(model, layer.name, layer.module, session))
+            yield session
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def capture(
+    model: nn.Module,
+    *args: object,
+    num_sequences: int = 2,
+    max_tokens: int | None = 256,
+    dtype: torch.dtype = torch.float32,
+    on_record: Callable[[AttentionRecord], None] | None = None,
+    **kwargs: object,
+) -> list[AttentionRecord]:
+    """Run ``model(*args, **kwargs)`` once and return one :class:`AttentionRecord` per self-attention layer.
+
+    The forward runs under ``torch.no_grad()`` in whatever mode the model is in. Probabilities are recorded before
+    attention dropout: reconstruction is exact when dropout is inactive (eval mode, or p = 0).
+
+    ``max_tokens`` policy: sequences longer than ``max_tokens`` are recorded on their leading ``max_tokens``
+    positions. For causal attention this window is closed (no kept query reads a dropped key) and the record is
+    exact. For bidirectional attention the record is the walk restricted to the window, rows renormalized over
+    the kept keys, and ``reconstruction_error`` is NaN, since the true output also read the dropped keys.
+
+    Args:
+        model: the model; ``torch.compile``'d models are captured through their original module.
+        *args: positional inputs of the forward.
+        num_sequences: record the first this many sequences of the batch.
+        max_tokens: record at most this many leading tokens; None for all.
+        dtype: record dtype, float32 or float64.
+        on_record: stream records layer by layer to this callable (peak memory holds one layer's maps);
+            the returned list is then empty.
+        **kwargs: keyword inputs of the forward.
+
+    Returns:
+        Records in the order their layers ran.
+
+    Raises:
+        ValueError: for a bad option, or a model without readable attention (listing the module types seen).
+
+    Example:
+        >>> import torch
+        >>> import connmon
+        >>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        >>> x = torch.randn(1, 6, 8)
+        >>> (record,) = connmon.capture(mha, x, x, x)
+        >>> record.name, tuple(record.w_v.shape), float(record.reconstruction_error) < 1e-5
+        ('', (2, 4, 8), True)
+    """
+    with armed(model, num_sequences=num_sequences, max_tokens=max_tokens, dtype=dtype, on_record=on_record) as session:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    return session.records
+
+
+class _CallableModule(types.ModuleType):
+    """Makes ``connmon.capture(model, ...)`` (the DESIGN API) call :func:`capture`; the package stays a package."""
+
+    def __call__(self, model: nn.Module, *args: object, **kwargs: object) -> list[AttentionRecord]:
+        return capture(model, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,104 @@
+"""``torch.nn.MultiheadAttention`` alone or inside ``nn.Transformer*`` layers.
+
+The scores are recomputed from the module's inputs, weights and masks exactly as
+``F.multi_head_attention_forward`` does (bool masks True = blocked, float masks added, ``key_padding_mask`` over
+keys). While armed, the native fast path (``torch.backends.mha``), which bypasses Python hooks and packs padded
+batches into nested tensors, is switched off and restored afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from connmon.capture.adapters.base import Adapter
+from connmon.capture.scores import attention_scores
+from connmon.capture.session import CaptureSession, warn_once
+
+_PARAMETERS = list(inspect.signature(nn.MultiheadAttention.forward).parameters)[1:]  # query, key, value, ...
+
+
+class TorchMultiheadAttention(Adapter):
+    """Adapter for ``torch.nn.MultiheadAttention`` (self-attention; cross-attention is skipped with a warning)."""
+
+    name = "torch.nn.MultiheadAttention"
+
+    def matches(self, module: nn.Module) -> bool:  # noqa: D102
+        return isinstance(module, nn.MultiheadAttention)
+
+    def weights(self, module: nn.Module) -> tuple[Tensor, Tensor, Tensor]:  # noqa: D102
+        heads, d = module.num_heads, module.embed_dim
+        d_h = d // heads
+        w_v = (module.in_proj_weight[2 * d :] if module._qkv_same_embed_dim else module.v_proj_weight).view(
+            heads, d_h, d
+        )
+        w_o = module.out_proj.weight.view(d, heads, d_h).transpose(0, 1)  # (H, d, d_h)
+        bias = torch.zeros(d, dtype=w_o.dtype, device=w_o.device)
+        if module.in_proj_bias is not None:
+            bias = bias + (w_o @ module.in_proj_bias[2 * d :].view(heads, d_h, 1)).sum(0).squeeze(-1)
+        if module.out_proj.bias is not None:
+            bias = bias + module.out_proj.bias
+        return w_v, w_o, bias
+
+    def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
+        if module.bias_k is not None or module.add_zero_attn:
+            warn_once(f"connmon: {name} uses bias_k/bias_v or add_zero_attn, which the walk does not model; skipped")
+            return []
+
+        def hook(mod: nn.MultiheadAttention, args: tuple, kwargs: dict, output: tuple) -> None:
+            bound = dict(zip(_PARAMETERS, args, strict=False)) | kwargs
+            query, key, value = bound["query"], bound["key"], bound["value"]
+            if not (query is key and key is value):
+                warn_once(f"connmon: {name} is called as cross-attention (query is not key/value); skipped")
+                return
+            with torch.no_grad():
+                self._feed(mod, session, bound, output[0])
+
+        return [module.register_forward_hook(hook, with_kwargs=True)]
+
+    @staticmethod
+    def _feed(mod: nn.MultiheadAttention, session: CaptureSession, bound: dict, out: Tensor) -> None:
+        x = bound["query"] if mod.batch_first else bound["query"].transpose(0, 1)  # (B, n, d)
+        out = out if mod.batch_first else out.transpose(0, 1)
+        x = x[: session.num_sequences]
+        batch, n, d = x.shape
+        heads, d_h = mod.num_heads, d // mod.num_heads
+        if mod._qkv_same_embed_dim:
+            w_q, w_k = mod.in_proj_weight[:d], mod.in_proj_weight[d : 2 * d]
+        else:
+            w_q, w_k = mod.q_proj_weight, mod.k_proj_weight
+        b_q, b_k = (None, None) if mod.in_proj_bias is None else (mod.in_proj_bias[:d], mod.in_proj_bias[d : 2 * d])
+        q = nn.functional.linear(x, w_q, b_q).view(batch, n, heads, d_h).transpose(1, 2)  # (B, H, n, d_h)
+        k = nn.functional.linear(x, w_k, b_k).view(batch, n, heads, d_h).transpose(1, 2)  # (B, H, n, d_h)
+        additive = torch.zeros(batch, heads, n, n, dtype=torch.float32, device=x.device)
+        attn_mask, padding = bound.get("attn_mask"), bound.get("key_padding_mask")
+        if attn_mask is None and bound.get("is_causal", False):
+            attn_mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        if attn_mask is not None:
+            mask = attn_mask if attn_mask.dim() == 2 else attn_mask.view(-1, heads, n, n)[:batch]
+            additive = _add(additive, mask)
+        if padding is not None:
+            additive = _add(additive, padding[:batch, None, None, :])
+        logits, probs, allowed = attention_scores(q, k, additive)
+        session.put(mod, x=x, output=out, logits=logits, probs=probs, allowed=allowed)
+
+    @contextlib.contextmanager
+    def armed(self, model: nn.Module, session: CaptureSession) -> Iterator[None]:  # noqa: D102
+        was = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            yield
+        finally:
+            torch.backends.mha.set_fastpath_enabled(was)
+
+
+def _add(additive: Tensor, mask: Tensor) -> Tensor:
+    """Fold an nn.MultiheadAttention mask (bool: True = blocked; float: added) into an additive float mask."""
+    if mask.dtype == torch.bool:
+        return additive.masked_fill(mask, float("-inf"))
+    return additive + mask.to(additive.dtype)

@@ -1,0 +1,149 @@
+"""One armed capture: collects the pieces of each layer's forward pass and turns them into AttentionRecords.
+
+Adapters feed a session three pieces per attention module, in any order: the module input ``x``, the attention
+``scores`` (logits, probabilities, allowed keys) and the attention ``output``. When all three have arrived the
+session builds the record, checks its reconstruction and hands it to ``on_record`` (or keeps it). A module is
+recorded once per session, so activation checkpointing's second forward is ignored.
+
+The session slices the first ``num_sequences`` sequences and copies them out of the autograd graph at once, so
+records never keep activations alive.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from connmon.capture.record import AttentionRecord, reconstruction_error
+from connmon.functional import max_attention_logit
+
+
+@dataclass
+class Layer:
+    """A module to capture and the adapter that reads it."""
+
+    name: str
+    index: int
+    module: nn.Module
+    adapter: object  # connmon.capture.adapters.Adapter; typed loosely to avoid an import cycle
+
+
+@dataclass
+class _Pending:
+    x: Tensor | None = None
+    scores: tuple[Tensor, Tensor, Tensor] | None = None
+    output: Tensor | None = None
+    parts: dict = field(default_factory=dict)
+
+
+class CaptureSession:
+    """Collects pieces from the adapters' hooks while a capture is armed."""
+
+    def __init__(
+        self,
+        layers: list[Layer],
+        num_sequences: int,
+        max_tokens: int | None,
+        dtype: torch.dtype,
+        on_record: Callable[[AttentionRecord], None] | None,
+    ) -> None:
+        self.layers = {id(layer.module): layer for layer in layers}
+        self.num_sequences = num_sequences
+        self.max_tokens = max_tokens
+        self.dtype = dtype
+        self.on_record = on_record
+        self.records: list[AttentionRecord] = []
+        self.done: set[int] = set()
+        self._pending: dict[int, _Pending] = {}
+
+    def wants(self, module: nn.Module) -> bool:
+        """Whether ``module`` is armed here and not recorded yet."""
+        return id(module) in self.layers and id(module) not in self.done
+
+    def take(self, tensor: Tensor) -> Tensor:
+        """The first ``num_sequences`` along dim 0, detached, copied, in the record dtype."""
+        return tensor[: self.num_sequences].detach().to(self.dtype, copy=True)
+
+    def put(
+        self, module: nn.Module, *, x: Tensor | None = None, output: Tensor | None = None, **scores: Tensor
+    ) -> None:
+        """Hand over a piece: ``x`` or ``output`` as ``(B, n, d)``, or ``logits``, ``probs``, ``allowed``."""
+        if not self.wants(module):
+            return
+        pending = self._pending.setdefault(id(module), _Pending())
+        with torch.no_grad():
+            if x is not None:
+                pending.x = self.take(x)
+            if output is not None:
+                pending.output = self.take(output)
+            if scores:
+                pending.scores = (
+                    self.take(scores["logits"]),
+                    self.take(scores["probs"]),
+                    scores["allowed"][: self.num_sequences].detach().clone(),
+                )
+        if pending.x is not None and pending.output is not None and pending.scores is not None:
+            self._finish(self.layers[id(module)], self._pending.pop(id(module)))
+
+    def _finish(self, layer: Layer, pending: _Pending) -> None:
+        self.done.add(id(layer.module))
+        with torch.no_grad():
+            record = self._record(layer, pending)
+        if self.on_record is not None:
+            self.on_record(record)
+        else:
+            self.records.append(record)
+
+    def _record(self, layer: Layer, pending: _Pending) -> AttentionRecord:
+        logits, probs, allowed = pending.scores
+        x, output = pending.x, pending.output
+        w_v, w_o, bias = (t.detach().to(self.dtype, copy=True) for t in layer.adapter.weights(layer.module))
+        n = probs.shape[-1]
+        if probs.shape[-2] != n or x.shape[-2] != n:
+            raise ValueError(
+                f"{layer.name}: self-attention needs as many queries as keys, got attention {tuple(probs.shape)} "
+                f"for input {tuple(x.shape)}"
+            )
+        truncated = False
+        if self.max_tokens is not None and n > self.max_tokens:
+            m = self.max_tokens
+            truncated = bool(allowed[..., :m, m:].any())  # some kept query reads a dropped key: not causal
+            logits, allowed, x, output = logits[..., :m, :m], allowed[..., :m, :m], x[:, :m], output[:, :m]
+            probs = probs[..., :m, :m]
+            if truncated:  # the walk restricted to the window: rows renormalized over the kept keys
+                probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+        error = reconstruction_error(probs, w_v, w_o, bias, x, output)
+        if truncated:
+            error = torch.full_like(error, float("nan"))
+        key_mask = allowed.any(dim=-2).any(dim=-2)  # (B_s, n): keys some query of some head may attend
+        return AttentionRecord(
+            name=layer.name,
+            index=layer.index,
+            attn=probs,
+            max_logit=max_attention_logit(logits),
+            w_v=w_v,
+            w_o=w_o,
+            bias=bias,
+            x=x,
+            output=output,
+            key_mask=None if bool(key_mask.all()) else key_mask,
+            reconstruction_error=error,
+        )
+
+    def missing(self) -> list[str]:
+        """Names of armed modules that produced no complete record."""
+        return [layer.name for key, layer in self.layers.items() if key not in self.done]
+
+
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """Warn once per message for the life of the process (one warning per cause)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)

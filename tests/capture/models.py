@@ -1,0 +1,71 @@
+"""Small models for capture tests, built from code or config objects with random weights (no hub)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention: fused qkv Linear, output Linear, F.scaled_dot_product_attention."""
+
+    def __init__(self, n_embd: int = 32, n_head: int = 4, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+        self.resid_dropout = nn.Dropout(dropout)
+        self.n_head, self.n_embd, self.dropout = n_head, n_embd, dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()  # batch, sequence length, embedding width
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, nh, T, hs)
+        y = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0, is_causal=True
+        )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int = 32, n_head: int = 4) -> None:
+        super().__init__()
+        self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention(n_embd, n_head)
+        self.ln_2, self.mlp = (
+            nn.LayerNorm(n_embd),
+            nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd)),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 50, n_embd: int = 32, n_head: int = 4, n_layer: int = 2, checkpoint: bool = False):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.head = nn.Linear(n_embd, vocab)
+        self.checkpoint = checkpoint
+        for block in self.blocks:  # sharper attention than the default init
+            block.attn.c_attn.weight.data[: 2 * n_embd] *= 4 / math.sqrt(n_embd) * 4
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpoint else block(x)
+        return self.head(x)
+
+
+def sharpen(model: nn.Module, names: tuple[str, ...], factor: float = 4.0) -> nn.Module:
+    """Scale query/key projection weights so attention is far from uniform."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("weight") and any(f".{n}." in f".{name}" for n in names):
+                parameter.mul_(factor)
+    return model
