@@ -201,6 +201,7 @@ def capture(
         >>> record.name, tuple(record.w_v.shape), float(record.reconstruction_error) < 1e-5
         ('', (2, 4, 8), True)
     """
+    model = getattr(model, "_orig_mod", model)  # run a torch.compile'd model's original module: hooks stay eager
     with armed(model, num_sequences=num_sequences, max_tokens=max_tokens, dtype=dtype, on_record=on_record) as session:
         with torch.no_grad():
             model(*args, **kwargs)

@@ -1,0 +1,97 @@
+import pytest
+import torch
+from torch import nn
+
+import connmon
+from connmon.capture import FusedQKVAttention, register_adapter
+from tests.capture.models import TinyGPT
+
+TOL = 1e-5
+
+
+def test_nanogpt_is_captured_exactly_through_sdpa():
+    torch.manual_seed(0)
+    model = TinyGPT(n_layer=3).eval()
+    idx = torch.randint(0, 50, (3, 12))
+    original = torch.nn.functional.scaled_dot_product_attention
+    records = connmon.capture(model, idx)
+    assert torch.nn.functional.scaled_dot_product_attention is original  # interceptor removed
+    assert [r.name for r in records] == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
+    for record in records:
+        assert record.attn.shape == (2, 4, 12, 12)
+        assert record.reconstruction_error.item() <= TOL
+        assert record.attn.triu(1).abs().max() == 0  # causal
+        assert (record.attn.amax(-1) > 0.5).any()
+        assert torch.isfinite(record.max_logit).all()
+
+
+def test_nanogpt_train_mode_gradients_identical():
+    torch.manual_seed(0)
+    model = TinyGPT().train()
+    idx = torch.randint(0, 50, (2, 8))
+
+    def grads(arm):
+        model.zero_grad()
+        if arm:
+            with connmon.capture.armed(model) as session:
+                model(idx).logsumexp(-1).sum().backward()
+            assert len(session.records) == 2
+            assert all(r.reconstruction_error.item() <= TOL for r in session.records)  # dropout is 0
+        else:
+            model(idx).logsumexp(-1).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    for plain, captured in zip(grads(False), grads(True), strict=True):
+        assert torch.equal(plain, captured)
+
+
+def test_activation_checkpointing_captured_once_per_forward():
+    torch.manual_seed(0)
+    model = TinyGPT(checkpoint=True).train()
+    idx = torch.randint(0, 50, (2, 8))
+    with connmon.capture.armed(model) as session:
+        model(idx).sum().backward()  # the backward re-runs each block's forward
+    assert [r.index for r in session.records] == [0, 1]
+    assert all(r.reconstruction_error.item() <= TOL for r in session.records)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_compiled_model_is_captured_through_its_original_module():
+    torch.manual_seed(0)
+    model = TinyGPT().eval()
+    compiled = torch.compile(model)
+    records = connmon.capture(compiled, torch.randint(0, 50, (2, 8)))
+    assert len(records) == 2 and all(r.reconstruction_error.item() <= TOL for r in records)
+
+
+class MyAttention(nn.Module):
+    """A user's own attention: fused projection named differently, GQA-free, with SDPA and a float mask."""
+
+    def __init__(self, d=24, heads=3):
+        super().__init__()
+        self.to_qkv, self.to_out, self.heads = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d), heads
+        self.to_qkv.weight.data[: 2 * d] *= 3
+
+    def forward(self, x, bias):
+        b, n, d = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)  # 3 x (B, H, n, e)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.to_out(y.transpose(1, 2).reshape(b, n, d))
+
+
+def test_custom_module_registered_by_the_user():
+    model = MyAttention()
+    x, bias = torch.randn(2, 7, 24), torch.randn(2, 1, 7, 7)
+    with pytest.raises(ValueError, match="MyAttention"):
+        connmon.capture(model, x, bias)
+    adapter = FusedQKVAttention("MyAttention", qkv="to_qkv", proj="to_out", heads="heads")
+    register_adapter(adapter)
+    try:
+        (record,) = connmon.capture(model, x, bias)
+    finally:
+        connmon.capture.ADAPTERS.remove(adapter)
+    assert record.reconstruction_error.item() <= TOL
+    logits = (x[:2] @ model.to_qkv.weight[:24].T).view(2, 7, 3, 8).transpose(1, 2) @ (
+        x[:2] @ model.to_qkv.weight[24:48].T
+    ).view(2, 7, 3, 8).permute(0, 2, 3, 1) / 8**0.5 + bias
+    torch.testing.assert_close(record.max_logit, logits.flatten(1).amax(-1), rtol=1e-5, atol=1e-5)
