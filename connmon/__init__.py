@@ -8,8 +8,9 @@ Example:
 """
 
 from connmon import capture, functional
+from connmon.analysis import Report, analyze
 from connmon.capture import AttentionRecord
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionRecord", "__version__", "capture", "functional"]
+__all__ = ["AttentionRecord", "Report", "__version__", "analyze", "capture", "functional"]
