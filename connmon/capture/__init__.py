@@ -49,7 +49,7 @@ ADAPTERS: list[Adapter] = [
     TorchMultiheadAttention(),
     HuggingFaceAttention(),
     FusedQKVAttention("CausalSelfAttention", qkv="c_attn", proj="c_proj", heads="n_head"),  # nanoGPT
-    FusedQKVAttention("Attention", qkv="qkv", proj="proj", heads="num_heads"),  # timm VisionTransformer
+    FusedQKVAttention("Attention", qkv="qkv", proj="proj", heads="num_heads", identity=("norm",)),  # timm ViT
 ]
 
 

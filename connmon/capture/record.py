@@ -74,8 +74,8 @@ def reconstruction_error(attn: Tensor, w_v: Tensor, w_o: Tensor, bias: Tensor, x
         >>> x = torch.randn(1, 5, 8)
         >>> with torch.no_grad():
         ...     out, attn = mha(x, x, x, average_attn_weights=False)
-        >>> w_v = mha.in_proj_weight[16:].view(2, 4, 8)
-        >>> w_o = mha.out_proj.weight.view(8, 2, 4).transpose(0, 1)
+        >>> w_v = mha.in_proj_weight.detach()[16:].view(2, 4, 8)  # value rows per head
+        >>> w_o = mha.out_proj.weight.detach().view(8, 2, 4).transpose(0, 1)  # output columns per head
         >>> float(reconstruction_error(attn, w_v, w_o, torch.zeros(8), x, out)) < 1e-6
         True
     """

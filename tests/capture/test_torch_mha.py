@@ -216,3 +216,17 @@ def test_attention_layers_in_module_order():
         "decoder.layers.0.self_attn",
         "decoder.layers.0.multihead_attn",
     ]
+
+
+def test_streamed_records_are_not_kept_by_the_capture():
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True), 4)
+    alive = []
+
+    def consume(record):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in refs))  # earlier layers' maps still referenced somewhere
+        refs.append(weakref.ref(record.attn))
+
+    refs = []
+    connmon.capture(model, torch.randn(2, 6, 16), on_record=consume)
+    assert alive == [0, 0, 0, 0]  # only the layer being handed over is alive: one layer's maps at a time

@@ -21,7 +21,7 @@ from torch.utils.hooks import RemovableHandle
 
 from connmon.capture.adapters.base import Adapter
 from connmon.capture.scores import attention_scores
-from connmon.capture.session import CaptureSession
+from connmon.capture.session import CaptureSession, warn_once
 
 _STACK: list[nn.Module] = []  # armed modules whose forward is running, innermost last
 
@@ -35,14 +35,17 @@ class FusedQKVAttention(Adapter):
         qkv: attribute of the fused projection, an ``nn.Linear(d, 3 d)``.
         proj: attribute of the output projection, an ``nn.Linear(d, d)``.
         heads: attribute holding the number of heads.
+        identity: attributes that must be ``nn.Identity`` (or absent) for the walk to be exact, such as timm's
+            ``norm`` between the attention and the output projection (scale-norm attention); a module where one is
+            not is reported once and skipped, never recorded wrongly.
 
     Example:
         >>> from connmon.capture.adapters.sdpa import FusedQKVAttention
         >>> nanogpt = FusedQKVAttention("CausalSelfAttention", qkv="c_attn", proj="c_proj", heads="n_head")
     """
 
-    def __init__(self, class_name: str, *, qkv: str, proj: str, heads: str) -> None:
-        self.class_name, self.qkv, self.proj, self.heads = class_name, qkv, proj, heads
+    def __init__(self, class_name: str, *, qkv: str, proj: str, heads: str, identity: tuple[str, ...] = ()) -> None:
+        self.class_name, self.qkv, self.proj, self.heads, self.identity = class_name, qkv, proj, heads, identity
         self.name = f"{class_name} (fused {qkv}/{proj})"
 
     def matches(self, module: nn.Module) -> bool:  # noqa: D102
@@ -70,6 +73,12 @@ class FusedQKVAttention(Adapter):
         return w_v, w_o, bias
 
     def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
+        for attribute in self.identity:
+            if not isinstance(getattr(module, attribute, nn.Identity()), nn.Identity):
+                warn_once(f"connmon: {name}.{attribute} transforms the attention output before {self.proj} "
+                          "(for example scale-norm attention), which the walk does not model; skipped")  # fmt: skip
+                return []
+
         def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
             _STACK.append(mod)
             x = args[0] if args else next(iter(kwargs.values()))
