@@ -42,17 +42,15 @@ def attention_scores(
     if k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = (q @ k.mT) * scale
-    allowed = torch.ones_like(logits, dtype=torch.bool)
+    logits = (q @ k.mT).mul_(scale)  # in place from here on: one map of logits, one of probabilities
+    if mask is not None and mask.dtype != torch.bool:
+        logits = logits.add_(mask.to(dtype)) if mask.shape == logits.shape else logits + mask.to(dtype)
+    allowed = logits != float("-inf")
     if is_causal:
-        allowed = allowed & torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            allowed = allowed & mask
-        else:
-            logits = logits + mask.to(dtype)
-    allowed = allowed & (logits != float("-inf"))
-    logits = logits.masked_fill(~allowed, float("-inf"))
+        allowed &= torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        allowed = allowed & mask
+    logits.masked_fill_(~allowed, float("-inf"))
     probs = logits.softmax(dim=-1)
-    probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, torch.zeros_like(probs))
+    probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)  # a row with no allowed key: 0, not NaN
     return logits, probs, allowed

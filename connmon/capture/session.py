@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +35,11 @@ class Layer:
 @dataclass
 class _Pending:
     x: Tensor | None = None
-    scores: tuple[Tensor, Tensor, Tensor] | None = None
+    probs: Tensor | None = None  # (B_s, H, m, m), the recorded window
+    max_logit: Tensor | None = None  # (B_s,)
+    key_mask: Tensor | None = None  # (B_s, m) bool
+    truncated: bool = False  # the window cut keys that some kept query reads
     output: Tensor | None = None
-    parts: dict = field(default_factory=dict)
 
 
 class CaptureSession:
@@ -71,23 +73,37 @@ class CaptureSession:
     def put(
         self, module: nn.Module, *, x: Tensor | None = None, output: Tensor | None = None, **scores: Tensor
     ) -> None:
-        """Hand over a piece: ``x`` or ``output`` as ``(B, n, d)``, or ``logits``, ``probs``, ``allowed``."""
+        """Hand over a piece: ``x`` or ``output`` as ``(B, n, d)``, or ``logits``, ``probs``, ``allowed``.
+
+        Scores are reduced at once to what the record keeps (the probabilities of the window, the max logit and
+        the key mask), so the logits and mask never outlive this call.
+        """
         if not self.wants(module):
             return
         pending = self._pending.setdefault(id(module), _Pending())
+        window = slice(None, self.max_tokens)
         with torch.no_grad():
             if x is not None:
-                pending.x = self.take(x)
+                pending.x = self.take(x[:, window])
             if output is not None:
-                pending.output = self.take(output)
+                pending.output = self.take(output[:, window])
             if scores:
-                pending.scores = (
-                    self.take(scores["logits"]),
-                    self.take(scores["probs"]),
-                    scores["allowed"][: self.num_sequences].detach().clone(),
-                )
-        if pending.x is not None and pending.output is not None and pending.scores is not None:
+                self._reduce(pending, scores["logits"], scores["probs"], scores["allowed"])
+        if pending.x is not None and pending.output is not None and pending.probs is not None:
             self._finish(self.layers[id(module)], self._pending.pop(id(module)))
+
+    def _reduce(self, pending: _Pending, logits: Tensor, probs: Tensor, allowed: Tensor) -> None:
+        logits, probs, allowed = (t[: self.num_sequences] for t in (logits, probs, allowed))
+        n = probs.shape[-1]
+        m = n if self.max_tokens is None else min(n, self.max_tokens)
+        if m < n:
+            pending.truncated = bool(allowed[..., :m, m:].any())  # a kept query reads a dropped key: not causal
+            logits, probs, allowed = logits[..., :m, :m], probs[..., :m, :m], allowed[..., :m, :m]
+        pending.probs = probs.detach().to(self.dtype, copy=True)
+        if pending.truncated:  # the walk restricted to the window: rows renormalized over the kept keys
+            pending.probs /= pending.probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(self.dtype).tiny)
+        pending.max_logit = max_attention_logit(logits).to(self.dtype)
+        pending.key_mask = allowed.any(dim=-2).any(dim=-2)  # (B_s, m): keys some query of some head may attend
 
     def _finish(self, layer: Layer, pending: _Pending) -> None:
         self.done.add(id(layer.module))
@@ -99,32 +115,22 @@ class CaptureSession:
             self.records.append(record)
 
     def _record(self, layer: Layer, pending: _Pending) -> AttentionRecord:
-        logits, probs, allowed = pending.scores
-        x, output = pending.x, pending.output
         w_v, w_o, bias = (t.detach().to(self.dtype, copy=True) for t in layer.adapter.weights(layer.module))
-        n = probs.shape[-1]
-        if probs.shape[-2] != n or x.shape[-2] != n:
+        probs, x, output = pending.probs, pending.x, pending.output
+        if probs.shape[-2] != probs.shape[-1] or x.shape[-2] != probs.shape[-1]:
             raise ValueError(
                 f"{layer.name}: self-attention needs as many queries as keys, got attention {tuple(probs.shape)} "
                 f"for input {tuple(x.shape)}"
             )
-        truncated = False
-        if self.max_tokens is not None and n > self.max_tokens:
-            m = self.max_tokens
-            truncated = bool(allowed[..., :m, m:].any())  # some kept query reads a dropped key: not causal
-            logits, allowed, x, output = logits[..., :m, :m], allowed[..., :m, :m], x[:, :m], output[:, :m]
-            probs = probs[..., :m, :m]
-            if truncated:  # the walk restricted to the window: rows renormalized over the kept keys
-                probs = probs / probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
         error = reconstruction_error(probs, w_v, w_o, bias, x, output)
-        if truncated:
+        if pending.truncated:
             error = torch.full_like(error, float("nan"))
-        key_mask = allowed.any(dim=-2).any(dim=-2)  # (B_s, n): keys some query of some head may attend
+        key_mask = pending.key_mask
         return AttentionRecord(
             name=layer.name,
             index=layer.index,
             attn=probs,
-            max_logit=max_attention_logit(logits),
+            max_logit=pending.max_logit,
             w_v=w_v,
             w_o=w_o,
             bias=bias,

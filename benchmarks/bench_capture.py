@@ -1,0 +1,164 @@
+"""Cost of a capture: forward time armed against plain, and extra peak memory against one layer's maps.
+
+Per architecture (built from code or configs, random weights, eval mode, float32):
+
+* time: ``connmon.capture(model, batch)`` against ``model(batch)`` under ``no_grad``, run alternately, median of
+  ``--repeats`` pairs; the ratio is what one sampled step's forward costs.
+* memory (CPU, Linux): the peak resident memory a capture adds over the plain forward's own peak (the high-water
+  mark ``VmHWM`` reset before each run, freed heap returned to the OS first), for the list mode (all records
+  kept) and the streaming mode (``on_record`` drops each record after reading it), in units of one layer's maps
+  (``B_s x H x n x n`` float32 probabilities and logits and a bool mask).
+
+Usage:
+    python benchmarks/bench_capture.py            # about 2 minutes on 2 CPU cores
+    python benchmarks/bench_capture.py --device cuda
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import connmon
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.capture.models import TinyGPT
+
+WIDTH, HEADS, LAYERS, TOKENS, BATCH, SEQUENCES = 256, 8, 6, 512, 4, 2
+
+
+def build(arch: str) -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (BATCH, TOKENS))
+    if arch == "nn.TransformerEncoder":
+        layer = nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, LAYERS), {"src": torch.randn(BATCH, TOKENS, WIDTH)}
+    if arch == "nanoGPT":
+        return TinyGPT(vocab=100, n_embd=WIDTH, n_head=HEADS, n_layer=LAYERS), {"idx": ids}
+    import transformers
+
+    if arch == "HF GPT-2":
+        config = transformers.GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, vocab_size=100, n_positions=TOKENS)
+        return transformers.GPT2Model(config), {"input_ids": ids}
+    if arch == "HF LLaMA (GQA)":
+        config = transformers.LlamaConfig(
+            vocab_size=100, hidden_size=WIDTH, intermediate_size=4 * WIDTH, num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS, num_key_value_heads=HEADS // 4, max_position_embeddings=TOKENS,
+        )  # fmt: skip
+        return transformers.LlamaModel(config), {"input_ids": ids}
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=WIDTH, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        intermediate_size=4 * WIDTH, max_position_embeddings=TOKENS,
+    )  # fmt: skip
+    return transformers.BertModel(config, add_pooling_layer=False), {"input_ids": ids}
+
+
+ARCHITECTURES = ["nn.TransformerEncoder", "nanoGPT", "HF GPT-2", "HF LLaMA (GQA)", "HF BERT"]
+
+
+def timing(arch: str, device: torch.device, repeats: int) -> tuple[float, float]:
+    model, inputs = build(arch)
+    model = model.to(device).eval()
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+
+    def plain() -> None:
+        with torch.no_grad():
+            model(**inputs)
+
+    def armed() -> None:
+        connmon.capture(model, num_sequences=SEQUENCES, max_tokens=None, **inputs)
+
+    plain_times, armed_times = [], []
+    for run in [plain, armed] * (repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        (plain_times if run is plain else armed_times).append(time.perf_counter() - start)
+    return statistics.median(plain_times[1:]), statistics.median(armed_times[1:])
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def peak_extra(run: Callable[[], object]) -> int:
+    """Peak resident memory that ``run`` adds (Linux: VmHWM after resetting it, freed heap returned first)."""
+    gc.collect()
+    _LIBC.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark VmHWM to the current RSS
+    before = _status("VmRSS")
+    result = run()
+    peak = _status("VmHWM") - before
+    del result
+    return peak
+
+
+def memory_row(arch: str, one_layer: int) -> str:
+    model, inputs = build(arch)
+    model.eval()
+
+    def plain() -> object:
+        with torch.no_grad():
+            return model(**inputs)
+
+    def kept() -> object:
+        return connmon.capture(model, num_sequences=SEQUENCES, max_tokens=None, **inputs)
+
+    def streamed() -> object:
+        return connmon.capture(model, num_sequences=SEQUENCES, max_tokens=None, on_record=lambda r: None, **inputs)
+
+    plain()  # warm-up
+    base = statistics.median(peak_extra(plain) for _ in range(3))
+    all_kept = statistics.median(peak_extra(kept) for _ in range(3)) - base
+    streaming = statistics.median(peak_extra(streamed) for _ in range(3)) - base
+    return (
+        f"| {arch} | {base / 2**20:.0f} MiB | {all_kept / 2**20:.0f} MiB | {all_kept / one_layer:.1f} "
+        f"| {streaming / 2**20:.0f} MiB | {streaming / one_layer:.1f} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-memory", action="store_true", help="skip the CPU memory table")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads; d={WIDTH}, H={HEADS}, "
+          f"{LAYERS} layers, batch {BATCH} x {TOKENS} tokens, recording {SEQUENCES} sequences\n")  # fmt: skip
+    print("| architecture | plain forward ms | armed forward ms | armed / plain |")
+    print("|---|---|---|---|")
+    for arch in ARCHITECTURES:
+        plain, armed = timing(arch, device, args.repeats)
+        print(f"| {arch} | {plain * 1e3:.1f} | {armed * 1e3:.1f} | {armed / plain:.2f}x |", flush=True)
+    if args.no_memory:
+        return
+    one_layer = SEQUENCES * HEADS * TOKENS * TOKENS * (4 + 4 + 1)  # probabilities, logits, mask
+    print(f"\none layer's maps: {one_layer / 2**20:.1f} MiB (CPU resident memory, Linux VmHWM)\n")
+    print("| architecture | plain forward peak | extra, all records kept | in layers' maps | extra, streaming "
+          "| in layers' maps |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for arch in ARCHITECTURES:
+        print(memory_row(arch, one_layer), flush=True)
+
+
+if __name__ == "__main__":
+    main()
