@@ -18,6 +18,9 @@ def attention_scores(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Logits, probabilities and the allowed-key mask, in float32 (float64 stays float64).
 
+    The allowed mask is built on the mask's own shape (a float mask blocks exactly where it is ``-inf``, since
+    ``q . k`` is finite), so an unmasked or causal layer never materializes a full ``(B, H, L, S)`` bool tensor.
+
     Args:
         query: ``(B, H, L, E)``.
         key: ``(B, H_kv, S, E)``, ``H_kv`` divides ``H``.
@@ -27,15 +30,15 @@ def attention_scores(
 
     Returns:
         ``logits (B, H, L, S)`` with ``-inf`` where blocked, ``probs (B, H, L, S)`` with rows of no allowed key set
-        to 0, ``allowed (B, H, L, S)`` bool.
+        to 0, and ``allowed``, a 4-dim bool tensor broadcastable to ``(B, H, L, S)``.
 
     Example:
         >>> import torch
         >>> from connmon.capture.scores import attention_scores
         >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
         >>> logits, probs, allowed = attention_scores(q, k, is_causal=True)
-        >>> probs[0, 0, 0].tolist(), bool(allowed[0, 0].tril().equal(allowed[0, 0]))
-        ([1.0, 0.0, 0.0], True)
+        >>> probs[0, 0, 0].tolist(), tuple(allowed.shape)
+        ([1.0, 0.0, 0.0], (1, 1, 3, 3))
     """
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     q, k = query.to(dtype), key.to(dtype)
@@ -43,14 +46,21 @@ def attention_scores(
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     logits = (q @ k.mT).mul_(scale)  # in place from here on: one map of logits, one of probabilities
-    if mask is not None and mask.dtype != torch.bool:
-        logits = logits.add_(mask.to(dtype)) if mask.shape == logits.shape else logits + mask.to(dtype)
-    allowed = logits != float("-inf")
+    length, keys = logits.shape[-2:]
+    allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     if is_causal:
-        allowed &= torch.ones(logits.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if mask is not None and mask.dtype == torch.bool:
-        allowed = allowed & mask
-    logits.masked_fill_(~allowed, float("-inf"))
+        allowed = allowed & torch.ones(length, keys, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+        if mask.dtype == torch.bool:
+            allowed = allowed & mask
+        else:
+            logits.add_(mask.to(dtype))
+            allowed = allowed & (mask != float("-inf"))
+    blocked = not bool(allowed.all())
+    if blocked:
+        logits.masked_fill_(~allowed, float("-inf"))
     probs = logits.softmax(dim=-1)
-    probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)  # a row with no allowed key: 0, not NaN
+    if blocked:
+        probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)  # a row with no allowed key: 0, not NaN
     return logits, probs, allowed

@@ -95,6 +95,7 @@ class CaptureSession:
     def _reduce(self, pending: _Pending, logits: Tensor, probs: Tensor, allowed: Tensor) -> None:
         logits, probs, allowed = (t[: self.num_sequences] for t in (logits, probs, allowed))
         n = probs.shape[-1]
+        allowed = allowed.expand(*allowed.shape[:-2], n, n)  # a view: allowed may come in a broadcast shape
         m = n if self.max_tokens is None else min(n, self.max_tokens)
         if m < n:
             pending.truncated = bool(allowed[..., :m, m:].any())  # a kept query reads a dropped key: not causal
@@ -103,7 +104,8 @@ class CaptureSession:
         if pending.truncated:  # the walk restricted to the window: rows renormalized over the kept keys
             pending.probs /= pending.probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(self.dtype).tiny)
         pending.max_logit = max_attention_logit(logits).to(self.dtype)
-        pending.key_mask = allowed.any(dim=-2).any(dim=-2)  # (B_s, m): keys some query of some head may attend
+        keys = allowed.any(dim=-2).any(dim=-2)  # (B_s | 1, m): keys some query of some head may attend
+        pending.key_mask = keys.expand(probs.shape[0], probs.shape[-1]).clone()
 
     def _finish(self, layer: Layer, pending: _Pending) -> None:
         self.done.add(id(layer.module))

@@ -75,15 +75,15 @@ class TorchMultiheadAttention(Adapter):
         b_q, b_k = (None, None) if mod.in_proj_bias is None else (mod.in_proj_bias[:d], mod.in_proj_bias[d : 2 * d])
         q = nn.functional.linear(x, w_q, b_q).view(batch, n, heads, d_h).transpose(1, 2)  # (B, H, n, d_h)
         k = nn.functional.linear(x, w_k, b_k).view(batch, n, heads, d_h).transpose(1, 2)  # (B, H, n, d_h)
-        additive = torch.zeros(batch, heads, n, n, dtype=torch.float32, device=x.device)
         attn_mask, padding = bound.get("attn_mask"), bound.get("key_padding_mask")
         if attn_mask is None and bound.get("is_causal", False):
             attn_mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        masks = []
         if attn_mask is not None:
-            mask = attn_mask if attn_mask.dim() == 2 else attn_mask.view(-1, heads, n, n)[:batch]
-            additive = _add(additive, mask)
+            masks.append(attn_mask if attn_mask.dim() == 2 else attn_mask.view(-1, heads, n, n)[:batch])
         if padding is not None:
-            additive = _add(additive, padding[:batch, None, None, :])
+            masks.append(padding[:batch, None, None, :])
+        additive = sum(_additive(mask) for mask in masks) if masks else None  # broadcast shapes, never (B, H, n, n)
         logits, probs, allowed = attention_scores(q, k, additive)
         session.put(mod, x=x, output=out, logits=logits, probs=probs, allowed=allowed)
 
@@ -97,8 +97,8 @@ class TorchMultiheadAttention(Adapter):
             torch.backends.mha.set_fastpath_enabled(was)
 
 
-def _add(additive: Tensor, mask: Tensor) -> Tensor:
-    """Fold an nn.MultiheadAttention mask (bool: True = blocked; float: added) into an additive float mask."""
+def _additive(mask: Tensor) -> Tensor:
+    """An nn.MultiheadAttention mask (bool: True = blocked; float: added) as an additive float mask."""
     if mask.dtype == torch.bool:
-        return additive.masked_fill(mask, float("-inf"))
-    return additive + mask.to(additive.dtype)
+        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill_(mask, float("-inf"))
+    return mask.float()
