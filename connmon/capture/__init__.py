@@ -150,7 +150,10 @@ def armed(
             for adapter in {id(layer.adapter): layer.adapter for layer in layers}.values():
                 stack.enter_context(adapter.armed(model, session))
             for layer in layers:
-                handles.extend(layer.adapter.hooks(model, layer.name, layer.module, session))
+                registered = layer.adapter.hooks(model, layer.name, layer.module, session)
+                if not registered:  # the adapter found the module unsupported and said so
+                    session.skip(layer.module)
+                handles.extend(registered)
             yield session
         finally:
             for handle in handles:

@@ -11,8 +11,9 @@ records never keep activations alive.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ from torch import Tensor, nn
 
 from connmon.capture.record import AttentionRecord, reconstruction_error
 from connmon.functional import max_attention_logit
+
+SUSPECT_RECONSTRUCTION = 0.1  # far above float32 (1e-7) and bf16 (1e-2) round-off: the module is not a walk
 
 
 @dataclass
@@ -62,6 +65,22 @@ class CaptureSession:
         self.done: set[int] = set()
         self._pending: dict[int, _Pending] = {}
 
+    def skip(self, module: nn.Module) -> None:
+        """Record nothing for ``module`` in this session (an adapter found it unsupported)."""
+        self.done.add(id(module))
+        self._pending.pop(id(module), None)
+
+    @contextlib.contextmanager
+    def guarded(self, module: nn.Module) -> Iterator[None]:
+        """Run recording work for ``module``; an error there skips the module with one warning, never the forward."""
+        try:
+            yield
+        except Exception as error:  # the user's forward must go on whatever a record's bookkeeping hits
+            layer = self.layers.get(id(module))
+            name = layer.name if layer else type(module).__name__
+            warn_once(f"connmon: could not record {name} ({type(error).__name__}: {error}); skipped")
+            self.skip(module)
+
     def wants(self, module: nn.Module) -> bool:
         """Whether ``module`` is armed here and not recorded yet."""
         return id(module) in self.layers and id(module) not in self.done
@@ -82,15 +101,15 @@ class CaptureSession:
             return
         pending = self._pending.setdefault(id(module), _Pending())
         window = slice(None, self.max_tokens)
-        with torch.no_grad():
+        with self.guarded(module), torch.no_grad():
             if x is not None:
                 pending.x = self.take(x[:, window])
             if output is not None:
                 pending.output = self.take(output[:, window])
             if scores:
                 self._reduce(pending, scores["logits"], scores["probs"], scores["allowed"])
-        if pending.x is not None and pending.output is not None and pending.probs is not None:
-            self._finish(self.layers[id(module)], self._pending.pop(id(module)))
+            if pending.x is not None and pending.output is not None and pending.probs is not None:
+                self._finish(self.layers[id(module)], self._pending.pop(id(module)))
 
     def _reduce(self, pending: _Pending, logits: Tensor, probs: Tensor, allowed: Tensor) -> None:
         logits, probs, allowed = (t[: self.num_sequences] for t in (logits, probs, allowed))
@@ -111,6 +130,14 @@ class CaptureSession:
         self.done.add(id(layer.module))
         with torch.no_grad():
             record = self._record(layer, pending)
+        error = record.reconstruction_error.item()
+        if error > SUSPECT_RECONSTRUCTION:
+            warn_once(
+                f"connmon: {layer.name} ({type(layer.module).__name__}): the connection walk rebuilds its output only "
+                f"to a relative error of {error:.2g}, so the module computes something the walk does not model "
+                "(gating, a norm before the output projection, active attention dropout, ...); treat its record "
+                "with care or register an adapter that reads it exactly"
+            )
         if self.on_record is not None:
             self.on_record(record)
         else:

@@ -75,3 +75,19 @@ def test_vit():
     model = sharpen(transformers.ViTModel(config, add_pooling_layer=False).eval(), ("q_proj", "k_proj"), 25.0)
     records = connmon.capture(model, pixel_values=torch.randn(2, 3, 16, 16))
     check(records, ["layers.0.attention", "layers.1.attention"], 4, 17, causal=False)  # 16 patches + [CLS]
+
+
+def test_bert_decoder_cross_attention_is_skipped_with_a_warning():
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        is_decoder=True, add_cross_attention=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    model = transformers.BertModel(config).eval()
+    with pytest.warns(UserWarning, match="cross-attention"):
+        records = connmon.capture(
+            model, input_ids=torch.randint(0, 64, (2, 6)), encoder_hidden_states=torch.randn(2, 4, 32)
+        )
+    assert [r.name for r in records] == ["encoder.layer.0.attention.self"]
+    assert records[0].attn.triu(1).abs().max() == 0  # decoder self-attention is causal
+    assert records[0].reconstruction_error.item() <= TOL

@@ -95,3 +95,46 @@ def test_custom_module_registered_by_the_user():
         x[:2] @ model.to_qkv.weight[24:48].T
     ).view(2, 7, 3, 8).permute(0, 2, 3, 1) / 8**0.5 + bias
     torch.testing.assert_close(record.max_logit, logits.flatten(1).amax(-1), rtol=1e-5, atol=1e-5)
+
+
+class GatedAttention(MyAttention):
+    """Attention whose output is gated before the projection: not a connection walk."""
+
+    def forward(self, x, bias):
+        b, n, d = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        y = y.transpose(1, 2).reshape(b, n, d)
+        return self.to_out(y * torch.sigmoid(x))
+
+
+def test_a_module_the_walk_does_not_model_is_reported_not_silently_wrong():
+    adapter = FusedQKVAttention("GatedAttention", qkv="to_qkv", proj="to_out", heads="heads")
+    register_adapter(adapter)
+    try:
+        with pytest.warns(UserWarning, match="does not model"):
+            (record,) = connmon.capture(GatedAttention(), torch.randn(2, 7, 24), None)
+    finally:
+        connmon.capture.ADAPTERS.remove(adapter)
+    assert record.reconstruction_error.item() > 0.1
+
+
+class BrokenAdapter(FusedQKVAttention):
+    def weights(self, module):
+        raise RuntimeError("weights unreadable")
+
+
+def test_an_error_while_recording_never_breaks_the_forward():
+    model = MyAttention()
+    x = torch.randn(2, 7, 24)
+    expected = model(x, None)
+    adapter = BrokenAdapter("MyAttention", qkv="to_qkv", proj="to_out", heads="heads")
+    register_adapter(adapter)
+    outputs = []
+    try:
+        with pytest.warns(UserWarning, match="could not record.*weights unreadable"):
+            with connmon.capture.armed(model) as session:
+                outputs.append(model(x, None))
+    finally:
+        connmon.capture.ADAPTERS.remove(adapter)
+    assert session.records == [] and torch.equal(outputs[0], expected)

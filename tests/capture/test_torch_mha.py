@@ -37,7 +37,7 @@ def assert_exact(records, count):
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize(
     "masks",
-    ["none", "bool", "float", "padding", "causal", "bool+padding", "per_head"],
+    ["none", "bool", "float", "float_inf", "padding", "causal", "bool+padding", "per_head"],
 )
 def test_multihead_attention_masks(batch_first, masks):
     mha = sharp_mha(batch_first=batch_first)
@@ -51,6 +51,8 @@ def test_multihead_attention_masks(batch_first, masks):
         kwargs["attn_mask"] = causal
     if masks == "float":
         kwargs["attn_mask"] = torch.randn(n, n)
+    if masks == "float_inf":
+        kwargs["attn_mask"] = torch.randn(n, n).masked_fill(causal, float("-inf"))
     if "padding" in masks:
         kwargs["key_padding_mask"] = padding
     if masks == "causal":
@@ -65,6 +67,9 @@ def test_multihead_attention_masks(batch_first, masks):
     if "padding" in masks:
         assert record.key_mask.tolist() == [[True] * 5 + [False] * 2] * 2
         assert record.attn[..., -2:].abs().max() == 0
+    if masks in ("bool", "float_inf", "causal"):
+        assert record.attn.triu(1).abs().max() == 0
+        assert record.max_logit.isfinite().all()
 
 
 def test_separate_qkv_weights_and_no_bias():

@@ -22,7 +22,7 @@ from torch.utils.hooks import RemovableHandle
 
 from connmon.capture.adapters.base import Adapter
 from connmon.capture.scores import attention_scores
-from connmon.capture.session import CaptureSession
+from connmon.capture.session import CaptureSession, warn_once
 
 IMPLEMENTATION = "connmon"
 _SESSIONS: list[CaptureSession] = []
@@ -45,9 +45,7 @@ class HuggingFaceAttention(Adapter):
         self._out_proj: dict[int, nn.Module] = {}  # BERT/ViT: attention module -> sibling output.dense, while armed
 
     def matches(self, module: nn.Module) -> bool:  # noqa: D102
-        if not type(module).__module__.startswith("transformers.") or getattr(module, "is_cross_attention", False):
-            return False
-        return _family(module) is not None
+        return type(module).__module__.startswith("transformers.") and _family(module) is not None
 
     def weights(self, module: nn.Module) -> tuple[Tensor, Tensor, Tensor]:  # noqa: D102
         family = _family(module)
@@ -77,6 +75,9 @@ class HuggingFaceAttention(Adapter):
 
     def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
         family = _family(module)
+        if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
+            warn_once(f"connmon: {name} is cross-attention (queries and keys from different sequences); skipped")
+            return []
         if family == "gpt2":
             out = module.c_proj
         elif family == "llama":
@@ -137,16 +138,16 @@ def _attention(
             is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
             is_causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1  # as sdpa_attention_forward
             mask = None if attention_mask is None else attention_mask[:n]
-            with torch.no_grad():
+            with session.guarded(module), torch.no_grad():
                 logits, probs, allowed = attention_scores(
                     query[:n], key[:n], mask, scale=kwargs.get("scaling"), is_causal=is_causal
                 )
-            session.put(module, logits=logits, probs=probs, allowed=allowed)
+                session.put(module, logits=logits, probs=probs, allowed=allowed)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def _family(module: nn.Module) -> str | None:
-    if hasattr(module, "c_attn") and hasattr(module, "c_proj") and not getattr(module, "is_cross_attention", False):
+    if hasattr(module, "c_attn") and hasattr(module, "c_proj"):
         return "gpt2"
     if all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj")):
         return "llama"

@@ -151,7 +151,7 @@ def wrapper(
     module = _STACK[-1] if _STACK else None
     for session in _ARMED_SESSIONS:
         if module is not None and session.wants(module):
-            with torch.no_grad():
+            with session.guarded(module), torch.no_grad():
                 n = session.num_sequences
                 logits, probs, allowed = attention_scores(
                     query[:n],
@@ -160,7 +160,7 @@ def wrapper(
                     scale=scale,
                     is_causal=is_causal,
                 )
-            session.put(module, logits=logits, probs=probs, allowed=allowed)
+                session.put(module, logits=logits, probs=probs, allowed=allowed)
     return wrapper.original(
         query,
         key,

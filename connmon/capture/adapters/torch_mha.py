@@ -56,7 +56,7 @@ class TorchMultiheadAttention(Adapter):
             if not (query is key and key is value):
                 warn_once(f"connmon: {name} is called as cross-attention (query is not key/value); skipped")
                 return
-            with torch.no_grad():
+            with session.guarded(mod), torch.no_grad():
                 self._feed(mod, session, bound, output[0])
 
         return [module.register_forward_hook(hook, with_kwargs=True)]
