@@ -129,7 +129,8 @@ def armed(
     Example:
         >>> import torch
         >>> import connmon.capture as cc
-        >>> model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, batch_first=True), 2)
+        >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dropout=0.0, batch_first=True)
+        >>> model = torch.nn.TransformerEncoder(layer, 2)
         >>> with cc.armed(model, num_sequences=1) as session:
         ...     _ = model(torch.randn(4, 5, 8))
         >>> len(session.records), tuple(session.records[0].x.shape)
