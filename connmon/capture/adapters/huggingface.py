@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from connmon.capture.adapters.base import Adapter
+from connmon.capture.adapters.base import Adapter, head_maps
 from connmon.capture.scores import attention_scores
 from connmon.capture.session import CaptureSession, warn_once
 
@@ -49,29 +49,13 @@ class HuggingFaceAttention(Adapter):
 
     def weights(self, module: nn.Module) -> tuple[Tensor, Tensor, Tensor]:  # noqa: D102
         family = _family(module)
-        heads, d_h = _heads(module)
-        if family == "gpt2":  # Conv1D: y = x W + b, W (d, 3d)
+        heads = _heads(module)
+        if family == "gpt2":  # Conv1D: y = x W + b with W (d, 3d)
             d = module.c_attn.weight.shape[0]
-            w_v = module.c_attn.weight[:, 2 * d :].T.reshape(heads, d_h, d)
-            b_v = module.c_attn.bias[2 * d :]
-            w_o = module.c_proj.weight.T.reshape(d, heads, d_h).transpose(0, 1)
-            b_o = module.c_proj.bias
-        else:
-            value, out = (
-                (module.v_proj, module.o_proj) if family == "llama" else (module.value, self._out_proj[id(module)])
-            )
-            d = value.in_features
-            kv_heads = value.out_features // d_h
-            w_v = value.weight.view(kv_heads, d_h, d).repeat_interleave(heads // kv_heads, dim=0)
-            b_v = None if value.bias is None else value.bias.view(kv_heads, d_h).repeat_interleave(heads // kv_heads, 0)
-            w_o = out.weight.view(out.out_features, heads, d_h).transpose(0, 1)
-            b_o = out.bias
-        bias = torch.zeros(w_o.shape[1], dtype=w_o.dtype, device=w_o.device)
-        if b_v is not None:
-            bias = bias + (w_o @ b_v.reshape(heads, d_h, 1)).sum(0).squeeze(-1)
-        if b_o is not None:
-            bias = bias + b_o
-        return w_v, w_o, bias
+            value, value_bias = module.c_attn.weight[:, 2 * d :].T, module.c_attn.bias[2 * d :]
+            return head_maps(value, module.c_proj.weight.T, heads, value_bias, module.c_proj.bias)
+        value, out = (module.v_proj, module.o_proj) if family == "llama" else (module.value, self._out_proj[id(module)])
+        return head_maps(value.weight, out.weight, heads, value.bias, out.bias)
 
     def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
         family = _family(module)
@@ -156,10 +140,6 @@ def _family(module: nn.Module) -> str | None:
     return None
 
 
-def _heads(module: nn.Module) -> tuple[int, int]:
+def _heads(module: nn.Module) -> int:
     config = module.config
-    heads = getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None) or config.n_head
-    d_h = (
-        getattr(module, "head_dim", None) or getattr(module, "attention_head_size", None) or config.hidden_size // heads
-    )
-    return heads, d_h
+    return getattr(module, "num_heads", None) or getattr(config, "num_attention_heads", None) or config.n_head

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from connmon.capture.adapters.base import Adapter
+from connmon.capture.adapters.base import Adapter, head_maps
 from connmon.capture.scores import attention_scores
 from connmon.capture.session import CaptureSession, warn_once
 
@@ -60,17 +60,10 @@ class FusedQKVAttention(Adapter):
         )
 
     def weights(self, module: nn.Module) -> tuple[Tensor, Tensor, Tensor]:  # noqa: D102
-        qkv, proj, heads = getattr(module, self.qkv), getattr(module, self.proj), getattr(module, self.heads)
+        qkv, proj = getattr(module, self.qkv), getattr(module, self.proj)
         d = qkv.in_features
-        d_h = d // heads
-        w_v = qkv.weight[2 * d :].view(heads, d_h, d)
-        w_o = proj.weight.view(proj.out_features, heads, d_h).transpose(0, 1)  # (H, d, d_h)
-        bias = torch.zeros(proj.out_features, dtype=w_o.dtype, device=w_o.device)
-        if qkv.bias is not None:
-            bias = bias + (w_o @ qkv.bias[2 * d :].view(heads, d_h, 1)).sum(0).squeeze(-1)
-        if proj.bias is not None:
-            bias = bias + proj.bias
-        return w_v, w_o, bias
+        value_bias = None if qkv.bias is None else qkv.bias[2 * d :]
+        return head_maps(qkv.weight[2 * d :], proj.weight, getattr(module, self.heads), value_bias, proj.bias)
 
     def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
         for attribute in self.identity:

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from connmon.capture.adapters.base import Adapter
+from connmon.capture.adapters.base import Adapter, head_maps
 from connmon.capture.scores import attention_scores
 from connmon.capture.session import CaptureSession, warn_once
 
@@ -32,18 +32,11 @@ class TorchMultiheadAttention(Adapter):
         return isinstance(module, nn.MultiheadAttention)
 
     def weights(self, module: nn.Module) -> tuple[Tensor, Tensor, Tensor]:  # noqa: D102
-        heads, d = module.num_heads, module.embed_dim
-        d_h = d // heads
-        w_v = (module.in_proj_weight[2 * d :] if module._qkv_same_embed_dim else module.v_proj_weight).view(
-            heads, d_h, d
-        )
-        w_o = module.out_proj.weight.view(d, heads, d_h).transpose(0, 1)  # (H, d, d_h)
-        bias = torch.zeros(d, dtype=w_o.dtype, device=w_o.device)
-        if module.in_proj_bias is not None:
-            bias = bias + (w_o @ module.in_proj_bias[2 * d :].view(heads, d_h, 1)).sum(0).squeeze(-1)
-        if module.out_proj.bias is not None:
-            bias = bias + module.out_proj.bias
-        return w_v, w_o, bias
+        d = module.embed_dim
+        value = module.in_proj_weight[2 * d :] if module._qkv_same_embed_dim else module.v_proj_weight
+        value_bias = None if module.in_proj_bias is None else module.in_proj_bias[2 * d :]
+        out = module.out_proj
+        return head_maps(value, out.weight, module.num_heads, value_bias, out.bias)
 
     def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
         if module.bias_k is not None or module.add_zero_attn:
