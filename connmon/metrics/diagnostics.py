@@ -1,0 +1,173 @@
+"""The diagnostic groups of DESIGN section 1 as torchmetrics accumulators, updated from AttentionRecords.
+
+Each group delegates to :mod:`connmon.functional`; values are per sequence (a transport diagnostic, which depends
+on the weights only, counts once per sequence so that every group averages over the same sequences).
+
+Example:
+    >>> import torch
+    >>> import connmon
+    >>> from connmon.metrics import WalkMetrics
+    >>> _ = torch.manual_seed(0)
+    >>> layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    >>> model = torch.nn.TransformerEncoder(layer, 2)
+    >>> walk = WalkMetrics(num_layers=2)
+    >>> for step in range(3):  # a plain training loop would capture on its sampled steps
+    ...     for record in connmon.capture(model, torch.randn(4, 8, 16)):
+    ...         walk.update(record)
+    >>> values = walk.compute()
+    >>> tuple(values["attention_entropy"].shape), float(values["stochasticity_gap/all"]) < 1e-6
+    ((2,), True)
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+import connmon.functional as F
+from connmon.capture import AttentionRecord
+from connmon.metrics.layerwise import LayerwiseMean, per_sequence
+
+__all__ = ["DriftMetrics", "SpectrumMetrics", "TransportMetrics", "WalkMetrics"]
+
+
+class WalkMetrics(LayerwiseMean):
+    """Walk diagnostics per layer: stochasticity, entropy, reversibility, spectral gap, max logit, reconstruction.
+
+    Args:
+        num_layers: number of captured attention layers.
+        **kwargs: passed to ``torchmetrics.Metric``.
+    """
+
+    metrics: ClassVar[tuple[str, ...]] = (
+        "stochasticity_gap",
+        "attention_entropy",
+        "attention_entropy_normalized",
+        "reversibility_gap",
+        "walk_spectral_gap",
+        "max_attention_logit",
+        "reconstruction_error",
+    )
+
+    def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
+        P = F.walk_matrix(record.attn)
+        batch = P.shape[0]
+        columns = [
+            F.stochasticity_gap(P),
+            F.attention_entropy(record.attn),
+            F.attention_entropy(record.attn, normalized=True),
+            F.reversibility_gap(P),
+            F.walk_spectral_gap(P),
+            record.max_logit,
+            per_sequence(record.reconstruction_error, batch),
+        ]
+        return torch.stack([c.to(P.dtype) for c in columns], dim=-1)
+
+
+class TransportMetrics(LayerwiseMean):
+    """Transport diagnostics per layer: head, OV and edge isometry gaps, symmetry gap, transport scale.
+
+    Args:
+        num_layers: number of captured attention layers.
+        edge_samples: keys drawn per query for ``edge_isometry_gap`` (None: exact, ``O(n^2 d^3)``).
+        **kwargs: passed to ``torchmetrics.Metric``.
+    """
+
+    metrics: ClassVar[tuple[str, ...]] = (
+        "head_isometry_gap",
+        "ov_isometry_gap",
+        "edge_isometry_gap",
+        "transport_symmetry_gap",
+        "transport_scale",
+    )
+
+    def __init__(self, num_layers: int, edge_samples: int | None = 4, **kwargs: object) -> None:
+        super().__init__(num_layers, **kwargs)
+        self.edge_samples = edge_samples
+
+    def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
+        w_v, w_o = record.w_v, record.w_o
+        batch = record.attn.shape[0]
+        columns = [
+            per_sequence(F.head_isometry_gap(w_v, w_o), batch),
+            per_sequence(F.ov_isometry_gap(w_v, w_o), batch),
+            F.edge_isometry_gap(record.attn, w_v, w_o, num_samples=self.edge_samples),
+            per_sequence(F.transport_symmetry_gap(w_v, w_o), batch),
+            per_sequence(F.transport_scale(w_v, w_o), batch),
+        ]
+        return torch.stack(columns, dim=-1)
+
+
+class SpectrumMetrics(LayerwiseMean):
+    """Connection-operator diagnostics per layer: spectral radius, operator norm, Laplacian gap (of ``M / s``).
+
+    Args:
+        num_layers: number of captured attention layers.
+        **kwargs: passed to ``torchmetrics.Metric``.
+    """
+
+    metrics: ClassVar[tuple[str, ...]] = (
+        "connection_spectral_radius",
+        "connection_operator_norm",
+        "connection_laplacian_gap",
+    )
+
+    def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
+        args = (record.attn, record.w_v, record.w_o)
+        columns = [
+            F.connection_spectral_radius(*args),
+            F.connection_operator_norm(*args),
+            F.connection_laplacian_gap(*args),
+        ]
+        return torch.stack([c.to(record.attn.dtype) for c in columns], dim=-1)
+
+
+class DriftMetrics(LayerwiseMean):
+    """Drift per layer: depth drift (against the previous layer), time and transport drift (against the last sample).
+
+    ``depth_drift`` compares a record with the previous layer's record of the same forward; ``time_drift`` and
+    ``transport_drift`` compare it with this layer's previous sample (pass the same probe input every time). The
+    previous walk and transport of each layer are kept between updates (not synced: each rank compares its own
+    sequences, and the synced means then cover all of them) and travel in ``state_dict()`` as the module's extra
+    state, so a resumed run continues its time drift. Nothing to compare against yet counts nothing.
+
+    Args:
+        num_layers: number of captured attention layers.
+        **kwargs: passed to ``torchmetrics.Metric``.
+    """
+
+    metrics: ClassVar[tuple[str, ...]] = ("depth_drift", "time_drift", "transport_drift")
+
+    def __init__(self, num_layers: int, **kwargs: object) -> None:
+        super().__init__(num_layers, **kwargs)
+        self.previous_walks: dict[int, Tensor] = {}
+        self.previous_transports: dict[int, Tensor] = {}
+        self._depth_walk: tuple[int, Tensor] | None = None
+
+    def get_extra_state(self) -> dict:
+        """The previous sample's walks and transports, per layer (saved with ``state_dict()``)."""
+        return {"walks": dict(self.previous_walks), "transports": dict(self.previous_transports)}
+
+    def set_extra_state(self, state: dict) -> None:
+        """Restore what :meth:`get_extra_state` saved."""
+        self.previous_walks = dict(state.get("walks", {}))
+        self.previous_transports = dict(state.get("transports", {}))
+
+    def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
+        P = F.walk_matrix(record.attn)
+        T = F.ov_transport(record.w_v, record.w_o)
+        batch, nan = P.shape[0], torch.full((P.shape[0],), float("nan"), dtype=P.dtype, device=P.device)
+        depth = nan
+        if self._depth_walk is not None and self._depth_walk[0] == record.index - 1:
+            if self._depth_walk[1].shape == P.shape:
+                depth = F.depth_drift(P, self._depth_walk[1])
+        old_walk = self.previous_walks.get(record.index)
+        time = F.time_drift(P, old_walk) if old_walk is not None and old_walk.shape == P.shape else nan
+        old_transport = self.previous_transports.get(record.index)
+        transport = per_sequence(F.transport_drift(T, old_transport), batch) if old_transport is not None else nan
+        self._depth_walk = (record.index, P)
+        self.previous_walks[record.index] = P
+        self.previous_transports[record.index] = T
+        return torch.stack([depth, time, transport.to(P.dtype)], dim=-1)

@@ -1,0 +1,73 @@
+"""A torchmetrics accumulator of per-layer means over sampled sequences (the base of every connmon metric).
+
+State: ``total (L, M)`` and ``count (L, M)``, both summed across processes (``dist_reduce_fx="sum"``), so the
+synced value is the mean over every sequence any rank recorded. A metric that is NaN for a sequence (for example
+the normalized entropy of a one-token sequence) is left out of that layer's mean rather than poisoning it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from connmon.capture import AttentionRecord
+
+
+class LayerwiseMean(Metric):
+    """Mean of per-sequence diagnostics, per layer. Subclasses name ``metrics`` and implement :meth:`measure`.
+
+    Args:
+        num_layers: number of captured attention layers (record indices ``0 .. num_layers - 1``).
+        **kwargs: passed to ``torchmetrics.Metric``.
+
+    Raises:
+        ValueError: if ``num_layers < 1``, or a record's index is out of range.
+    """
+
+    metrics: ClassVar[tuple[str, ...]] = ()
+    full_state_update: bool = False
+    higher_is_better = None
+    is_differentiable = False
+
+    def __init__(self, num_layers: int, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got num_layers={num_layers}")
+        self.num_layers = num_layers
+        shape = (num_layers, len(self.metrics))
+        self.add_state("total", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
+
+    @abc.abstractmethod
+    def measure(self, record: AttentionRecord) -> Tensor:
+        """``(B_s, len(metrics))`` values of one record, one row per sequence."""
+
+    def update(self, record: AttentionRecord) -> None:
+        """Add one record's per-sequence values to its layer."""
+        if not 0 <= record.index < self.num_layers:
+            raise ValueError(
+                f"record {record.name!r} has layer index {record.index}, outside 0..{self.num_layers - 1}; "
+                "construct the metric with the number of captured layers"
+            )
+        values = self.measure(record).to(torch.float64)  # (B_s, M)
+        finite = torch.isfinite(values)
+        self.total[record.index] += torch.where(finite, values, torch.zeros_like(values)).sum(dim=0)
+        self.count[record.index] += finite.sum(dim=0)
+
+    def compute(self) -> dict[str, Tensor]:
+        """``{metric: (L,) per-layer mean}``, NaN for a layer with no finite value; ``"<metric>/all"`` model mean."""
+        mean = self.total / self.count  # 0/0 = NaN for layers never seen
+        out = {name: mean[:, i] for i, name in enumerate(self.metrics)}
+        for i, name in enumerate(self.metrics):
+            seen = self.count[:, i] > 0
+            out[f"{name}/all"] = mean[seen, i].mean() if bool(seen.any()) else mean.new_tensor(float("nan"))
+        return out
+
+
+def per_sequence(value: Tensor, batch: int) -> Tensor:
+    """A per-layer value (0-dim) or a per-sequence one (``(B_s,)``) as ``(B_s,)``."""
+    return value.reshape(-1).expand(batch) if value.numel() == 1 else value

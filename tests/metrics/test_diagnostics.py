@@ -1,0 +1,157 @@
+import math
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import connmon
+import connmon.functional as F
+from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
+
+LAYERS = 3
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
+    for sub in model.layers:
+        sub.self_attn.in_proj_weight.data[:32] *= 3
+    return model
+
+
+def batches(seed, steps=3):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(4, 7, 16, generator=gen) for _ in range(steps)]
+
+
+def direct(records):
+    """Per-layer means over all recorded sequences, computed record by record with connmon.functional."""
+    values = {}
+    for r in records:
+        P = F.walk_matrix(r.attn)
+        rows = {
+            "stochasticity_gap": F.stochasticity_gap(P),
+            "attention_entropy": F.attention_entropy(r.attn),
+            "reversibility_gap": F.reversibility_gap(P),
+            "max_attention_logit": r.max_logit,
+            "ov_isometry_gap": F.ov_isometry_gap(r.w_v, r.w_o).expand(2),
+            "edge_isometry_gap": F.edge_isometry_gap(r.attn, r.w_v, r.w_o),
+            "connection_operator_norm": F.connection_operator_norm(r.attn, r.w_v, r.w_o),
+        }
+        for name, value in rows.items():
+            values.setdefault(name, {}).setdefault(r.index, []).append(value.double())
+    return {name: torch.stack([torch.cat(v[i]).mean() for i in range(LAYERS)]) for name, v in values.items()}
+
+
+def test_groups_equal_direct_functional_means_over_steps():
+    model = make_model()
+    metrics = [WalkMetrics(LAYERS), TransportMetrics(LAYERS, edge_samples=None), SpectrumMetrics(LAYERS)]
+    seen = []
+    for batch in batches(0):
+        for record in connmon.capture(model, batch):
+            seen.append(record)
+            for metric in metrics:
+                metric.update(record)
+    computed = {}
+    for metric in metrics:
+        computed.update(metric.compute())
+    expected = direct(seen)
+    for name, value in expected.items():
+        torch.testing.assert_close(computed[name], value, rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(computed[f"{name}/all"], value.mean(), rtol=1e-6, atol=1e-9)
+    assert (computed["reconstruction_error"] < 1e-5).all()
+
+
+def test_nan_values_are_left_out_and_unseen_layers_are_nan():
+    walk = WalkMetrics(num_layers=4)
+    model = make_model()
+    for record in connmon.capture(model, torch.randn(2, 1, 16)):  # one token: normalized entropy is NaN
+        walk.update(record)
+    values = walk.compute()
+    assert torch.isnan(values["attention_entropy_normalized"]).all()  # no finite value anywhere
+    assert values["attention_entropy"][:3].eq(0).all() and torch.isnan(values["attention_entropy"][3])
+    assert values["attention_entropy/all"].item() == 0  # the mean over the layers that were seen
+
+
+def test_record_index_out_of_range():
+    walk = WalkMetrics(num_layers=1)
+    records = connmon.capture(make_model(), torch.randn(2, 5, 16))
+    with pytest.raises(ValueError, match=r"layer index 1, outside 0..0"):
+        walk.update(records[1])
+    with pytest.raises(ValueError, match="num_layers must be >= 1, got num_layers=0"):
+        WalkMetrics(num_layers=0)
+
+
+def test_drift_depth_time_transport_and_checkpoint():
+    model = make_model()
+    probe = torch.randn(2, 7, 16)
+    drift = DriftMetrics(LAYERS)
+    first = connmon.capture(model, probe)
+    for record in first:
+        drift.update(record)
+    values = drift.compute()
+    assert math.isnan(values["depth_drift"][0].item()) and math.isnan(values["time_drift"][1].item())
+    expected_depth = F.depth_drift(F.walk_matrix(first[1].attn), F.walk_matrix(first[0].attn)).mean()
+    assert values["depth_drift"][1].item() == pytest.approx(expected_depth.item(), rel=1e-6)
+
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    restored = DriftMetrics(LAYERS)
+    restored.load_state_dict(drift.state_dict())  # a resumed run keeps the previous sample
+    second = connmon.capture(model, probe)
+    for record in second:
+        restored.update(record)
+    values = restored.compute()
+    expected_time = F.time_drift(F.walk_matrix(second[2].attn), F.walk_matrix(first[2].attn)).mean()
+    assert values["time_drift"][2].item() == pytest.approx(expected_time.item(), rel=1e-6)
+    expected_transport = F.transport_drift(
+        F.ov_transport(second[0].w_v, second[0].w_o), F.ov_transport(first[0].w_v, first[0].w_o)
+    )
+    assert values["transport_drift"][0].item() == pytest.approx(expected_transport.item(), rel=1e-6)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world_size, port, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        model = make_model()
+        metrics = [WalkMetrics(LAYERS), TransportMetrics(LAYERS, edge_samples=None), SpectrumMetrics(LAYERS)]
+        for batch in batches(seed=100 + rank):  # each rank captures its own share
+            for record in connmon.capture(model, batch):
+                for metric in metrics:
+                    metric.update(record)
+        synced = {}
+        for metric in metrics:
+            synced.update({k: v.clone() for k, v in metric.compute().items()})
+        if rank == 0:
+            torch.save(synced, results)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_processes_equal_one_process_over_the_same_sequences(tmp_path):
+    results = tmp_path / "synced.pt"
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(results)), nprocs=2, join=True)
+    synced = torch.load(results)
+    model = make_model()
+    single = [WalkMetrics(LAYERS), TransportMetrics(LAYERS, edge_samples=None), SpectrumMetrics(LAYERS)]
+    for rank in range(2):
+        for batch in batches(seed=100 + rank):
+            for record in connmon.capture(model, batch):
+                for metric in single:
+                    metric.update(record)
+    expected = {}
+    for metric in single:
+        expected.update(metric.compute())
+    assert set(synced) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(synced[name], expected[name], rtol=1e-6, atol=1e-9)
