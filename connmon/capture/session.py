@@ -72,9 +72,13 @@ class CaptureSession:
 
     @contextlib.contextmanager
     def guarded(self, module: nn.Module) -> Iterator[None]:
-        """Run recording work for ``module``; an error there skips the module with one warning, never the forward."""
+        """Run recording work for ``module`` in full precision; an error there skips it with one warning.
+
+        Autocast is switched off inside (the records are float32), and no error escapes into the user's forward.
+        """
         try:
-            yield
+            with full_precision():
+                yield
         except Exception as error:  # the user's forward must go on whatever a record's bookkeeping hits
             layer = self.layers.get(id(module))
             name = layer.name if layer else type(module).__name__
@@ -172,6 +176,16 @@ class CaptureSession:
     def missing(self) -> list[str]:
         """Names of armed modules that produced no complete record."""
         return [layer.name for key, layer in self.layers.items() if key not in self.done]
+
+
+@contextlib.contextmanager
+def full_precision() -> Iterator[None]:
+    """Switch autocast off (CPU, and CUDA where present) for connmon's own math inside a user's forward."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.autocast("cpu", enabled=False))
+        if torch.cuda.is_available():
+            stack.enter_context(torch.autocast("cuda", enabled=False))
+        yield
 
 
 _WARNED: set[str] = set()

@@ -69,6 +69,8 @@ class WalkMetrics(LayerwiseMean):
 class TransportMetrics(LayerwiseMean):
     """Transport diagnostics per layer: head, OV and edge isometry gaps, symmetry gap, transport scale.
 
+    Per-head gaps of the latest record of each layer are kept in ``last_head_gaps`` for histograms.
+
     Args:
         num_layers: number of captured attention layers.
         edge_samples: keys drawn per query for ``edge_isometry_gap`` (None: exact, ``O(n^2 d^3)``).
@@ -86,12 +88,15 @@ class TransportMetrics(LayerwiseMean):
     def __init__(self, num_layers: int, edge_samples: int | None = 4, **kwargs: object) -> None:
         super().__init__(num_layers, **kwargs)
         self.edge_samples = edge_samples
+        self.last_head_gaps: dict[int, Tensor] = {}  # (H,) per layer, the latest record, for histograms
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
         w_v, w_o = record.w_v, record.w_o
         batch = record.attn.shape[0]
+        head_gaps = F.head_isometry_gap(w_v, w_o, reduction="none")
+        self.last_head_gaps[record.index] = head_gaps
         columns = [
-            per_sequence(F.head_isometry_gap(w_v, w_o), batch),
+            per_sequence(head_gaps.mean(), batch),
             per_sequence(F.ov_isometry_gap(w_v, w_o), batch),
             F.edge_isometry_gap(record.attn, w_v, w_o, num_samples=self.edge_samples),
             per_sequence(F.transport_symmetry_gap(w_v, w_o), batch),
@@ -103,8 +108,12 @@ class TransportMetrics(LayerwiseMean):
 class SpectrumMetrics(LayerwiseMean):
     """Connection-operator diagnostics per layer: spectral radius, operator norm, Laplacian gap (of ``M / s``).
 
+    The spectral radius comes from the ``k`` eigenvalues of largest modulus, which are kept per layer in
+    ``last_spectra`` (``(B_s, k)`` complex, the latest record of each layer) for histograms and figures.
+
     Args:
         num_layers: number of captured attention layers.
+        k: eigenvalues kept per sequence.
         **kwargs: passed to ``torchmetrics.Metric``.
     """
 
@@ -114,13 +123,19 @@ class SpectrumMetrics(LayerwiseMean):
         "connection_laplacian_gap",
     )
 
+    def __init__(self, num_layers: int, k: int = 8, **kwargs: object) -> None:
+        super().__init__(num_layers, **kwargs)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got k={k}")
+        self.k = k
+        self.last_spectra: dict[int, Tensor] = {}
+
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
         args = (record.attn, record.w_v, record.w_o)
-        columns = [
-            F.connection_spectral_radius(*args),
-            F.connection_operator_norm(*args),
-            F.connection_laplacian_gap(*args),
-        ]
+        n, d = record.attn.shape[-1], record.w_v.shape[-1]
+        spectrum = F.connection_spectrum(*args, k=min(self.k, n * d))  # (B_s, k)
+        self.last_spectra[record.index] = spectrum
+        columns = [spectrum.abs()[..., 0], F.connection_operator_norm(*args), F.connection_laplacian_gap(*args)]
         return torch.stack([c.to(record.attn.dtype) for c in columns], dim=-1)
 
 
