@@ -7,10 +7,10 @@ Example:
     '0.1.0'
 """
 
-from connmon import capture, functional
+from connmon import callbacks, capture, functional
 from connmon.analysis import Report, analyze
 from connmon.capture import AttentionRecord
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionRecord", "Report", "__version__", "analyze", "capture", "functional"]
+__all__ = ["AttentionRecord", "Report", "__version__", "analyze", "callbacks", "capture", "functional"]

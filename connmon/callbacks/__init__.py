@@ -1,0 +1,11 @@
+"""Lightning callbacks (the design card's ``callbacks`` part, inside the package so no global name is claimed).
+
+Example:
+    >>> from connmon.callbacks import ConnectionMonitor
+    >>> ConnectionMonitor(every_n_steps=10).every_n_steps
+    10
+"""
+
+from connmon.callbacks.connection_monitor import ConnectionMonitor
+
+__all__ = ["ConnectionMonitor"]

@@ -1,0 +1,318 @@
+"""ConnectionMonitor: samples every self-attention layer every N optimizer steps and logs its geometry."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from torch import Tensor
+
+from connmon.capture import AttentionRecord, armed, attention_layers
+from connmon.capture.session import Layer
+from connmon.loggers.figures import depth_figure, spectra_figure
+from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
+
+Diagnostic = Literal["walk", "transport", "spectrum", "drift"]
+DIAGNOSTICS: tuple[Diagnostic, ...] = ("walk", "transport", "spectrum", "drift")
+
+
+class ConnectionMonitor(Callback):
+    """Reads every self-attention layer as a connection walk every ``every_n_steps`` optimizer steps.
+
+    On a sampled step the capture is armed (hooks exist on no other step), the first ``num_sequences`` sequences of
+    each layer are recorded and streamed into torchmetrics accumulators (synced across processes), and the
+    per-layer values are logged as ``connmon/<metric>/L<ll>`` plus ``connmon/<metric>/all`` at
+    ``trainer.global_step`` to every attached logger. With a ``WandbLogger`` it also logs histograms of per-head
+    isometry gaps and of connection-spectrum moduli, and every ``figures_every_n_samples`` samples a figure of the
+    spectra and of the gaps across depth. Nothing it does can end the run: a layer it cannot read is skipped with
+    one warning.
+
+    Args:
+        every_n_steps: sample every this many optimizer steps (with gradient accumulation, once per optimizer step,
+            on its first micro-batch).
+        num_sequences: sequences recorded per sampled step (per process).
+        max_tokens: tokens recorded per sequence (see :func:`connmon.capture`); None for all.
+        layers: which attention layers: None for all, a regex on module names, or a list of names or indices.
+        diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
+        spectrum_k: eigenvalues of ``M / s`` per layer (histograms, figures, spectral radius).
+        probe: None to record the training forward of sampled steps; or a fixed batch, run under ``no_grad`` in eval
+            mode on every process at sampled steps (train mode restored), so that time drift compares like with like.
+        probe_fn: how to run the probe, ``probe_fn(pl_module, probe)``; default ``pl_module(probe)``
+            (``pl_module(*probe)`` for a tuple, ``pl_module(**probe)`` for a dict).
+        log_histograms: log W&B histograms (with a ``WandbLogger``).
+        figures_every_n_samples: log W&B figures every this many samples; None for never.
+        edge_samples: keys per query for ``edge_isometry_gap`` (None: exact, costly).
+
+    Raises:
+        ValueError: for an invalid option (the message names the valid ones).
+
+    Example:
+        >>> import lightning as L
+        >>> from connmon.callbacks import ConnectionMonitor
+        >>> monitor = ConnectionMonitor(every_n_steps=50, diagnostics=("walk", "transport"))
+        >>> trainer = L.Trainer(callbacks=[monitor], logger=False, enable_progress_bar=False)
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        num_sequences: int = 2,
+        max_tokens: int | None = 256,
+        layers: str | Sequence[str | int] | None = None,
+        diagnostics: Sequence[Diagnostic] = DIAGNOSTICS,
+        spectrum_k: int = 8,
+        probe: Any = None,
+        probe_fn: Callable[[LightningModule, Any], Any] | None = None,
+        log_histograms: bool = True,
+        figures_every_n_samples: int | None = 10,
+        edge_samples: int | None = 4,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got every_n_steps={every_n_steps}")
+        if num_sequences < 1:
+            raise ValueError(f"num_sequences must be >= 1, got num_sequences={num_sequences}")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None, got max_tokens={max_tokens}")
+        unknown = [d for d in diagnostics if d not in DIAGNOSTICS]
+        if unknown or not diagnostics:
+            raise ValueError(f"diagnostics must be a non-empty subset of {DIAGNOSTICS}, got {tuple(diagnostics)}")
+        if spectrum_k < 1:
+            raise ValueError(f"spectrum_k must be >= 1, got spectrum_k={spectrum_k}")
+        if figures_every_n_samples is not None and figures_every_n_samples < 1:
+            raise ValueError(f"figures_every_n_samples must be >= 1 or None, got {figures_every_n_samples}")
+        if probe_fn is not None and probe is None:
+            raise ValueError("probe_fn needs a probe batch: pass probe=... too")
+        if isinstance(layers, str):
+            try:
+                re.compile(layers)
+            except re.error as error:
+                raise ValueError(f"layers={layers!r} is not a valid regular expression: {error}") from None
+        self.every_n_steps = every_n_steps
+        self.num_sequences = num_sequences
+        self.max_tokens = max_tokens
+        self.layers = layers
+        self.diagnostics = tuple(diagnostics)
+        self.spectrum_k = spectrum_k
+        self.probe = probe
+        self.probe_fn = probe_fn
+        self.log_histograms = log_histograms
+        self.figures_every_n_samples = figures_every_n_samples
+        self.edge_samples = edge_samples
+        self.samples = 0
+        self.last_sampled_step = -1
+        self._layers: list[Layer] = []
+        self._metrics: dict[str, LayerwiseMean] = {}
+        self._armed: contextlib.ExitStack | None = None
+        self._wandb: Any = None
+        self._pending_drift_state: dict | None = None
+        self._sample_step = -1
+
+    # --- Lightning hooks ------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Find the attention layers and the loggers; an unreadable model disables the monitor with one warning."""
+        try:
+            found = attention_layers(pl_module)
+        except ValueError as error:
+            rank_zero_warn(f"ConnectionMonitor is off for this run: {error}")
+            self._layers = []
+            return
+        self._layers = self._select(found)
+        num_layers = len(found)
+        groups = {
+            "walk": lambda: WalkMetrics(num_layers),
+            "transport": lambda: TransportMetrics(num_layers, edge_samples=self.edge_samples),
+            "spectrum": lambda: SpectrumMetrics(num_layers, k=self.spectrum_k),
+            "drift": lambda: DriftMetrics(num_layers),
+        }
+        self._metrics = {name: groups[name]().to(pl_module.device) for name in self.diagnostics}
+        if self._pending_drift_state is not None and "drift" in self._metrics:
+            self._metrics["drift"].set_extra_state(self._pending_drift_state)
+            self._pending_drift_state = None
+        if not trainer.loggers:
+            rank_zero_warn("ConnectionMonitor: no logger is attached, so its values are computed but not logged")
+        self._wandb = self._wandb_sink(trainer)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Arm the capture on the first micro-batch of a sampled optimizer step (training-forward mode)."""
+        first_micro_batch = batch_idx % trainer.accumulate_grad_batches == 0
+        if self.probe is None and first_micro_batch and self._due(trainer.global_step):
+            self._sample_step = trainer.global_step  # the step whose forward is recorded
+            self._arm(pl_module)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Disarm and log the training-forward sample; in probe mode, run the probe after a sampled step."""
+        if self._armed is not None:
+            self._disarm()
+            self._finish_sample(trainer, self._sample_step)
+            return
+        stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0  # the optimizer just stepped
+        if self.probe is not None and stepped and self._due(trainer.global_step):
+            self._run_probe(pl_module)  # the model after global_step optimizer steps
+            self._finish_sample(trainer, trainer.global_step)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Remove every hook if the run fails."""
+        self._disarm()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Remove every hook at the end of the run."""
+        self._disarm()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampling cadence and the previous sample of each layer (so a resumed run continues its time drift)."""
+        drift = self._metrics.get("drift")
+        return {
+            "samples": self.samples,
+            "last_sampled_step": self.last_sampled_step,
+            "drift": drift.get_extra_state() if drift is not None else self._pending_drift_state,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.samples = state_dict.get("samples", 0)
+        self.last_sampled_step = state_dict.get("last_sampled_step", -1)
+        drift_state = state_dict.get("drift")
+        if drift_state is not None:
+            if "drift" in self._metrics:
+                self._metrics["drift"].set_extra_state(drift_state)
+            else:
+                self._pending_drift_state = drift_state  # applied in setup()
+
+    # --- workers --------------------------------------------------------------------------------------------------
+
+    def _select(self, found: list[Layer]) -> list[Layer]:
+        if self.layers is None:
+            return found
+        if isinstance(self.layers, str):
+            chosen = [layer for layer in found if re.search(self.layers, layer.name)]
+        else:
+            wanted = set(self.layers)
+            chosen = [layer for layer in found if layer.name in wanted or layer.index in wanted]
+        if not chosen:
+            rank_zero_warn(
+                f"ConnectionMonitor: layers={self.layers!r} matches none of {[layer.name for layer in found]}; "
+                "the monitor records nothing"
+            )
+        return chosen
+
+    def _due(self, step: int) -> bool:
+        return bool(self._layers) and step % self.every_n_steps == 0 and step != self.last_sampled_step
+
+    def _arm(self, pl_module: LightningModule) -> None:
+        stack = contextlib.ExitStack()
+        stack.enter_context(
+            armed(
+                pl_module,
+                num_sequences=self.num_sequences,
+                max_tokens=self.max_tokens,
+                layers=self._layers,
+                on_record=self._consume,
+            )
+        )
+        self._armed = stack
+
+    def _disarm(self) -> None:
+        if self._armed is not None:
+            stack, self._armed = self._armed, None
+            stack.close()
+
+    def _run_probe(self, pl_module: LightningModule) -> None:
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            self._arm(pl_module)
+            with torch.no_grad():
+                probe = _to_device(self.probe, pl_module.device)
+                if self.probe_fn is not None:
+                    self.probe_fn(pl_module, probe)
+                elif isinstance(probe, dict):
+                    pl_module(**probe)
+                elif isinstance(probe, tuple):
+                    pl_module(*probe)
+                else:
+                    pl_module(probe)
+        finally:
+            self._disarm()
+            pl_module.train(was_training)
+
+    def _consume(self, record: AttentionRecord) -> None:
+        for metric in self._metrics.values():
+            metric.update(record)
+
+    def _finish_sample(self, trainer: Trainer, step: int) -> None:
+        self.last_sampled_step = step
+        self.samples += 1
+        values: dict[str, Tensor] = {}
+        for metric in self._metrics.values():
+            values.update(metric.compute())  # syncs across processes: every rank reaches this on a sampled step
+        self._log(trainer, step, values)
+        for metric in self._metrics.values():
+            metric.reset()
+
+    @rank_zero_only
+    def _log(self, trainer: Trainer, step: int, values: dict[str, Tensor]) -> None:
+        selected = [layer.index for layer in self._layers]
+        scalars = {}
+        for name, value in values.items():
+            if name.endswith("/all"):
+                if torch.isfinite(value):
+                    scalars[f"connmon/{name}"] = value.item()
+                continue
+            for index in selected:
+                if torch.isfinite(value[index]):
+                    scalars[f"connmon/{name}/L{index:02d}"] = value[index].item()
+        for logger in trainer.loggers:
+            logger.log_metrics(scalars, step=step)
+        if self._wandb is not None:
+            self._log_wandb(step, values)
+
+    def _log_wandb(self, step: int, values: dict[str, Tensor]) -> None:
+        transport, spectrum = self._metrics.get("transport"), self._metrics.get("spectrum")
+        if self.log_histograms:
+            histograms = {}
+            for index, gaps in getattr(transport, "last_head_gaps", {}).items():
+                histograms[f"connmon/head_isometry_gap_hist/L{index:02d}"] = gaps
+            for index, eigenvalues in getattr(spectrum, "last_spectra", {}).items():
+                histograms[f"connmon/spectrum_modulus_hist/L{index:02d}"] = eigenvalues.abs()
+            if histograms:
+                self._wandb.histograms(step, histograms)
+        if self.figures_every_n_samples is not None and (self.samples - 1) % self.figures_every_n_samples == 0:
+            figures = {}
+            if spectrum is not None and spectrum.last_spectra:
+                figures["connmon/figures/spectra"] = spectra_figure(spectrum.last_spectra, f"step {step}")
+            depth = {k: v for k, v in values.items() if k.endswith("isometry_gap") and not k.endswith("/all")}
+            if depth:
+                figures["connmon/figures/gaps_by_depth"] = depth_figure(depth, f"step {step}")
+            if figures:
+                self._wandb.figures(step, figures)
+
+    @staticmethod
+    def _wandb_sink(trainer: Trainer) -> Any:
+        try:
+            from lightning.pytorch.loggers import WandbLogger
+        except ImportError:  # pragma: no cover - lightning always ships it
+            return None
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                from connmon.loggers.wandb import WandbSink
+
+                return WandbSink(logger)
+        return None
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch

@@ -1,0 +1,67 @@
+"""Matplotlib figures of a sample: connection spectra in the complex plane, and the gaps across depth."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.figure import Figure  # the object API: no pyplot state, no GUI backend, nothing to close
+from torch import Tensor
+
+
+def spectra_figure(spectra: Mapping[int, Tensor], title: str = "connection spectra of M / s") -> Figure:
+    """Eigenvalues of ``M / s`` per layer in the complex plane, with the unit circle.
+
+    Args:
+        spectra: layer index -> ``(B_s, k)`` complex eigenvalues.
+        title: figure title.
+
+    Returns:
+        A matplotlib Figure (``fig.savefig(path)`` writes it).
+
+    Example:
+        >>> import torch
+        >>> from connmon.loggers import spectra_figure
+        >>> fig = spectra_figure({0: torch.tensor([[1.0 + 0.5j, 0.2 - 0.1j]])})
+        >>> len(fig.axes)
+        1
+    """
+    fig = Figure(figsize=(5, 5), layout="constrained")
+    ax = fig.subplots()
+    circle = np.exp(1j * np.linspace(0, 2 * np.pi, 200))
+    ax.plot(circle.real, circle.imag, color="0.8", lw=1)
+    colors = colormaps["viridis"](np.linspace(0, 1, max(len(spectra), 1)))
+    for color, (index, values) in zip(colors, sorted(spectra.items()), strict=False):
+        points = values.detach().cpu().numpy().ravel()
+        ax.scatter(points.real, points.imag, s=14, color=color, label=f"L{index:02d}")
+    ax.set(xlabel="Re", ylabel="Im", title=title, aspect="equal")
+    ax.legend(fontsize="small", ncols=2)
+    return fig
+
+
+def depth_figure(values: Mapping[str, Tensor], title: str = "gaps across depth") -> Figure:
+    """Per-layer curves (one per metric) against layer index.
+
+    Args:
+        values: metric name -> ``(L,)`` per-layer values (NaN for layers not captured).
+        title: figure title.
+
+    Returns:
+        A matplotlib Figure.
+
+    Example:
+        >>> import torch
+        >>> from connmon.loggers import depth_figure
+        >>> fig = depth_figure({"ov_isometry_gap": torch.tensor([0.5, 0.6, 0.55])})
+        >>> fig.axes[0].get_xlabel()
+        'layer'
+    """
+    fig = Figure(figsize=(6, 4), layout="constrained")
+    ax = fig.subplots()
+    for name, per_layer in values.items():
+        y = per_layer.detach().cpu().double().numpy()
+        ax.plot(np.arange(len(y)), y, marker="o", label=name)
+    ax.set(xlabel="layer", ylabel="value", title=title)
+    ax.legend(fontsize="small")
+    return fig

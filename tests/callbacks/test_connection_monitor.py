@@ -1,0 +1,168 @@
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from connmon.callbacks import ConnectionMonitor
+from tests.callbacks.lightning_models import LitGPT, loader
+
+
+def trainer(tmp_path, monitor, max_steps=6, logger="csv", **kwargs):
+    if logger == "csv":
+        logger = CSVLogger(tmp_path, name="csv")
+    elif logger is None:
+        logger = False
+    return L.Trainer(
+        max_steps=max_steps, callbacks=[monitor], logger=logger, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, accelerator="cpu", devices=1, log_every_n_steps=1, **kwargs,
+    )  # fmt: skip
+
+
+def read_csv(tmp_path):
+    path = next(Path(tmp_path).rglob("metrics.csv"))
+    rows = list(csv.DictReader(path.open()))
+    return [{k: v for k, v in row.items() if v != ""} for row in rows]
+
+
+class HookSpy(L.Callback):
+    """Counts forward hooks on the attention modules at the start of every batch (before the monitor arms)."""
+
+    def __init__(self):
+        self.counts = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.counts.append(sum(len(b.attn._forward_pre_hooks) for b in pl_module.model.blocks))
+
+
+def test_logs_every_metric_per_layer_at_sampled_steps_and_arms_only_then(tmp_path):
+    monitor = ConnectionMonitor(every_n_steps=2, figures_every_n_samples=None)
+    spy = HookSpy()
+    model = LitGPT()
+    t = L.Trainer(
+        max_steps=6, callbacks=[spy, monitor], logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    t.fit(model, loader())
+    rows = [row for row in read_csv(tmp_path) if any(k.startswith("connmon/") for k in row)]
+    assert [int(row["step"]) for row in rows] == [0, 2, 4]
+    keys = set().union(*rows)
+    for metric in ("attention_entropy", "ov_isometry_gap", "connection_spectral_radius", "depth_drift"):
+        assert {f"connmon/{metric}/L00", f"connmon/{metric}/all"} <= keys or metric == "depth_drift"
+    assert "connmon/depth_drift/L01" in keys and "connmon/depth_drift/L00" not in keys
+    assert "connmon/time_drift/L00" in rows[1] and "connmon/time_drift/L00" not in rows[0]
+    assert all(float(rows[0][f"connmon/reconstruction_error/L0{i}"]) < 1e-5 for i in range(2))
+    assert spy.counts == [0] * 6  # hooks never outlive a sampled step
+    assert all(len(b.attn._forward_hooks) == 0 for b in model.model.blocks)
+    assert monitor.samples == 3
+
+
+def test_gradient_accumulation_samples_once_per_optimizer_step(tmp_path):
+    monitor = ConnectionMonitor(every_n_steps=1, diagnostics=("walk",), figures_every_n_samples=None)
+    t = trainer(tmp_path, monitor, max_steps=3, accumulate_grad_batches=2)
+    t.fit(LitGPT(), loader())
+    rows = [row for row in read_csv(tmp_path) if "connmon/attention_entropy/all" in row]
+    assert [int(row["step"]) for row in rows] == [0, 1, 2] and monitor.samples == 3
+
+
+def test_probe_runs_in_eval_mode_and_restores_training(tmp_path):
+    probe = next(iter(loader(seed=1)))[0]
+    monitor = ConnectionMonitor(every_n_steps=2, probe=probe, diagnostics=("walk", "drift"), layers=[1])
+    model = LitGPT()
+    trainer(tmp_path, monitor).fit(model, loader())
+    assert all(model.modes)  # every training step ran in train mode
+    sampled = [row for row in read_csv(tmp_path) if "connmon/stochasticity_gap/L01" in row]
+    assert [int(row["step"]) for row in sampled] == [2, 4, 6]  # the model after 2, 4, 6 optimizer steps
+    rows = [row for row in read_csv(tmp_path) if "connmon/time_drift/L01" in row]
+    assert [int(row["step"]) for row in rows] == [4, 6]  # time drift needs a previous sample
+    keys = set().union(*read_csv(tmp_path))
+    assert not any("/L00" in key for key in keys)  # layers=[1] only
+
+
+def test_layers_by_regex(tmp_path):
+    monitor = ConnectionMonitor(every_n_steps=4, layers=r"blocks\.0\.", diagnostics=("transport",))
+    trainer(tmp_path, monitor, max_steps=2).fit(LitGPT(), loader())
+    keys = set().union(*read_csv(tmp_path))
+    assert "connmon/ov_isometry_gap/L00" in keys and "connmon/ov_isometry_gap/L01" not in keys
+
+
+def test_resume_continues_cadence_and_time_drift(tmp_path):
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("drift",), probe=next(iter(loader(seed=2)))[0])
+    t = L.Trainer(
+        max_steps=3, callbacks=[monitor, checkpoint], logger=False, enable_progress_bar=False, accelerator="cpu",
+        enable_model_summary=False,
+    )  # fmt: skip
+    t.fit(LitGPT(), loader())
+    assert monitor.samples == 1  # probe mode: after optimizer step 2
+    state = t.checkpoint_callback.best_model_path or str(next((tmp_path / "ckpt").glob("*.ckpt")))
+    resumed = ConnectionMonitor(every_n_steps=2, diagnostics=("drift",), probe=monitor.probe)
+    t2 = trainer(tmp_path / "resumed", resumed, max_steps=5)
+    t2.fit(LitGPT(), loader(), ckpt_path=state)
+    assert resumed.samples == 2  # 2 before the checkpoint (restored), 4 after
+    rows = [row for row in read_csv(tmp_path / "resumed") if "connmon/time_drift/all" in row]
+    assert [int(row["step"]) for row in rows] == [4]  # compared with the step-2 sample saved in the checkpoint
+
+
+def test_configuration_errors_name_the_value():
+    with pytest.raises(ValueError, match="every_n_steps must be >= 1, got every_n_steps=0"):
+        ConnectionMonitor(every_n_steps=0)
+    with pytest.raises(ValueError, match=r"diagnostics must be a non-empty subset of .*got \('walks',\)"):
+        ConnectionMonitor(diagnostics=("walks",))
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        ConnectionMonitor(layers="blocks[")
+    with pytest.raises(ValueError, match="probe_fn needs a probe batch"):
+        ConnectionMonitor(probe_fn=lambda m, p: None)
+
+
+class NoAttention(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_model_without_attention_warns_and_trains(tmp_path):
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
+    t = trainer(tmp_path, ConnectionMonitor(every_n_steps=1), max_steps=2)
+    with pytest.warns(UserWarning, match="ConnectionMonitor is off for this run: connmon found no self-attention"):
+        t.fit(NoAttention(), data)
+    assert t.global_step == 2
+
+
+def test_no_logger_is_reported_once(tmp_path):
+    with pytest.warns(UserWarning, match="no logger is attached"):
+        trainer(tmp_path, ConnectionMonitor(every_n_steps=1), max_steps=1, logger=None).fit(LitGPT(), loader())
+
+
+def test_wandb_offline_run_has_connmon_scalars_and_histograms(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="connmon-test", save_dir=str(tmp_path), offline=True)
+    monitor = ConnectionMonitor(every_n_steps=2, figures_every_n_samples=1)
+    trainer(tmp_path, monitor, max_steps=4, logger=logger).fit(LitGPT(), loader())
+    run_dir = Path(logger.experiment.dir).parent
+    logger.experiment.finish()
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    history = [json.loads(line)["history"]["item"] for line in out.stdout.splitlines() if '"type":"history"' in line]
+    keys = set().union(*history)
+    assert "connmon/attention_entropy/L00" in keys and "connmon/connection_spectral_radius/all" in keys
+    assert "connmon/head_isometry_gap_hist/L01._type" in keys
+    assert "connmon/spectrum_modulus_hist/L00._type" in keys
+    assert any(key.startswith("connmon/figures/spectra") for key in keys)
+    steps = sorted({item["trainer/global_step"] for item in history if "connmon/attention_entropy/L00" in item})
+    assert steps == [0, 2]
