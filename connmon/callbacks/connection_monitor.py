@@ -46,7 +46,8 @@ class ConnectionMonitor(Callback):
             (``pl_module(*probe)`` for a tuple, ``pl_module(**probe)`` for a dict).
         log_histograms: log W&B histograms (with a ``WandbLogger``).
         figures_every_n_samples: log W&B figures every this many samples; None for never.
-        edge_samples: keys per query for ``edge_isometry_gap`` (None: exact, costly).
+        edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
+        edge_queries: query rows for ``edge_isometry_gap`` (None: every row; both None: exact, costly).
 
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
@@ -70,7 +71,8 @@ class ConnectionMonitor(Callback):
         probe_fn: Callable[[LightningModule, Any], Any] | None = None,
         log_histograms: bool = True,
         figures_every_n_samples: int | None = 10,
-        edge_samples: int | None = 4,
+        edge_samples: int | None = 1,
+        edge_queries: int | None = 16,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got every_n_steps={every_n_steps}")
@@ -103,6 +105,7 @@ class ConnectionMonitor(Callback):
         self.log_histograms = log_histograms
         self.figures_every_n_samples = figures_every_n_samples
         self.edge_samples = edge_samples
+        self.edge_queries = edge_queries
         self.samples = 0
         self.last_sampled_step = -1
         self._layers: list[Layer] = []
@@ -126,7 +129,9 @@ class ConnectionMonitor(Callback):
         num_layers = len(found)
         groups = {
             "walk": lambda: WalkMetrics(num_layers),
-            "transport": lambda: TransportMetrics(num_layers, edge_samples=self.edge_samples),
+            "transport": lambda: TransportMetrics(
+                num_layers, edge_samples=self.edge_samples, edge_queries=self.edge_queries
+            ),
             "spectrum": lambda: SpectrumMetrics(num_layers, k=self.spectrum_k),
             "drift": lambda: DriftMetrics(num_layers),
         }

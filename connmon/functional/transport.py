@@ -288,7 +288,14 @@ def transport_symmetry_gap(w_v: Tensor, w_o: Tensor) -> Tensor:
     return safe_divide(frobenius(t_bar - t_bar.mT), 2 * frobenius(t_bar))
 
 
-def edge_isometry_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, num_samples: int | None = None, seed: int = 0) -> Tensor:
+def edge_isometry_gap(
+    attn: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    num_samples: int | None = None,
+    seed: int = 0,
+    num_queries: int | None = None,
+) -> Tensor:
     """Expected isometry gap (``r = d``) of the edge transport ``T_ij = sum_h a^h_ij T_h`` over the walk's edges.
 
     Edges are weighted by ``P_ij / n``: a uniform query ``i`` and a key ``j`` drawn from the walk. The gates are
@@ -301,6 +308,9 @@ def edge_isometry_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, num_samples: int |
       ``P`` by inverse-CDF sampling at the stratified points ``(m + U_m) / k``, ``m = 0..k-1``, and averages:
       ``(1/n) sum_i P_i. 1 * mean_m gap(T_{i j_m})``. ``O(n k r^3)``. Its standard error is at most
       ``0.5 / sqrt(n k)`` (gaps lie in ``[0, 1)``; stratification only lowers it). Deterministic for a ``seed``.
+    * ``num_queries=q``: average over ``q`` query rows drawn uniformly without replacement (seeded) instead of all
+      ``n``: unbiased, ``O(q k r^3)``, standard error at most ``0.5 / sqrt(q k)`` (exact keys when
+      ``num_samples=None``: ``O(q n r^3)``). This is what makes the diagnostic affordable inside a training run.
 
     Args:
         attn: attention probabilities ``(*, H, n, n)``.
@@ -308,12 +318,13 @@ def edge_isometry_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, num_samples: int |
         w_o: ``(*, H, d, d_h)``.
         num_samples: keys drawn per query, or None for the exact expectation.
         seed: seed of the sampler (a generator on ``attn``'s device).
+        num_queries: query rows to average over (uniform, without replacement), or None for all ``n``.
 
     Returns:
         ``(*,)``.
 
     Raises:
-        ValueError: if the shapes do not match or ``num_samples < 1``.
+        ValueError: if the shapes do not match, ``num_samples < 1`` or ``num_queries < 1``.
 
     Example:
         >>> import torch
@@ -330,21 +341,27 @@ def edge_isometry_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, num_samples: int |
     heads, n, d_h, d = check_layer(attn, w_v, w_o)
     if num_samples is not None and num_samples < 1:
         raise ValueError(f"num_samples must be a positive int or None, got num_samples={num_samples}")
+    if num_queries is not None and num_queries < 1:
+        raise ValueError(f"num_queries must be a positive int or None, got num_queries={num_queries}")
+    generator = torch.Generator(device=attn.device).manual_seed(seed)
+    rows = n
+    if num_queries is not None and num_queries < n:  # a uniform subset of query rows (the same for the batch)
+        chosen = torch.randperm(n, generator=generator, device=attn.device)[:num_queries]
+        attn, rows = attn.index_select(-2, chosen), num_queries
     r_v, r_o = _qr_cores(*_concat_heads(w_v, w_o))  # (*, r, H*d_h) each
     weight = attn.sum(dim=-3)  # W: (*, n, n)
     gates = safe_divide(attn, weight.unsqueeze(-3)).movedim(-3, -1)  # (*, n, n, H)
     walk = weight / heads  # P
     if num_samples is None:
-        edge_weight = walk / n  # (*, n, n)
+        edge_weight = walk / rows  # (*, rows, n)
     else:
-        row_mass = walk.sum(dim=-1)  # (*, n)
-        generator = torch.Generator(device=attn.device).manual_seed(seed)
+        row_mass = walk.sum(dim=-1)  # (*, rows)
         offsets = torch.rand((*walk.shape[:-1], num_samples), generator=generator, device=attn.device, dtype=walk.dtype)
         strata = torch.arange(num_samples, device=attn.device, dtype=walk.dtype)
         targets = (strata + offsets) / num_samples * row_mass.unsqueeze(-1)  # (*, n, k)
         keys = torch.searchsorted(walk.cumsum(dim=-1).contiguous(), targets.contiguous(), right=True)
         gates = torch.take_along_dim(gates, keys.clamp(max=n - 1).unsqueeze(-1), dim=-2)  # (*, n, k, H)
-        edge_weight = (row_mass / (n * num_samples)).unsqueeze(-1).expand(keys.shape)  # (*, n, k)
+        edge_weight = (row_mass / (rows * num_samples)).unsqueeze(-1).expand(keys.shape)  # (*, rows, k)
     scaled = r_o[..., None, None, :, :] * gates.repeat_interleave(d_h, dim=-1).unsqueeze(-2)  # (*, n, n|k, r, H*d_h)
     cores = scaled @ r_v.mT[..., None, None, :, :]  # (*, n, n|k, r, r)
     gaps = _gap(svdvals(cores), d)

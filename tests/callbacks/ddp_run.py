@@ -15,7 +15,7 @@ from tests.callbacks.lightning_models import LitGPT, loader
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
-    monitor = ConnectionMonitor(every_n_steps=2, edge_samples=None, figures_every_n_samples=None)
+    monitor = ConnectionMonitor(every_n_steps=2, edge_samples=None, edge_queries=None, figures_every_n_samples=None)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[monitor],
         logger=CSVLogger(out, name="ddp"), enable_progress_bar=False, enable_model_summary=False,

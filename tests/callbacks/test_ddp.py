@@ -31,7 +31,12 @@ def test_ddp_synced_values_equal_single_process(tmp_path):
     shares = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0))[:2] for r in range(2)]
 
     def group():
-        return [WalkMetrics(2), TransportMetrics(2, edge_samples=None), SpectrumMetrics(2), DriftMetrics(2)]
+        return [
+            WalkMetrics(2),
+            TransportMetrics(2, edge_samples=None, edge_queries=None),
+            SpectrumMetrics(2),
+            DriftMetrics(2),
+        ]
 
     per_rank = []
     for share in shares:  # what each rank accumulates on its own

@@ -68,6 +68,28 @@ def test_edge_isometry_gap_estimator_is_unbiased_within_its_documented_error(mas
     assert again.item() == estimates[7].item()  # deterministic for a seed
 
 
+def test_edge_isometry_gap_on_a_subset_of_queries_is_unbiased():
+    layer = ref.make_layer(heads=4, n=12, d_h=2, d=8, mask="causal", seed=5)
+    exact = F.edge_isometry_gap(layer.attn, layer.w_v, layer.w_o).item()
+    estimates = torch.stack(
+        [
+            F.edge_isometry_gap(layer.attn, layer.w_v, layer.w_o, num_samples=1, num_queries=4, seed=s)
+            for s in range(300)
+        ]
+    )
+    bound = 0.5 / 4**0.5
+    assert estimates.std().item() <= bound
+    assert estimates.mean().item() == pytest.approx(exact, abs=4 * bound / 300**0.5)
+    rows_exact = torch.stack(
+        [F.edge_isometry_gap(layer.attn, layer.w_v, layer.w_o, num_queries=3, seed=s) for s in range(300)]
+    )  # exact over the keys of 3 random queries
+    assert rows_exact.mean().item() == pytest.approx(exact, abs=4 * 0.5 / (3 * 300) ** 0.5)
+    everything = F.edge_isometry_gap(layer.attn, layer.w_v, layer.w_o, num_queries=12)
+    assert everything.item() == pytest.approx(exact, rel=1e-12)  # all rows: exact again
+    with pytest.raises(ValueError, match="num_queries must be a positive int or None, got num_queries=0"):
+        F.edge_isometry_gap(layer.attn, layer.w_v, layer.w_o, num_queries=0)
+
+
 def test_transport_functions_are_batched(layer):
     w_v = torch.stack([layer.w_v, 2 * layer.w_v.flip(-1)])
     w_o = torch.stack([layer.w_o, layer.w_o.flip(-2)])

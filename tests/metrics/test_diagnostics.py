@@ -22,6 +22,14 @@ def make_model(seed=0):
     return model
 
 
+def groups():
+    return [
+        WalkMetrics(LAYERS),
+        TransportMetrics(LAYERS, edge_samples=None, edge_queries=None),
+        SpectrumMetrics(LAYERS),
+    ]
+
+
 def batches(seed, steps=3):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(4, 7, 16, generator=gen) for _ in range(steps)]
@@ -48,7 +56,11 @@ def direct(records):
 
 def test_groups_equal_direct_functional_means_over_steps():
     model = make_model()
-    metrics = [WalkMetrics(LAYERS), TransportMetrics(LAYERS, edge_samples=None), SpectrumMetrics(LAYERS)]
+    metrics = [
+        WalkMetrics(LAYERS),
+        TransportMetrics(LAYERS, edge_samples=None, edge_queries=None),
+        SpectrumMetrics(LAYERS),
+    ]
     seen = []
     for batch in batches(0):
         for record in connmon.capture(model, batch):
@@ -124,7 +136,11 @@ def _ddp_worker(rank, world_size, port, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         model = make_model()
-        metrics = [WalkMetrics(LAYERS), TransportMetrics(LAYERS, edge_samples=None), SpectrumMetrics(LAYERS)]
+        metrics = [
+            WalkMetrics(LAYERS),
+            TransportMetrics(LAYERS, edge_samples=None, edge_queries=None),
+            SpectrumMetrics(LAYERS),
+        ]
         for batch in batches(seed=100 + rank):  # each rank captures its own share
             for record in connmon.capture(model, batch):
                 for metric in metrics:
@@ -143,7 +159,11 @@ def test_ddp_two_processes_equal_one_process_over_the_same_sequences(tmp_path):
     torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(results)), nprocs=2, join=True)
     synced = torch.load(results)
     model = make_model()
-    single = [WalkMetrics(LAYERS), TransportMetrics(LAYERS, edge_samples=None), SpectrumMetrics(LAYERS)]
+    single = [
+        WalkMetrics(LAYERS),
+        TransportMetrics(LAYERS, edge_samples=None, edge_queries=None),
+        SpectrumMetrics(LAYERS),
+    ]
     for rank in range(2):
         for batch in batches(seed=100 + rank):
             for record in connmon.capture(model, batch):

@@ -1,0 +1,115 @@
+"""Training throughput with ConnectionMonitor against no monitor and against ``wandb.watch``, in the same run.
+
+The model is the example's tiny GPT (4 layers, width 128, 4 heads, batch 16 x 64 tokens, CPU). Each configuration
+trains 201 steps; the timed window is steps 1..200 (step 0, which every monitor samples, is warm-up), so
+``every_n_steps=100`` samples twice in the window and ``every_n_steps=10`` twenty times. Configurations run
+alternately, ``--rounds`` times; the table gives median steps/s and the ratio of step time to the plain run.
+
+* plain: no monitor (CSV logger).
+* ConnectionMonitor(every_n_steps=100) and (every_n_steps=10): the default diagnostics on the training forward.
+* wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
+
+It also reports what one sampled step costs: the median time of the sampled steps of the ``every_n_steps=10`` run
+minus the median time of its other steps, in units of one training step.
+
+Usage:
+    python benchmarks/bench_overhead.py               # about 6 minutes on 2 CPU cores
+    python benchmarks/bench_overhead.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from torch.utils.data import DataLoader
+
+from connmon.callbacks import ConnectionMonitor
+
+STEPS = 201
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
+spec = importlib.util.spec_from_file_location("train_tiny_gpt", EXAMPLE)
+example = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(example)
+
+
+class StepClock(L.Callback):
+    """Wall time of every training step (batch start to batch end, hooks of later callbacks included)."""
+
+    def __init__(self) -> None:
+        self.times: dict[int, float] = {}
+        self._start = 0.0
+        self._step = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: D102
+        self._step = trainer.global_step
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
+        self.times[self._step] = time.perf_counter() - self._start
+
+
+def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
+    torch.manual_seed(0)
+    model = example.TinyGPT()
+    clock = StepClock()
+    callbacks: list[L.Callback] = [clock]  # first: its clock brackets the monitor's hooks
+    logger: object = CSVLogger(workdir, name=config)
+    if config.startswith("monitor"):
+        callbacks.append(ConnectionMonitor(every_n_steps=int(config.split("_")[1]), figures_every_n_samples=None))
+    if config == "wandb.watch":
+        logger = WandbLogger(project="connmon-bench", save_dir=str(workdir), mode="offline")
+        logger.watch(model, log="all", log_freq=100)
+    trainer = L.Trainer(
+        max_steps=STEPS, accelerator="cpu", devices=1, callbacks=callbacks, logger=logger, log_every_n_steps=50,
+        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+    )  # fmt: skip
+    trainer.fit(model, data)
+    if config == "wandb.watch":
+        logger.experiment.finish()
+    return clock.times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("WANDB_SILENT", "true")
+    warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
+    data = DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
+    configs = ["plain", "monitor_100", "monitor_10", "wandb.watch"]
+    throughput: dict[str, list[float]] = {c: [] for c in configs}
+    sampled_cost: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for round_ in range(args.rounds):
+            for config in configs:
+                times = run(config, data, Path(tmp) / f"{round_}")
+                window = [times[s] for s in range(1, STEPS)]
+                throughput[config].append(len(window) / sum(window))
+                if config == "monitor_10":
+                    sampled = [times[s] for s in range(10, STEPS, 10)]
+                    plain = [times[s] for s in range(1, STEPS) if s % 10]
+                    step = statistics.median(plain)
+                    sampled_cost.append((statistics.median(sampled) - step) / step)
+                print(f"round {round_ + 1}: {config} {throughput[config][-1]:.2f} steps/s", flush=True)
+    base = statistics.median(throughput["plain"])
+    print(f"\ntorch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {args.rounds} rounds, steps 1..200\n")
+    print("| configuration | steps/s (median) | step time vs plain |")
+    print("|---|---|---|")
+    for config in configs:
+        rate = statistics.median(throughput[config])
+        print(f"| {config} | {rate:.2f} | {base / rate:.3f}x |")
+    print(f"\none sampled step costs {statistics.median(sampled_cost):.2f} training steps extra (every_n_steps=10 run)")
+
+
+if __name__ == "__main__":
+    main()
