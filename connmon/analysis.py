@@ -6,30 +6,19 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor, nn
+import torch
+from torch import nn
 
-import connmon.functional as F
-from connmon.capture import AttentionRecord, capture
+from connmon.capture import AttentionRecord, attention_layers, capture
+from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
-__all__ = ["LAYER_METRICS", "Report", "analyze", "diagnose_record"]
+__all__ = ["LAYER_METRICS", "Report", "analyze"]
 
-LAYER_METRICS = (
-    "reconstruction_error",
-    "stochasticity_gap",
-    "attention_entropy",
-    "attention_entropy_normalized",
-    "reversibility_gap",
-    "walk_spectral_gap",
-    "max_attention_logit",
-    "head_isometry_gap",
-    "ov_isometry_gap",
-    "edge_isometry_gap",
-    "transport_symmetry_gap",
-    "transport_scale",
-    "connection_spectral_radius",
-    "connection_operator_norm",
-    "connection_laplacian_gap",
-    "depth_drift",
+LAYER_METRICS = tuple(
+    name
+    for group in (WalkMetrics, TransportMetrics, SpectrumMetrics, DriftMetrics)
+    for name in group.metrics
+    if name not in ("time_drift", "transport_drift")  # they compare two samples; a Report has one
 )
 
 
@@ -38,7 +27,8 @@ class Report:
     """Per-layer diagnostics of one forward pass, and their model-level means.
 
     ``layers[i]`` holds ``name``, ``index``, every metric of :data:`LAYER_METRICS` (the mean over the sampled
-    sequences; ``depth_drift`` is absent on the first layer) and ``connection_spectrum`` (per sequence, the k
+    sequences of the values ``connmon.metrics`` computes in training; a metric with no finite value, such as
+    ``depth_drift`` on the first layer, is absent) and ``connection_spectrum`` (per sequence, the k
     eigenvalues of ``M / s`` as ``[real, imag]`` pairs). ``model`` holds the mean of each metric over layers.
     """
 
@@ -63,63 +53,6 @@ class Report:
         return json.dumps(self.to_dict(), **kwargs)
 
 
-def _mean(values: Tensor) -> float:
-    return values.float().mean().item()
-
-
-def diagnose_record(
-    record: AttentionRecord, previous_walk: Tensor | None = None, *, spectrum_k: int = 8, edge_samples: int | None = 4
-) -> dict[str, Any]:
-    """Every diagnostic of one record, averaged over its sequences.
-
-    Args:
-        record: an :class:`~connmon.capture.AttentionRecord`.
-        previous_walk: the previous layer's walk on the same input, ``(B_s, n, n)``, for ``depth_drift``.
-        spectrum_k: eigenvalues of ``M / s`` to keep.
-        edge_samples: keys drawn per query for ``edge_isometry_gap`` (None: exact, ``O(n^2 d^3)``).
-
-    Returns:
-        A dict of metric name to value (floats; the spectrum as ``[[real, imag], ...]`` per sequence).
-
-    Example:
-        >>> import torch
-        >>> import connmon
-        >>> from connmon.analysis import diagnose_record
-        >>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
-        >>> x = torch.randn(1, 6, 8)
-        >>> (record,) = connmon.capture(mha, x, x, x)
-        >>> values = diagnose_record(record, spectrum_k=3)
-        >>> values["stochasticity_gap"] < 1e-6, len(values["connection_spectrum"][0])
-        (True, 3)
-    """
-    attn, w_v, w_o = record.attn, record.w_v, record.w_o
-    n, d = attn.shape[-1], w_v.shape[-1]
-    walk = F.walk_matrix(attn)
-    k = min(spectrum_k, n * d)
-    spectrum = F.connection_spectrum(attn, w_v, w_o, k=k)
-    values = {
-        "reconstruction_error": record.reconstruction_error.item(),
-        "stochasticity_gap": _mean(F.stochasticity_gap(walk)),
-        "attention_entropy": _mean(F.attention_entropy(attn)),
-        "attention_entropy_normalized": _mean(F.attention_entropy(attn, normalized=True)),
-        "reversibility_gap": _mean(F.reversibility_gap(walk)),
-        "walk_spectral_gap": _mean(F.walk_spectral_gap(walk)),
-        "max_attention_logit": _mean(record.max_logit),
-        "head_isometry_gap": F.head_isometry_gap(w_v, w_o).item(),
-        "ov_isometry_gap": F.ov_isometry_gap(w_v, w_o).item(),
-        "edge_isometry_gap": _mean(F.edge_isometry_gap(attn, w_v, w_o, num_samples=edge_samples)),
-        "transport_symmetry_gap": F.transport_symmetry_gap(w_v, w_o).item(),
-        "transport_scale": F.transport_scale(w_v, w_o).item(),
-        "connection_spectral_radius": _mean(spectrum.abs()[..., 0]),
-        "connection_operator_norm": _mean(F.connection_operator_norm(attn, w_v, w_o)),
-        "connection_laplacian_gap": _mean(F.connection_laplacian_gap(attn, w_v, w_o)),
-    }
-    if previous_walk is not None and previous_walk.shape == walk.shape:
-        values["depth_drift"] = _mean(F.depth_drift(walk, previous_walk))
-    values["connection_spectrum"] = [[[v.real, v.imag] for v in row.tolist()] for row in spectrum.reshape(-1, k)]
-    return values
-
-
 def analyze(
     model: nn.Module,
     *args: object,
@@ -131,7 +64,9 @@ def analyze(
 ) -> Report:
     """Capture one forward pass of ``model(*args, **kwargs)`` and compute every per-layer diagnostic.
 
-    Records are analysed as they stream out of the forward, so memory holds one layer's maps at a time.
+    Records are analysed as they stream out of the forward, so memory holds one layer's maps at a time. The values
+    are those of :mod:`connmon.metrics` (one definition for training and post-hoc), with the edge isometry gap over
+    every query (``edge_samples`` keys each).
 
     Args:
         model: the model.
@@ -159,14 +94,25 @@ def analyze(
         >>> report.model["reconstruction_error"] < 1e-5
         True
     """
-    report, previous = Report(), []
+    num_layers = len(attention_layers(getattr(model, "_orig_mod", model)))
+    groups = [
+        WalkMetrics(num_layers),
+        TransportMetrics(num_layers, edge_samples=edge_samples, edge_queries=None),
+        SpectrumMetrics(num_layers, k=spectrum_k),
+        DriftMetrics(num_layers),
+    ]
+    report = Report()
 
     def consume(record: AttentionRecord) -> None:
-        values = diagnose_record(
-            record, previous[-1] if previous else None, spectrum_k=spectrum_k, edge_samples=edge_samples
-        )
-        report.layers.append({"name": record.name, "index": record.index, **values})
-        previous[:] = [F.walk_matrix(record.attn)]  # keep one layer's walk for the depth drift
+        layer: dict[str, Any] = {"name": record.name, "index": record.index}
+        for group in groups:  # the same definitions the training-time metrics use
+            for name, column in zip(group.metrics, group.measure(record).unbind(-1), strict=True):
+                finite = column[torch.isfinite(column)]
+                if name in LAYER_METRICS and finite.numel():
+                    layer[name] = finite.double().mean().item()
+        spectrum = groups[2].last_spectra[record.index]
+        layer["connection_spectrum"] = [[[v.real, v.imag] for v in row.tolist()] for row in spectrum]
+        report.layers.append(layer)
 
     capture(model, *args, num_sequences=num_sequences, max_tokens=max_tokens, on_record=consume, **kwargs)
     return report
