@@ -18,11 +18,13 @@ Example:
 
 from connmon.functional.drift import depth_drift, time_drift, transport_drift
 from connmon.functional.spectrum import (
+    Spectra,
     SpectrumResult,
     connection_laplacian_gap,
     connection_matvec,
     connection_operator,
     connection_operator_norm,
+    connection_spectra,
     connection_spectral_radius,
     connection_spectrum,
 )
@@ -48,12 +50,14 @@ from connmon.functional.walk import (
 )
 
 __all__ = [
+    "Spectra",
     "SpectrumResult",
     "attention_entropy",
     "connection_laplacian_gap",
     "connection_matvec",
     "connection_operator",
     "connection_operator_norm",
+    "connection_spectra",
     "connection_spectral_radius",
     "connection_spectrum",
     "depth_drift",

@@ -33,11 +33,13 @@ from connmon.functional._linalg import eigvals, spectral_norm
 from connmon.functional.transport import _concat_heads, transport_scale, transport_singular_values
 
 __all__ = [
+    "Spectra",
     "SpectrumResult",
     "connection_laplacian_gap",
     "connection_matvec",
     "connection_operator",
     "connection_operator_norm",
+    "connection_spectra",
     "connection_spectral_radius",
     "connection_spectrum",
 ]
@@ -195,15 +197,16 @@ def _layers(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Iterator[tuple[tuple[int,
         yield index, attn[index], v_cat[index], o_cat[index]
 
 
-def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, k: int, which: Which) -> Tensor:
-    """The first ``k`` of the union over tokens of ``eig(D_i)``, ``D_i = sum_h A^h_ii T_h = O diag(a_i) V``.
+def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, int]) -> dict[Which, Tensor]:
+    """For each request ``{which: k}``, the first ``k`` of the union over tokens of ``eig(D_i)``: ``(*, k)``.
 
-    Tokens go in descending order of a bound on their blocks' spectral radius,
-    ``||D_i||_2 <= min(sum_h A^h_ii ||T_h||_2, max_h A^h_ii ||O||_2 ||V||_2)``, and stop once the bound falls
-    below the k-th key found (``Re lambda <= |lambda| <= ||D_i||``): blocks that cannot enter the answer are never
-    decomposed. When ``H d_h < d`` each block is solved through its ``H d_h`` core ``diag(a_i) V O``, which has
-    the nonzero eigenvalues of ``O diag(a_i) V``; the other ``d - H d_h`` are 0. Blocks are built a chunk at a
-    time, so memory stays within ``_CHUNK_ELEMENTS`` numbers beyond the inputs.
+    ``D_i = sum_h A^h_ii T_h = O diag(a_i) V``. Tokens go in descending order of a bound on their blocks' spectral
+    radius, ``||D_i||_2 <= min(sum_h A^h_ii ||T_h||_2, max_h A^h_ii ||O||_2 ||V||_2)``, and stop once the bound
+    falls below the k-th key found for every request (``Re lambda <= |lambda| <= ||D_i||``): blocks that cannot
+    enter any answer are never decomposed, and one pass serves all requests. When ``H d_h < d`` each block is
+    solved through its ``H d_h`` core ``diag(a_i) V O``, which has the nonzero eigenvalues of ``O diag(a_i) V``;
+    the other ``d - H d_h`` are 0. Blocks are built a chunk at a time, so memory stays within ``_CHUNK_ELEMENTS``
+    numbers beyond the inputs.
     """
     heads, d_h, d = w_v.shape[-3:]
     inner = heads * d_h
@@ -212,7 +215,7 @@ def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, k: int, which: Which) 
     head_norms = head_norms.expand(*batch, heads)
     size = min(inner, d)
     largest_chunk = max(1, _CHUNK_ELEMENTS // (size * size))
-    values = attn.new_zeros(*batch, k, dtype=_complex(attn))
+    values = {which: attn.new_zeros(*batch, k, dtype=_complex(attn)) for which, k in requests.items()}
     for index, a, v_cat, o_cat in _layers(attn, w_v, w_o):
         self_weight = a.diagonal(dim1=-2, dim2=-1).mT  # (n, H): A^h_ii
         bound = torch.minimum(
@@ -222,17 +225,38 @@ def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, k: int, which: Which) 
         bounds = bound[order].cpu()  # one synchronization per layer
         gates = self_weight.repeat_interleave(d_h, dim=-1)  # (n, H*d_h)
         core = v_cat @ o_cat if inner < d else None  # (H*d_h, H*d_h)
-        best = a.new_zeros(min(k, a.shape[-1] * (d - inner)) if inner < d else 0, dtype=_complex(attn))
+        zeros = a.new_zeros(min(max(requests.values()), a.shape[-1] * (d - inner)) if inner < d else 0)
+        best = {which: zeros.to(_complex(attn)) for which in requests}
+
         start, chunk = 0, 2
-        while start < len(order):
-            if best.numel() >= k and bounds[start] < _key(best[k - 1 : k], which).item():
-                break
+        while start < len(order) and not _settled(best, float(bounds[start]), requests):
             g = gates[order[start : start + chunk]]  # (c, H*d_h)
             start, chunk = start + chunk, min(2 * chunk, largest_chunk)  # few blocks first: pruning often stops early
             blocks = g.unsqueeze(-1) * core if core is not None else (o_cat * g.unsqueeze(-2)) @ v_cat  # (c, m, m)
-            best = _first_by(torch.cat([best, eigvals(blocks).flatten()]), k, which)
-        values[index] = best
+            found = eigvals(blocks).flatten()
+            best = {w: _first_by(torch.cat([best[w], found]), k, w) for w, k in requests.items()}
+        for which in requests:
+            values[which][index] = best[which]
     return values
+
+
+def _settled(best: dict[Which, Tensor], bound: float, requests: dict[Which, int]) -> bool:
+    """Whether no block whose spectral-radius bound is ``bound`` can change any request's first ``k``."""
+    return all(best[w].numel() >= k and bound < _key(best[w][k - 1 : k], w).item() for w, k in requests.items())
+
+
+def _direct_first(
+    chosen: Method, attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, int]
+) -> dict[Which, Tensor]:
+    """The exact paths (kron, dense, causal): one decomposition serves every request ``{which: k}``."""
+    if chosen == "causal":
+        return _causal_first(attn, w_v, w_o, requests)
+    if chosen == "kron":
+        everything = _kron_eigenvalues(attn, w_v, w_o)
+    else:
+        n, d = attn.shape[-1], w_v.shape[-1]
+        everything = eigvals(connection_operator(attn, w_v, w_o, max_dim=n * d))
+    return {which: _first_by(everything, k, which) for which, k in requests.items()}
 
 
 def _is_causal(attn: Tensor) -> bool:
@@ -355,18 +379,79 @@ def connection_spectrum(
         residuals = residuals.to(attn.dtype) * inverse_scale
         values = values * inverse_scale
     else:
-        if chosen == "kron":
-            values = _first_by(_kron_eigenvalues(attn, w_v, w_o), k, which)
-        elif chosen == "causal":
-            values = _causal_first(attn, w_v, w_o, k, which)
-        else:
-            values = _first_by(eigvals(connection_operator(attn, w_v, w_o, max_dim=n * d)), k, which)
-        values = (values * inverse_scale).expand(*batch, k)
+        values = (_direct_first(chosen, attn, w_v, w_o, {which: k})[which] * inverse_scale).expand(*batch, k)
         residuals = torch.zeros(*batch, k, dtype=attn.dtype, device=attn.device)
         converged = values.isfinite()
     if not return_info:
         return values
     return SpectrumResult(values, residuals, converged, matvecs, chosen)
+
+
+class Spectra(NamedTuple):
+    """The two ends of the spectrum of ``M / s`` that the diagnostics read.
+
+    Attributes:
+        largest: ``(*, k)`` the ``k`` eigenvalues of largest modulus, descending.
+        rightmost: ``(*,)`` the eigenvalue of largest real part.
+    """
+
+    largest: Tensor
+    rightmost: Tensor
+
+
+def connection_spectra(attn: Tensor, w_v: Tensor, w_o: Tensor, k: int = 8, **solver: object) -> Spectra:
+    """The ``k`` eigenvalues of ``M / s`` of largest modulus and the rightmost one, from one decomposition.
+
+    Equal to ``connection_spectrum(..., k, "LM")`` and ``connection_spectrum(..., 1, "LR")[..., 0]``, but the exact
+    paths (one head, dense, causal) decompose once for both; the Krylov path runs twice. This is what the spectral
+    radius and the connection Laplacian gap need together.
+
+    Args:
+        attn: ``(*, H, n, n)``.
+        w_v: ``(*, H, d_h, d)``.
+        w_o: ``(*, H, d, d_h)``.
+        k: eigenvalues of largest modulus.
+        **solver: keyword options of :func:`connection_spectrum` (method, tol, ncv, max_restarts, seed).
+
+    Returns:
+        A :class:`Spectra`.
+
+    Raises:
+        ValueError: as :func:`connection_spectrum`.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional import connection_spectra, connection_spectrum
+        >>> _ = torch.manual_seed(0)
+        >>> attn = (3 * torch.randn(2, 6, 6)).softmax(-1)
+        >>> w_v, w_o = torch.randn(2, 2, 4), torch.randn(2, 4, 2)
+        >>> both = connection_spectra(attn, w_v, w_o, k=3)
+        >>> bool(torch.equal(both.largest, connection_spectrum(attn, w_v, w_o, k=3)))
+        True
+        >>> bool(torch.equal(both.rightmost, connection_spectrum(attn, w_v, w_o, k=1, which="LR")[..., 0]))
+        True
+    """
+    attn, w_v, w_o, (_, n, _, d) = _layer(attn, w_v, w_o)
+    method = solver.get("method", "auto")
+    if method not in ("auto", "dense", "kron", "causal") or not 1 <= k <= n * d:
+        largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", **solver)
+        return Spectra(largest, connection_spectrum(attn, w_v, w_o, k=1, which="LR", **solver)[..., 0])
+    chosen = _choose(method, attn, n, d)
+    if chosen == "krylov":
+        largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", method="krylov", **_without(solver, "method"))
+        rightmost = connection_spectrum(attn, w_v, w_o, k=1, which="LR", method="krylov", **_without(solver, "method"))
+        return Spectra(largest, rightmost[..., 0])
+    if chosen == "kron" and attn.shape[-3] != 1:
+        raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={attn.shape[-3]}")
+    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+    found = _direct_first(chosen, attn, w_v, w_o, {"LM": k, "LR": 1})
+    inverse_scale = _inverse_scale(w_v, w_o)
+    largest = (found["LM"] * inverse_scale.unsqueeze(-1)).expand(*batch, k)
+    return Spectra(largest, (found["LR"][..., 0] * inverse_scale).expand(batch))
+
+
+def _without(options: dict, key: str) -> dict:
+    return {name: value for name, value in options.items() if name != key}
 
 
 def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: object) -> Tensor:

@@ -138,9 +138,9 @@ class SpectrumMetrics(LayerwiseMean):
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
         args = (record.attn, record.w_v, record.w_o)
         n, d = record.attn.shape[-1], record.w_v.shape[-1]
-        spectrum = F.connection_spectrum(*args, k=min(self.k, n * d))  # (B_s, k)
-        self.last_spectra[record.index] = spectrum
-        columns = [spectrum.abs()[..., 0], F.connection_operator_norm(*args), F.connection_laplacian_gap(*args)]
+        spectra = F.connection_spectra(*args, k=min(self.k, n * d))  # one decomposition for both ends
+        self.last_spectra[record.index] = spectra.largest  # (B_s, k)
+        columns = [spectra.largest.abs()[..., 0], F.connection_operator_norm(*args), 1 - spectra.rightmost.real]
         return torch.stack([c.to(record.attn.dtype) for c in columns], dim=-1)
 
 

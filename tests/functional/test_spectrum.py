@@ -191,6 +191,21 @@ def test_spectrum_batched_with_shared_weights():
             assert_same_eigenvalues(batched[b], expected, atol=1e-8)
 
 
+@pytest.mark.parametrize("method", ["auto", "dense", "causal", "krylov"])
+def test_connection_spectra_equal_the_two_separate_solves(method):
+    for case in (ref.make_layer(heads=3, n=9, d_h=2, d=6, mask="causal", seed=4), ref.make_layer(heads=1, n=5, d=4)):
+        args = (case.attn, case.w_v, case.w_o)
+        both = F.connection_spectra(*args, k=4, method=method)
+        torch.testing.assert_close(both.largest, F.connection_spectrum(*args, k=4, method=method))
+        rightmost = F.connection_spectrum(*args, k=1, which="LR", method=method)[..., 0]
+        torch.testing.assert_close(both.rightmost, rightmost)
+    large = ref.make_layer(heads=4, n=40, d_h=4, d=16, mask="causal", seed=7)  # auto: the causal path, pruned
+    both = F.connection_spectra(large.attn, large.w_v, large.w_o, k=8)
+    expected = ref.causal_spectrum(*large.np)
+    assert_same_eigenvalues(both.largest, expected)
+    assert both.rightmost.real.item() == pytest.approx(expected.real.max(), abs=1e-10)
+
+
 def test_spectral_radius_and_laplacian_gap(layer):
     expected = ref.spectrum(*layer.np)
     radius = F.connection_spectral_radius(layer.attn, layer.w_v, layer.w_o)
