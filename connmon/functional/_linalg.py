@@ -30,6 +30,13 @@ def svdvals(matrix: Tensor) -> Tensor:
     return torch.where(finite[..., None], values, torch.full_like(values, float("nan")))
 
 
+def eigvalsh(matrix: Tensor) -> Tensor:
+    """``torch.linalg.eigvalsh`` of symmetric ``(*, m, m)``, ascending; NaN eigenvalues for a non-finite matrix."""
+    clean, finite = _finite_or_zero(matrix)
+    values = torch.linalg.eigvalsh(clean)
+    return torch.where(finite[..., None], values, torch.full_like(values, float("nan")))
+
+
 def spectral_norm(matrix: Tensor) -> Tensor:
     """Largest singular value of ``(*, m, k)``; NaN for a non-finite matrix."""
     return svdvals(matrix)[..., 0]

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from connmon.functional._checks import as_float, check_layer, promote, shape
 from connmon.functional._krylov import Which, krylov_schur
-from connmon.functional._linalg import eigvals, spectral_norm
+from connmon.functional._linalg import eigvals, eigvalsh, spectral_norm
 from connmon.functional.transport import _concat_heads, transport_scale, transport_singular_values
 
 __all__ = [
@@ -201,9 +201,11 @@ def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, 
     """For each request ``{which: k}``, the first ``k`` of the union over tokens of ``eig(D_i)``: ``(*, k)``.
 
     ``D_i = sum_h A^h_ii T_h = O diag(a_i) V``. Tokens go in descending order of a bound on their blocks' spectral
-    radius, ``||D_i||_2 <= min(sum_h A^h_ii ||T_h||_2, max_h A^h_ii ||O||_2 ||V||_2)``, and stop once the bound
-    falls below the k-th key found for every request (``Re lambda <= |lambda| <= ||D_i||``): blocks that cannot
-    enter any answer are never decomposed, and one pass serves all requests. When ``H d_h < d`` each block is
+    radius, ``||D_i||_2 <= min(sum_h A^h_ii ||T_h||_2, max_h A^h_ii ||O||_2 ||V||_2)``, and stop once no remaining
+    block can beat the k-th key found for any request: for modulus, the norm bound; for real part, the tighter
+    numerical-abscissa bound ``Re lambda(D_i) <= sum_h A^h_ii omega(T_h)``, ``omega(T) = lambda_max((T + T^T)/2)``
+    (subadditive over nonnegative combinations). Blocks that cannot enter any answer are never decomposed, and one
+    pass serves all requests. When ``H d_h < d`` each block is
     solved through its ``H d_h`` core ``diag(a_i) V O``, which has the nonzero eigenvalues of ``O diag(a_i) V``;
     the other ``d - H d_h`` are 0. Blocks are built a chunk at a time, so memory stays within ``_CHUNK_ELEMENTS``
     numbers beyond the inputs.
@@ -216,20 +218,29 @@ def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, 
     size = min(inner, d)
     largest_chunk = max(1, _CHUNK_ELEMENTS // (size * size))
     values = {which: attn.new_zeros(*batch, k, dtype=_complex(attn)) for which, k in requests.items()}
+    if "LR" in requests:  # numerical abscissa of each head map, omega(T) = lambda_max((T + T^T) / 2)
+        maps = w_o @ w_v  # (*, H, d, d)
+        abscissa = eigvalsh((maps + maps.mT) / 2)[..., -1].expand(*batch, heads)  # (*, H)
     for index, a, v_cat, o_cat in _layers(attn, w_v, w_o):
         self_weight = a.diagonal(dim1=-2, dim2=-1).mT  # (n, H): A^h_ii
         bound = torch.minimum(
             self_weight @ head_norms[index], self_weight.amax(dim=-1) * spectral_norm(o_cat) * spectral_norm(v_cat)
         )
         order = bound.argsort(descending=True)
-        bounds = bound[order].cpu()  # one synchronization per layer
+        # For each request, the largest key any block from position j of the order on can reach: |lambda| <= the
+        # norm bound (sorted, so the next one); Re lambda <= omega(D_i) <= sum_h A^h_ii omega(T_h) (subadditive).
+        reach = {"LM": bound[order]}
+        if "LR" in requests:
+            right = torch.minimum(self_weight @ abscissa[index], bound)[order]
+            reach["LR"] = right.flip(0).cummax(0).values.flip(0)  # suffix maximum
+        reach = {w: r.cpu() for w, r in reach.items()}  # one synchronization per layer
         gates = self_weight.repeat_interleave(d_h, dim=-1)  # (n, H*d_h)
         core = v_cat @ o_cat if inner < d else None  # (H*d_h, H*d_h)
         zeros = a.new_zeros(min(max(requests.values()), a.shape[-1] * (d - inner)) if inner < d else 0)
         best = {which: zeros.to(_complex(attn)) for which in requests}
 
         start, chunk = 0, 2
-        while start < len(order) and not _settled(best, float(bounds[start]), requests):
+        while start < len(order) and not _settled(best, {w: float(r[start]) for w, r in reach.items()}, requests):
             g = gates[order[start : start + chunk]]  # (c, H*d_h)
             start, chunk = start + chunk, min(2 * chunk, largest_chunk)  # few blocks first: pruning often stops early
             blocks = g.unsqueeze(-1) * core if core is not None else (o_cat * g.unsqueeze(-2)) @ v_cat  # (c, m, m)
@@ -240,9 +251,10 @@ def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, 
     return values
 
 
-def _settled(best: dict[Which, Tensor], bound: float, requests: dict[Which, int]) -> bool:
-    """Whether no block whose spectral-radius bound is ``bound`` can change any request's first ``k``."""
-    return all(best[w].numel() >= k and bound < _key(best[w][k - 1 : k], w).item() for w, k in requests.items())
+def _settled(best: dict[Which, Tensor], reach: dict[str, float], requests: dict[Which, int]) -> bool:
+    """Whether no remaining block can change any request's first ``k``; ``reach`` bounds the remaining keys."""
+    bound = {w: reach.get(w, reach["LM"]) for w in requests}
+    return all(best[w].numel() >= k and bound[w] < _key(best[w][k - 1 : k], w).item() for w, k in requests.items())
 
 
 def _direct_first(

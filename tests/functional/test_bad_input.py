@@ -128,6 +128,15 @@ def test_non_finite_weights_give_nan():
         assert torch.isnan(got).any(), got
 
 
+def test_non_finite_weights_on_the_causal_path_give_nan():
+    layer = ref.make_layer(heads=4, n=40, d_h=4, d=16, mask="causal", seed=7, dtype=torch.float32)  # n d = 640
+    w_o = layer.w_o.clone()
+    w_o[1, 2, 3] = NAN
+    both = F.connection_spectra(layer.attn, layer.w_v, w_o, k=4)
+    assert torch.isnan(both.largest.abs()).all() and torch.isnan(both.rightmost.real)
+    assert torch.isnan(F.connection_laplacian_gap(layer.attn, layer.w_v, w_o))
+
+
 def test_single_token():
     attn = torch.ones(3, 1, 1)
     w_v, w_o = torch.randn(3, 2, 6), torch.randn(3, 6, 2)
