@@ -143,6 +143,11 @@ class ConnectionMonitor(Callback):
             rank_zero_warn("ConnectionMonitor: no logger is attached, so its values are computed but not logged")
         self._wandb = self._wandb_sink(trainer)
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Put the accumulators where the model now lives (the strategy moves it after ``setup``)."""
+        for metric in self._metrics.values():
+            metric.to(pl_module.device)
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Arm the capture on the first micro-batch of a sampled optimizer step (training-forward mode)."""
         first_micro_batch = batch_idx % trainer.accumulate_grad_batches == 0
