@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger  # imports wandb only when a run starts
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor
 
@@ -306,10 +307,6 @@ class ConnectionMonitor(Callback):
 
     @staticmethod
     def _wandb_sink(trainer: Trainer) -> Any:
-        try:
-            from lightning.pytorch.loggers import WandbLogger
-        except ImportError:  # pragma: no cover - lightning always ships it
-            return None
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 from connmon.loggers.wandb import WandbSink

@@ -173,10 +173,6 @@ class CaptureSession:
             reconstruction_error=error,
         )
 
-    def missing(self) -> list[str]:
-        """Names of armed modules that produced no complete record."""
-        return [layer.name for key, layer in self.layers.items() if key not in self.done]
-
 
 @contextlib.contextmanager
 def full_precision() -> Iterator[None]:
