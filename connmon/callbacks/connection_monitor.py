@@ -28,10 +28,12 @@ class ConnectionMonitor(Callback):
     On a sampled step the capture is armed (hooks exist on no other step), the first ``num_sequences`` sequences of
     each layer are recorded and streamed into torchmetrics accumulators (synced across processes), and the
     per-layer values are logged as ``connmon/<metric>/L<ll>`` plus ``connmon/<metric>/all`` at
-    ``trainer.global_step`` to every attached logger. With a ``WandbLogger`` it also logs histograms of per-head
-    isometry gaps and of connection-spectrum moduli, and every ``figures_every_n_samples`` samples a figure of the
-    spectra and of the gaps across depth. Nothing it does can end the run: a layer it cannot read is skipped with
-    one warning.
+    ``trainer.global_step`` to every attached logger. The eigen- and SVD-bound diagnostics (the spectrum group and
+    the edge isometry gap, about 90% of a sample's cost) run on every ``full_every_n_samples``-th sample, the
+    first included; the others (walk, head and OV transport, drift) on every sample. With a ``WandbLogger`` it
+    also logs histograms of per-head isometry gaps and of connection-spectrum moduli, and every
+    ``figures_every_n_samples`` samples a figure of the spectra and of the gaps across depth. Nothing it does can
+    end the run: a layer it cannot read is skipped with one warning.
 
     Args:
         every_n_steps: sample every this many optimizer steps (with gradient accumulation, once per optimizer step,
@@ -49,6 +51,8 @@ class ConnectionMonitor(Callback):
         figures_every_n_samples: log W&B figures every this many samples; None for never.
         edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
         edge_queries: query rows for ``edge_isometry_gap`` (None: every row; both None: exact, costly).
+        full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample
+            (1: on every sample). With the defaults they are logged every 1000 steps, the rest every 100.
 
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
@@ -74,6 +78,7 @@ class ConnectionMonitor(Callback):
         figures_every_n_samples: int | None = 10,
         edge_samples: int | None = 1,
         edge_queries: int | None = 16,
+        full_every_n_samples: int = 10,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got every_n_steps={every_n_steps}")
@@ -88,6 +93,8 @@ class ConnectionMonitor(Callback):
             raise ValueError(f"spectrum_k must be >= 1, got spectrum_k={spectrum_k}")
         if figures_every_n_samples is not None and figures_every_n_samples < 1:
             raise ValueError(f"figures_every_n_samples must be >= 1 or None, got {figures_every_n_samples}")
+        if full_every_n_samples < 1:
+            raise ValueError(f"full_every_n_samples must be >= 1, got full_every_n_samples={full_every_n_samples}")
         if probe_fn is not None and probe is None:
             raise ValueError("probe_fn needs a probe batch: pass probe=... too")
         if isinstance(layers, str):
@@ -107,6 +114,7 @@ class ConnectionMonitor(Callback):
         self.figures_every_n_samples = figures_every_n_samples
         self.edge_samples = edge_samples
         self.edge_queries = edge_queries
+        self.full_every_n_samples = full_every_n_samples
         self.samples = 0
         self.last_sampled_step = -1
         self._layers: list[Layer] = []
@@ -254,22 +262,33 @@ class ConnectionMonitor(Callback):
             self._disarm()
             pl_module.train(was_training)
 
+    def _is_full(self) -> bool:
+        """Whether the current sample (number ``self.samples``, from 0) computes the costly diagnostics too."""
+        return self.samples % self.full_every_n_samples == 0
+
+    def _active(self) -> list[LayerwiseMean]:
+        full = self._is_full()
+        if "transport" in self._metrics:
+            self._metrics["transport"].measure_edges = full
+        return [metric for name, metric in self._metrics.items() if full or name != "spectrum"]
+
     def _consume(self, record: AttentionRecord) -> None:
-        for metric in self._metrics.values():
+        for metric in self._active():
             metric.update(record)
 
     def _finish_sample(self, trainer: Trainer, step: int) -> None:
-        self.last_sampled_step = step
-        self.samples += 1
+        full = self._is_full()
         values: dict[str, Tensor] = {}
-        for metric in self._metrics.values():
+        for metric in self._active():
             values.update(metric.compute())  # syncs across processes: every rank reaches this on a sampled step
-        self._log(trainer, step, values)
+        self._log(trainer, step, values, full)
         for metric in self._metrics.values():
             metric.reset()
+        self.last_sampled_step = step
+        self.samples += 1
 
     @rank_zero_only
-    def _log(self, trainer: Trainer, step: int, values: dict[str, Tensor]) -> None:
+    def _log(self, trainer: Trainer, step: int, values: dict[str, Tensor], full: bool) -> None:
         selected = [layer.index for layer in self._layers]
         scalars = {}
         for name, value in values.items():
@@ -283,10 +302,11 @@ class ConnectionMonitor(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(scalars, step=step)
         if self._wandb is not None:
-            self._log_wandb(step, values)
+            self._log_wandb(step, values, full)
 
-    def _log_wandb(self, step: int, values: dict[str, Tensor]) -> None:
-        transport, spectrum = self._metrics.get("transport"), self._metrics.get("spectrum")
+    def _log_wandb(self, step: int, values: dict[str, Tensor], full: bool) -> None:
+        transport = self._metrics.get("transport")
+        spectrum = self._metrics.get("spectrum") if full else None  # its spectra are from an earlier sample
         if self.log_histograms:
             histograms = {}
             for index, gaps in getattr(transport, "last_head_gaps", {}).items():
@@ -295,7 +315,7 @@ class ConnectionMonitor(Callback):
                 histograms[f"connmon/spectrum_modulus_hist/L{index:02d}"] = eigenvalues.abs()
             if histograms:
                 self._wandb.histograms(step, histograms)
-        if self.figures_every_n_samples is not None and (self.samples - 1) % self.figures_every_n_samples == 0:
+        if self.figures_every_n_samples is not None and self.samples % self.figures_every_n_samples == 0:
             figures = {}
             if spectrum is not None and spectrum.last_spectra:
                 figures["connmon/figures/spectra"] = spectra_figure(spectrum.last_spectra, f"step {step}")

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from connmon.functional._checks import as_float, check_layer, check_transport, promote
-from connmon.functional._linalg import frobenius, safe_divide, svdvals
+from connmon.functional._linalg import frobenius, gram_svdvals, safe_divide, svdvals
 
 __all__ = [
     "edge_isometry_gap",
@@ -364,5 +364,5 @@ def edge_isometry_gap(
         edge_weight = (row_mass / (rows * num_samples)).unsqueeze(-1).expand(keys.shape)  # (*, rows, k)
     scaled = r_o[..., None, None, :, :] * gates.repeat_interleave(d_h, dim=-1).unsqueeze(-2)  # (*, n, n|k, r, H*d_h)
     cores = scaled @ r_v.mT[..., None, None, :, :]  # (*, n, n|k, r, r)
-    gaps = _gap(svdvals(cores), d)
+    gaps = _gap(gram_svdvals(cores), d)
     return (edge_weight * gaps).flatten(-2).sum(dim=-1)

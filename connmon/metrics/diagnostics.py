@@ -69,7 +69,9 @@ class WalkMetrics(LayerwiseMean):
 class TransportMetrics(LayerwiseMean):
     """Transport diagnostics per layer: head, OV and edge isometry gaps, symmetry gap, transport scale.
 
-    Per-head gaps of the latest record of each layer are kept in ``last_head_gaps`` for histograms.
+    Per-head gaps of the latest record of each layer are kept in ``last_head_gaps`` for histograms. The edge gap
+    is the costly column (SVDs per sampled edge); set ``measure_edges = False`` to leave it out of the updates
+    that follow (it then counts nothing for them), as ConnectionMonitor does between its full samples.
 
     Args:
         num_layers: number of captured attention layers.
@@ -93,6 +95,7 @@ class TransportMetrics(LayerwiseMean):
     ) -> None:
         super().__init__(num_layers, **kwargs)
         self.edge_samples, self.edge_queries = edge_samples, edge_queries
+        self.measure_edges = True
         self.last_head_gaps: dict[int, Tensor] = {}  # (H,) per layer, the latest record, for histograms
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
@@ -100,10 +103,16 @@ class TransportMetrics(LayerwiseMean):
         batch = record.attn.shape[0]
         head_gaps = F.head_isometry_gap(w_v, w_o, reduction="none")
         self.last_head_gaps[record.index] = head_gaps
+        if self.measure_edges:
+            edges = F.edge_isometry_gap(
+                record.attn, w_v, w_o, num_samples=self.edge_samples, num_queries=self.edge_queries
+            )
+        else:
+            edges = torch.full((batch,), float("nan"), dtype=head_gaps.dtype, device=head_gaps.device)
         columns = [
             per_sequence(head_gaps.mean(), batch),
             per_sequence(F.ov_isometry_gap(w_v, w_o), batch),
-            F.edge_isometry_gap(record.attn, w_v, w_o, num_samples=self.edge_samples, num_queries=self.edge_queries),
+            edges,
             per_sequence(F.transport_symmetry_gap(w_v, w_o), batch),
             per_sequence(F.transport_scale(w_v, w_o), batch),
         ]

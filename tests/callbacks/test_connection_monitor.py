@@ -63,6 +63,20 @@ def test_logs_every_metric_per_layer_at_sampled_steps_and_arms_only_then(tmp_pat
     assert monitor.samples == 3
 
 
+def test_costly_diagnostics_run_on_every_full_sample_and_the_rest_on_every_sample(tmp_path):
+    monitor = ConnectionMonitor(every_n_steps=1, full_every_n_samples=2, figures_every_n_samples=None)
+    trainer(tmp_path, monitor, max_steps=5).fit(LitGPT(), loader())
+    rows = {int(row["step"]): row for row in read_csv(tmp_path) if "connmon/attention_entropy/all" in row}
+    assert sorted(rows) == [0, 1, 2, 3, 4]
+    for step, row in rows.items():
+        full = step % 2 == 0
+        assert ("connmon/connection_spectral_radius/L01" in row) == full
+        assert ("connmon/edge_isometry_gap/L01" in row) == full
+        assert {"connmon/head_isometry_gap/L01", "connmon/depth_drift/L01", "connmon/walk_spectral_gap/L00"} <= set(row)
+    with pytest.raises(ValueError, match="full_every_n_samples"):
+        ConnectionMonitor(full_every_n_samples=0)
+
+
 def test_gradient_accumulation_samples_once_per_optimizer_step(tmp_path):
     monitor = ConnectionMonitor(every_n_steps=1, diagnostics=("walk",), figures_every_n_samples=None)
     t = trainer(tmp_path, monitor, max_steps=3, accumulate_grad_batches=2)

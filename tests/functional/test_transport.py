@@ -113,3 +113,25 @@ def test_zero_transport_counts_as_isometry():
         F.transport_scale(w_v, w_o),
     ):
         assert value.item() == 0.0
+
+
+def test_edge_isometry_gap_in_float32_matches_the_float64_reference(layer):
+    # float32 cores go through the float64 Gram eigendecomposition; rank-deficient layers (GQA, d_h H < d) included
+    expected = ref.edge_isometry_gap(*layer.np)
+    got = F.edge_isometry_gap(layer.attn.float(), layer.w_v.float(), layer.w_o.float()).item()
+    assert got == pytest.approx(expected, abs=2e-6)
+
+
+def test_gram_singular_values_match_svdvals_and_keep_nan():
+    from connmon.functional._linalg import gram_svdvals
+
+    gen = torch.Generator().manual_seed(0)
+    tall, wide = (torch.randn(6, *shape, generator=gen, dtype=torch.float64) for shape in ((32, 8), (8, 32)))
+    low_rank = tall @ wide
+    expected = torch.linalg.svdvals(low_rank)
+    got = gram_svdvals(low_rank.float()).double()
+    assert (got - expected).abs().max() <= 1e-6 * expected.max()
+    bad = low_rank.float().clone()
+    bad[2, 0, 0] = float("nan")
+    values = gram_svdvals(bad)
+    assert values[2].isnan().all() and values[[0, 1, 3, 4, 5]].isfinite().all()
