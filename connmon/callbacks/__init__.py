@@ -7,5 +7,6 @@ Example:
 """
 
 from connmon.callbacks.connection_monitor import ConnectionMonitor
+from connmon.callbacks.drift_alert import DriftAlert
 
-__all__ = ["ConnectionMonitor"]
+__all__ = ["ConnectionMonitor", "DriftAlert"]

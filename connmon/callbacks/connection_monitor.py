@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -52,7 +53,8 @@ class ConnectionMonitor(Callback):
         edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
         edge_queries: query rows for ``edge_isometry_gap`` (None: every row; both None: exact, costly).
         full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample
-            (1: on every sample). With the defaults they are logged every 1000 steps, the rest every 100.
+            (1: on every sample). With the defaults they are logged every 2500 steps, the rest every 100: a full sample
+            costs about 13x a light one (benchmarks/README.md).
 
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
@@ -78,7 +80,7 @@ class ConnectionMonitor(Callback):
         figures_every_n_samples: int | None = 10,
         edge_samples: int | None = 1,
         edge_queries: int | None = 16,
-        full_every_n_samples: int = 10,
+        full_every_n_samples: int = 25,
     ) -> None:
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, got every_n_steps={every_n_steps}")
@@ -123,6 +125,7 @@ class ConnectionMonitor(Callback):
         self._wandb: Any = None
         self._pending_drift_state: dict | None = None
         self._sample_step = -1
+        self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
 
     # --- Lightning hooks ------------------------------------------------------------------------------------------
 
@@ -205,6 +208,15 @@ class ConnectionMonitor(Callback):
             else:
                 self._pending_drift_state = drift_state  # applied in setup()
 
+    def add_listener(self, listener: Callable[[Trainer, int, dict[str, float]], None]) -> None:
+        """Call ``listener(trainer, step, values)`` on every process after each sample is logged.
+
+        ``values`` maps every logged key of the selected layers (and the ``/all`` means) to a float, NaN included:
+        NaN is a layer with no finite value this sample (not measured on this sample, nothing to compare with, or a
+        non-finite forward). The values are the synced ones, equal on every process. DriftAlert listens here.
+        """
+        self._listeners.append(listener)
+
     # --- workers --------------------------------------------------------------------------------------------------
 
     def _select(self, found: list[Layer]) -> list[Layer]:
@@ -281,26 +293,33 @@ class ConnectionMonitor(Callback):
         values: dict[str, Tensor] = {}
         for metric in self._active():
             values.update(metric.compute())  # syncs across processes: every rank reaches this on a sampled step
-        self._log(trainer, step, values, full)
+        scalars = self._scalars(values)
+        self._log(trainer, step, scalars, values, full)
         for metric in self._metrics.values():
             metric.reset()
         self.last_sampled_step = step
         self.samples += 1
+        for listener in self._listeners:
+            listener(trainer, step, scalars)
 
-    @rank_zero_only
-    def _log(self, trainer: Trainer, step: int, values: dict[str, Tensor], full: bool) -> None:
-        selected = [layer.index for layer in self._layers]
+    def _scalars(self, values: dict[str, Tensor]) -> dict[str, float]:
         scalars = {}
         for name, value in values.items():
             if name.endswith("/all"):
-                if torch.isfinite(value):
-                    scalars[f"connmon/{name}"] = value.item()
+                scalars[f"connmon/{name}"] = value.item()
                 continue
-            for index in selected:
-                if torch.isfinite(value[index]):
-                    scalars[f"connmon/{name}/L{index:02d}"] = value[index].item()
+            per_layer = value.tolist()  # one host copy per metric
+            for layer in self._layers:
+                scalars[f"connmon/{name}/L{layer.index:02d}"] = per_layer[layer.index]
+        return scalars
+
+    @rank_zero_only
+    def _log(
+        self, trainer: Trainer, step: int, scalars: dict[str, float], values: dict[str, Tensor], full: bool
+    ) -> None:
+        finite = {key: value for key, value in scalars.items() if math.isfinite(value)}
         for logger in trainer.loggers:
-            logger.log_metrics(scalars, step=step)
+            logger.log_metrics(finite, step=step)
         if self._wandb is not None:
             self._log_wandb(step, values, full)
 

@@ -1,4 +1,4 @@
-"""Weights & Biases extras for ConnectionMonitor: step metric, histograms, figures. The only module importing wandb.
+"""Weights & Biases extras: step metric, histograms, figures, alerts. The only module importing wandb.
 
 Every call is guarded: a W&B problem (no run, a disabled run, a failed upload) is reported once and the training
 run goes on; scalars reach every Lightning logger elsewhere regardless.
@@ -67,6 +67,15 @@ class WandbSink:
             self._run().log({**{key: wandb.Image(fig) for key, fig in figures.items()}, STEP: step})
 
         self._guard("figures", log)
+
+    def alert(self, title: str, text: str, level: str, wait_duration: float) -> None:
+        """``run.alert(title, text, level, wait_duration)``; level is ``"INFO"``, ``"WARN"`` or ``"ERROR"``."""
+        import wandb
+
+        def send() -> None:
+            self._run().alert(title=title, text=text, level=wandb.AlertLevel(level), wait_duration=wait_duration)
+
+        self._guard("an alert", send)
 
 
 def _numbers(values: Tensor | list[float]) -> list[float]:

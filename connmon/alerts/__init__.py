@@ -1,0 +1,32 @@
+"""Alerts on logged series: online detectors (threshold, EWMA z-score, CUSUM, non-finite) and rules over keys.
+
+The pure core that :class:`connmon.callbacks.DriftAlert` adapts to Lightning; usable on its own in a plain loop.
+
+Example:
+    >>> from connmon.alerts import EWMAZScore, Rule, RuleSet
+    >>> rules = RuleSet([Rule("logit", "connmon/max_attention_logit/*", EWMAZScore(threshold=4.0, warmup=3))])
+    >>> series = [10.0, 10.5, 9.5, 10.2, 30.0]
+    >>> key = "connmon/max_attention_logit/L00"
+    >>> alerts = [alert for step, v in enumerate(series) for alert in rules.update({key: v}, step)]
+    >>> [(a.step, a.key) for a in alerts]
+    [(4, 'connmon/max_attention_logit/L00')]
+"""
+
+from connmon.alerts.detectors import CUSUM, Detection, Detector, Direction, EWMAZScore, NonFinite, Threshold
+from connmon.alerts.rules import LEVELS, Alert, Level, Rule, RuleSet, default_rules
+
+__all__ = [
+    "CUSUM",
+    "LEVELS",
+    "Alert",
+    "Detection",
+    "Detector",
+    "Direction",
+    "EWMAZScore",
+    "Level",
+    "NonFinite",
+    "Rule",
+    "RuleSet",
+    "Threshold",
+    "default_rules",
+]

@@ -1,0 +1,239 @@
+"""Online change detectors over one scalar series: threshold, EWMA z-score, CUSUM, non-finite.
+
+Design notes:
+
+* A detector sees one value per sample (``update(value)``) and answers with a :class:`Detection` when its test
+  fires, else None. It keeps only O(1) state, which round-trips through ``state_dict``/``load_state_dict``, so a
+  resumed run continues its baselines instead of re-learning them (and re-alerting).
+* Non-finite values are not data: every detector except :class:`NonFinite` ignores them, so one NaN neither
+  fires a z-score nor poisons a baseline. :class:`NonFinite` fires on them immediately.
+* ``direction`` says which deviation counts: ``"rise"`` (larger than the baseline), ``"fall"`` or ``"both"``.
+* The statistical detectors standardize against an exponentially weighted mean and variance (West 1979's
+  incremental form) and stay silent for their first ``warmup`` finite values, while that baseline forms.
+* CUSUM is Page's (1954) one-sided cumulative sum on standardized values, ``S = max(0, S + z - drift)``, firing at
+  ``S > threshold``, and restarting from 0 after it fires. Its baseline absorbs each value clipped to 2 standard
+  deviations, so a shift is accumulated before it is learned.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["CUSUM", "Detection", "Detector", "Direction", "EWMAZScore", "NonFinite", "Threshold"]
+
+Direction = Literal["rise", "fall", "both"]
+_DIRECTIONS = ("rise", "fall", "both")
+
+
+@dataclass(frozen=True)
+class Detection:
+    """What a detector saw when it fired.
+
+    Attributes:
+        statistic: the test statistic (the value itself, a z-score or a cumulative sum).
+        threshold: the bound it crossed.
+        baseline: the baseline the value was compared with (None where there is none).
+    """
+
+    statistic: float
+    threshold: float
+    baseline: float | None = None
+
+
+class Detector(ABC):
+    """A stateful online test over one scalar series."""
+
+    @abstractmethod
+    def update(self, value: float) -> Detection | None:
+        """Take the next value; a Detection when the test fires."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The detector's state (plain Python numbers)."""
+        return dict(self.__dict__)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (missing entries keep their current value)."""
+        for key, value in state.items():
+            if key in self.__dict__:
+                setattr(self, key, value)
+
+
+def _check_direction(direction: str) -> None:
+    if direction not in _DIRECTIONS:
+        raise ValueError(f"direction must be one of {_DIRECTIONS}, got direction={direction!r}")
+
+
+def _signed(deviation: float, direction: Direction) -> float:
+    """The deviation in the watched direction (positive = towards an alert)."""
+    if direction == "rise":
+        return deviation
+    if direction == "fall":
+        return -deviation
+    return abs(deviation)
+
+
+class Threshold(Detector):
+    """Fires when a value crosses a fixed bound.
+
+    Args:
+        bound: the bound.
+        direction: ``"rise"`` fires on ``value > bound``, ``"fall"`` on ``value < bound``; ``"both"`` on
+            ``|value| > bound``.
+
+    Example:
+        >>> from connmon.alerts import Threshold
+        >>> detector = Threshold(50.0)
+        >>> [detector.update(v) is not None for v in (10.0, 49.0, 51.0)]
+        [False, False, True]
+    """
+
+    def __init__(self, bound: float, direction: Direction = "rise") -> None:
+        _check_direction(direction)
+        self.bound, self.direction = float(bound), direction
+
+    def update(self, value: float) -> Detection | None:  # noqa: D102
+        if not math.isfinite(value):
+            return None
+        if self.direction == "both":
+            fired = abs(value) > abs(self.bound)
+        else:
+            fired = _signed(value - self.bound, self.direction) > 0
+        return Detection(value, self.bound) if fired else None
+
+
+class _Baseline(Detector):
+    """An exponentially weighted mean and variance, with a warmup count."""
+
+    def __init__(self, alpha: float, warmup: int, min_std: float) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got alpha={alpha}")
+        if warmup < 2:
+            raise ValueError(f"warmup must be >= 2 (a variance needs two values), got warmup={warmup}")
+        if min_std < 0:
+            raise ValueError(f"min_std must be >= 0, got min_std={min_std}")
+        self.alpha, self.warmup, self.min_std = float(alpha), int(warmup), float(min_std)
+        self.seen, self.mean, self.var = 0, 0.0, 0.0
+
+    def _std(self) -> float:
+        return max(math.sqrt(self.var), self.min_std, 1e-12 * max(abs(self.mean), 1.0))
+
+    def _z(self, value: float) -> float:
+        return (value - self.mean) / self._std()
+
+    def _absorb(self, value: float) -> None:
+        self.seen += 1
+        if self.seen == 1:
+            self.mean, self.var = value, 0.0
+            return
+        # the first `warmup` values get equal weight (a plain running mean), the rest exponential weight
+        alpha = max(self.alpha, 1.0 / self.seen)
+        delta = value - self.mean
+        self.mean += alpha * delta
+        self.var = (1 - alpha) * (self.var + alpha * delta * delta)
+
+
+class EWMAZScore(_Baseline):
+    """Fires when a value is more than ``threshold`` standard deviations from its exponentially weighted baseline.
+
+    Args:
+        threshold: z-score that fires.
+        direction: which deviation counts.
+        alpha: weight of the newest value in the baseline (``0.1``: a memory of about 10 samples).
+        warmup: finite values absorbed before the detector may fire.
+        min_std: floor of the baseline's standard deviation (in the series' units), so a flat series does not
+            turn a tiny wobble into a huge z-score.
+
+    Example:
+        >>> from connmon.alerts import EWMAZScore
+        >>> detector = EWMAZScore(threshold=4.0, warmup=5)
+        >>> hits = [detector.update(v) for v in (1.0, 1.1, 0.9, 1.0, 1.1, 0.9, 1.0, 3.0)]
+        >>> [h is not None for h in hits]
+        [False, False, False, False, False, False, False, True]
+    """
+
+    def __init__(
+        self, threshold: float = 4.0, direction: Direction = "rise", alpha: float = 0.1, warmup: int = 10,
+        min_std: float = 0.0,
+    ) -> None:  # fmt: skip
+        _check_direction(direction)
+        super().__init__(alpha, warmup, min_std)
+        self.threshold, self.direction = float(threshold), direction
+
+    def update(self, value: float) -> Detection | None:  # noqa: D102
+        if not math.isfinite(value):
+            return None
+        hit = None
+        if self.seen >= self.warmup:
+            z = self._z(value)
+            if _signed(z, self.direction) > self.threshold:
+                hit = Detection(z, self.threshold, self.mean)
+        self._absorb(value)
+        return hit
+
+
+class CUSUM(_Baseline):
+    """Page's cumulative sum of standardized deviations from an exponentially weighted baseline.
+
+    ``S = max(0, S + z - drift)`` with ``z`` the value's z-score in the watched direction; fires when
+    ``S > threshold`` and restarts from 0. It catches a sustained small shift that no single z-score shows.
+
+    Args:
+        threshold: the cumulative sum that fires (``h``, in standard deviations).
+        drift: slack subtracted per value (``k``): shifts below ``drift`` standard deviations do not accumulate.
+        direction: which deviation counts (``"both"`` keeps one sum per side).
+        alpha: weight of the newest value in the baseline; small, so a shift is not absorbed before it is seen.
+        warmup: finite values absorbed before the detector may fire.
+        min_std: floor of the baseline's standard deviation.
+
+    Example:
+        >>> from connmon.alerts import CUSUM
+        >>> detector = CUSUM(threshold=5.0, warmup=5)
+        >>> hits = [detector.update(v) for v in [1.0, 1.2, 0.8, 1.1, 0.9] + [1.4] * 4]  # a ~3-sigma shift
+        >>> [h is not None for h in hits]  # fires on the third shifted value (no single z-score here exceeds 4)
+        [False, False, False, False, False, False, False, True, False]
+    """
+
+    def __init__(
+        self, threshold: float = 5.0, drift: float = 0.5, direction: Direction = "rise", alpha: float = 0.02,
+        warmup: int = 10, min_std: float = 0.0,
+    ) -> None:  # fmt: skip
+        _check_direction(direction)
+        if threshold <= 0 or drift < 0:
+            raise ValueError(f"threshold must be > 0 and drift >= 0, got threshold={threshold}, drift={drift}")
+        super().__init__(alpha, warmup, min_std)
+        self.threshold, self.drift, self.direction = float(threshold), float(drift), direction
+        self.high, self.low = 0.0, 0.0
+
+    def update(self, value: float) -> Detection | None:  # noqa: D102
+        if not math.isfinite(value):
+            return None
+        hit = None
+        if self.seen >= self.warmup:
+            z = self._z(value)
+            self.high = max(0.0, self.high + z - self.drift) if self.direction != "fall" else 0.0
+            self.low = max(0.0, self.low - z - self.drift) if self.direction != "rise" else 0.0
+            statistic = max(self.high, self.low)
+            if statistic > self.threshold:
+                hit = Detection(statistic, self.threshold, self.mean)
+                self.high = self.low = 0.0
+            # clipped to 2 standard deviations, a shift moves the baseline slowly enough to be accumulated first
+            value = self.mean + max(-2.0, min(2.0, z)) * self._std()
+        self._absorb(value)
+        return hit
+
+
+class NonFinite(Detector):
+    """Fires on a NaN or infinite value, at once.
+
+    Example:
+        >>> from connmon.alerts import NonFinite
+        >>> detector = NonFinite()
+        >>> [detector.update(v) is not None for v in (1.0, float("nan"), float("inf"))]
+        [False, True, True]
+    """
+
+    def update(self, value: float) -> Detection | None:  # noqa: D102
+        return None if math.isfinite(value) else Detection(value, math.inf)

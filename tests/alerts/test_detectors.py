@@ -1,0 +1,104 @@
+import math
+import random
+
+import pytest
+
+from connmon.alerts import CUSUM, EWMAZScore, NonFinite, Threshold
+
+
+def weighted_baseline(values, alpha):
+    """The EWMA mean and variance from explicit weights: x_i weighs a_i prod_{j>i} (1 - a_j), a_t = max(a, 1/t)."""
+    rates = [max(alpha, 1.0 / t) for t in range(1, len(values) + 1)]
+    weights = []
+    for i, rate in enumerate(rates):
+        w = rate
+        for later in rates[i + 1 :]:
+            w *= 1 - later
+        weights.append(w)
+    mean = sum(w * x for w, x in zip(weights, values, strict=True))
+    var = sum(w * (x - mean) ** 2 for w, x in zip(weights, values, strict=True))
+    return mean, var
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.3, 1.0])
+def test_ewma_baseline_equals_the_explicitly_weighted_mean_and_variance(alpha):
+    rng = random.Random(0)
+    values = [rng.gauss(3.0, 2.0) for _ in range(40)]
+    detector = EWMAZScore(alpha=alpha, warmup=5, threshold=1e9)
+    for v in values:
+        detector.update(v)
+    mean, var = weighted_baseline(values, alpha)
+    assert detector.mean == pytest.approx(mean, rel=1e-12)
+    assert detector.var == pytest.approx(var, rel=1e-9, abs=1e-12)
+
+
+def test_ewma_z_score_fires_on_an_outlier_with_its_evidence_and_respects_direction():
+    calm = [1.0, 1.1, 0.9, 1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0]
+    rise, fall = EWMAZScore(warmup=10), EWMAZScore(direction="fall", warmup=10)
+    both = EWMAZScore(4.0, "both", warmup=10)
+    for d in (rise, fall, both):
+        assert [d.update(v) for v in calm] == [None] * 10
+    mean, var = weighted_baseline(calm, 0.1)
+    hit = rise.update(2.0)
+    assert hit.statistic == pytest.approx((2.0 - mean) / math.sqrt(var)) and hit.baseline == pytest.approx(mean)
+    assert both.update(2.0) is not None
+    assert fall.update(0.0) is not None
+
+
+def test_detectors_ignore_non_finite_values_and_do_not_fire_in_warmup():
+    detector = EWMAZScore(warmup=3)
+    assert [detector.update(v) for v in (1.0, float("nan"), 100.0, float("inf"))] == [None] * 4
+    assert detector.seen == 2  # NaN and inf were not absorbed
+    cusum = CUSUM(warmup=3)
+    assert cusum.update(float("nan")) is None and cusum.seen == 0
+
+
+def test_cusum_catches_a_sustained_small_shift_that_no_single_z_score_shows():
+    rng = random.Random(1)
+    baseline = [rng.gauss(0.0, 1.0) for _ in range(200)]
+    shifted = [rng.gauss(1.0, 1.0) for _ in range(100)]  # a 1-sigma shift
+    cusum, zscore = CUSUM(threshold=8.0, warmup=50), EWMAZScore(threshold=4.0, warmup=50, alpha=0.02)
+    quiet = [cusum.update(v) for v in baseline]
+    assert all(hit is None for hit in quiet)  # no false alarm in 200 in-control values at h = 8
+    hits = [i for i, v in enumerate(shifted) if cusum.update(v) is not None]
+    assert hits and hits[0] < 40  # ARL at a 1-sigma shift with k = 0.5, h = 8 is about 17
+    assert not any(zscore.update(v) for v in baseline + shifted[:40])
+    fall = CUSUM(threshold=8.0, warmup=50, direction="fall")
+    for v in baseline + shifted:
+        assert fall.update(v) is None
+
+
+def test_threshold_and_non_finite():
+    assert Threshold(5.0).update(6.0).statistic == 6.0
+    assert Threshold(5.0).update(float("nan")) is None
+    assert Threshold(0.2, "fall").update(0.1) is not None and Threshold(0.2, "fall").update(0.3) is None
+    assert Threshold(1.0, "both").update(-2.0) is not None
+    assert NonFinite().update(float("-inf")) is not None and NonFinite().update(1e30) is None
+
+
+def test_state_round_trip_continues_identically():
+    rng = random.Random(2)
+    values = [rng.gauss(0, 1) + (3 if i > 60 else 0) for i in range(100)]
+    straight = CUSUM(warmup=10)
+    expected = [straight.update(v) for v in values]
+    first = CUSUM(warmup=10)
+    got = [first.update(v) for v in values[:50]]
+    resumed = CUSUM(warmup=10)
+    resumed.load_state_dict(first.state_dict())
+    got += [resumed.update(v) for v in values[50:]]
+    assert got == expected and any(expected)
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: EWMAZScore(direction="up"), "direction"),
+        (lambda: EWMAZScore(alpha=0.0), "alpha"),
+        (lambda: CUSUM(warmup=1), "warmup"),
+        (lambda: CUSUM(threshold=-1.0), "threshold"),
+        (lambda: Threshold(1.0, "sideways"), "direction"),
+    ],
+)
+def test_bad_configuration_is_rejected_with_the_value(factory, match):
+    with pytest.raises(ValueError, match=match):
+        factory()
