@@ -1,8 +1,12 @@
 """Standalone DDP run for test_ddp.py: Lightning's "ddp" strategy re-launches this script for rank 1.
 
-Usage: python tests/callbacks/ddp_run.py OUT_DIR
+Usage: python tests/callbacks/ddp_run.py OUT_DIR [alert]
+
+With ``alert``, a DriftAlert rule fires on rank 1 only, at its third sample, with level ERROR; each rank writes the
+step it stopped at to OUT_DIR/rank<r>.txt (both must stop together, or the run hangs).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,11 +14,39 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from connmon.callbacks import ConnectionMonitor
+from connmon.alerts import Detection, Detector, Rule
+from connmon.callbacks import ConnectionMonitor, DriftAlert
 from tests.callbacks.lightning_models import LitGPT, loader
+
+
+class OnRankOne(Detector):
+    """Fires on its third value, on rank 1 only."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def update(self, value: float) -> Detection | None:
+        self.seen += 1
+        rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return Detection(value, 0.0) if rank == 1 and self.seen == 3 else None
+
+
+def alert_run(out: Path) -> None:
+    monitor = ConnectionMonitor(every_n_steps=1, diagnostics=("walk",), figures_every_n_samples=None)
+    alert = DriftAlert(rules=[Rule("rank one", "connmon/attention_entropy/all", OnRankOne(), level="ERROR")])
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=6, callbacks=[monitor, alert], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(LitGPT(), loader(batch_size=4))
+    (out / f"rank{trainer.global_rank}.txt").write_text(str(trainer.global_step))
+
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
+    if sys.argv[2:] == ["alert"]:
+        alert_run(out)
+        sys.exit(0)
     monitor = ConnectionMonitor(every_n_steps=2, edge_samples=None, edge_queries=None, figures_every_n_samples=None)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[monitor],

@@ -59,3 +59,10 @@ def test_ddp_synced_values_equal_single_process(tmp_path):
                 assert logged[key] == pytest.approx(want.item(), rel=1e-5, abs=1e-7), key
                 checked += 1
     assert checked >= 40
+
+
+def test_ddp_drift_alert_stops_every_rank_together(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
+    subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "alert"], check=True, timeout=300, env=env)
+    # rank 1 alone saw the alert at step 2; reduce_boolean_decision stops both after that step (no hang)
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["3", "3"]

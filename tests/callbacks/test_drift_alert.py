@@ -1,0 +1,130 @@
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
+from connmon.alerts import NonFinite, Rule, Threshold
+from connmon.callbacks import ConnectionMonitor, DriftAlert
+from tests.callbacks.lightning_models import LitGPT, loader
+from tests.callbacks.test_connection_monitor import read_csv
+
+LOGIT = "connmon/max_attention_logit/L*"
+
+
+def fit(tmp_path, callbacks, max_steps=6, logger="csv", ckpt_path=None, extra=()):
+    logger = CSVLogger(tmp_path, name="csv") if logger == "csv" else logger
+    trainer = L.Trainer(
+        max_steps=max_steps, callbacks=[*callbacks, *extra], logger=logger, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=bool(extra), accelerator="cpu", devices=1, log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(LitGPT(), loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def monitor(**kwargs):
+    return ConnectionMonitor(every_n_steps=1, diagnostics=("walk",), figures_every_n_samples=None, **kwargs)
+
+
+def test_an_error_level_alert_warns_with_its_evidence_counts_and_stops_the_run(tmp_path):
+    seen = []
+    rule = Rule("logit above -1", LOGIT, Threshold(-1.0), level="ERROR")
+    alert = DriftAlert(rules=[rule], on_alert=seen.append)
+    evidence = r"connmon: logit above -1 \[ERROR\]: connmon/max_attention_logit/L00 = .* at step 0"
+    with pytest.warns(UserWarning, match=evidence):
+        trainer = fit(tmp_path, [monitor(), alert])
+    assert trainer.global_step == 1  # stopped after the first sampled step, not at max_steps=6
+    assert [(a.rule, a.key, a.step) for a in seen] == [("logit above -1", "connmon/max_attention_logit/L00", 0)]
+    assert seen[0].value > -1.0 and alert.total == 1
+    rows = [row for row in read_csv(tmp_path) if "connmon/alerts/count" in row]
+    assert [(int(r["step"]), float(r["connmon/alerts/count"]), float(r["connmon/alerts/total"])) for r in rows] == [
+        (0, 1.0, 1.0)
+    ]
+
+
+def test_warn_level_alerts_respect_the_cooldown_across_layers_and_do_not_stop(tmp_path):
+    alert = DriftAlert(rules=[Rule("any logit", LOGIT, Threshold(-1.0), cooldown=2)], actions=("stop",))
+    trainer = fit(tmp_path, [alert, monitor()])  # listed before the monitor: it listens, order does not matter
+    assert trainer.global_step == 6
+    assert [(a.step, a.key) for a in alert.alerts] == [(s, "connmon/max_attention_logit/L00") for s in (0, 2, 4)]
+    rows = {int(r["step"]): float(r["connmon/alerts/count"]) for r in read_csv(tmp_path) if "connmon/alerts/count" in r}
+    assert rows == {0: 1, 1: 0, 2: 1, 3: 0, 4: 1, 5: 0}
+
+
+def test_a_resumed_run_keeps_the_cooldown_and_the_count(tmp_path):
+    rule = Rule("any logit", LOGIT, Threshold(-1.0), cooldown=100)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    first = DriftAlert(rules=[rule], actions=())
+    fit(tmp_path / "a", [monitor(), first], max_steps=3, extra=[checkpoint])
+    assert first.total == 1
+    path = str(next((tmp_path / "ckpt").glob("*.ckpt")))
+    resumed = DriftAlert(rules=[rule], actions=())
+    fit(tmp_path / "b", [monitor(), resumed], max_steps=6, ckpt_path=path)
+    assert resumed.total == 1 and list(resumed.alerts) == []  # no new alert: still in the cooldown from step 0
+    forgetful = DriftAlert(rules=[rule], actions=())
+    forgetful.load_state_dict = lambda state: None  # the control: the same resume without the saved state
+    fit(tmp_path / "c", [monitor(), forgetful], max_steps=6, ckpt_path=path)
+    assert [a.step for a in forgetful.alerts] == [3]  # it alerts again at once
+
+
+def test_wandb_offline_run_records_the_alert(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="connmon-test", save_dir=str(tmp_path), offline=True)
+    alert = DriftAlert(rules=[Rule("any logit", LOGIT, Threshold(-1.0), cooldown=100)], actions=("wandb",))
+    fit(tmp_path, [monitor(), alert], max_steps=2, logger=logger)
+    run_dir = Path(logger.experiment.dir).parent
+    logger.experiment.finish()
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    alerts = [r for r in records if r.get("type") == "alert" or "alert" in r]
+    assert alerts, sorted({r.get("type") for r in records})
+    text = json.dumps(alerts)
+    assert "connmon: any logit" in text and "connmon/max_attention_logit/L00" in text
+    history = [r["history"]["item"] for r in records if r.get("type") == "history"]
+    assert any(item.get("connmon/alerts/total") == 1 for item in history)
+
+
+def test_without_a_monitor_it_warns_and_the_run_goes_on(tmp_path):
+    with pytest.warns(UserWarning, match="has none: add one"):
+        trainer = fit(tmp_path, [DriftAlert()], max_steps=2)
+    assert trainer.global_step == 2
+
+
+def test_a_non_finite_forward_raises_the_default_critical_alert(tmp_path):
+    class NaNGPT(LitGPT):
+        def on_train_batch_start(self, batch, batch_idx):
+            if batch_idx == 2:  # the weights blow up before step 2's forward
+                self.model.blocks[0].attn.c_attn.weight.data.fill_(float("nan"))
+
+    alert = DriftAlert(actions=("stop",))
+    trainer = L.Trainer(
+        max_steps=6, callbacks=[monitor(), alert], logger=False, enable_progress_bar=False, accelerator="cpu",
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the NaN loss makes Lightning and the capture warn too
+        trainer.fit(NaNGPT(), loader())
+    assert [(a.rule, a.step, a.level) for a in alert.alerts][:1] == [("non-finite connmon value", 2, "ERROR")]
+    assert trainer.global_step == 3  # stopped at the sampled step that saw it
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"actions": ("email",)}, "actions"),
+        ({"stop_level": "FATAL"}, "stop_level"),
+        ({"rules": [Rule("a", "*", NonFinite()), Rule("a", "*", NonFinite())]}, "unique"),
+    ],
+)
+def test_bad_configuration_raises_in_init(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DriftAlert(**kwargs)
