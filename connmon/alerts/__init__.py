@@ -12,7 +12,16 @@ Example:
     [(4, 'connmon/max_attention_logit/L00')]
 """
 
-from connmon.alerts.detectors import CUSUM, Detection, Detector, Direction, EWMAZScore, NonFinite, Threshold
+from connmon.alerts.detectors import (
+    CUSUM,
+    Detection,
+    Detector,
+    Direction,
+    EWMAZScore,
+    Growth,
+    NonFinite,
+    Threshold,
+)
 from connmon.alerts.rules import LEVELS, Alert, Level, Rule, RuleSet, default_rules
 
 __all__ = [
@@ -23,6 +32,7 @@ __all__ = [
     "Detector",
     "Direction",
     "EWMAZScore",
+    "Growth",
     "Level",
     "NonFinite",
     "Rule",

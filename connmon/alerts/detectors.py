@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["CUSUM", "Detection", "Detector", "Direction", "EWMAZScore", "NonFinite", "Threshold"]
+__all__ = ["CUSUM", "Detection", "Detector", "Direction", "EWMAZScore", "Growth", "NonFinite", "Threshold"]
 
 Direction = Literal["rise", "fall", "both"]
 _DIRECTIONS = ("rise", "fall", "both")
@@ -102,6 +102,43 @@ class Threshold(Detector):
         else:
             fired = _signed(value - self.bound, self.direction) > 0
         return Detection(value, self.bound) if fired else None
+
+
+class Growth(Detector):
+    """Fires when a positive series has grown (or shrunk) by a factor relative to the first finite value it saw.
+
+    Scale-free, and needs no baseline to form: it is the detector for the first steps of a run, where an LR too high
+    shows as attention logits that multiply within tens of steps while a good run's barely move.
+
+    Args:
+        factor: the ratio that fires (> 1).
+        direction: ``"rise"`` fires on ``value > factor * first``, ``"fall"`` on ``value < first / factor``,
+            ``"both"`` on either.
+
+    Example:
+        >>> from connmon.alerts import Growth
+        >>> detector = Growth(4.0)
+        >>> [detector.update(v) is not None for v in (1.5, 2.0, 5.0, 7.0)]
+        [False, False, False, True]
+    """
+
+    def __init__(self, factor: float, direction: Direction = "rise") -> None:
+        _check_direction(direction)
+        if factor <= 1:
+            raise ValueError(f"factor must be > 1, got factor={factor}")
+        self.factor, self.direction = float(factor), direction
+        self.first: float | None = None
+
+    def update(self, value: float) -> Detection | None:  # noqa: D102
+        if not math.isfinite(value):
+            return None
+        if self.first is None:
+            self.first = value
+            return None
+        ratio = value / self.first if self.first else math.inf
+        rose = self.direction != "fall" and ratio > self.factor
+        fell = self.direction != "rise" and ratio < 1 / self.factor
+        return Detection(ratio, self.factor if rose else 1 / self.factor, self.first) if rose or fell else None
 
 
 class _Baseline(Detector):

@@ -74,6 +74,8 @@ class Rule:
         detector: a prototype; every matching key gets its own deep copy.
         level: ``"INFO"``, ``"WARN"`` or ``"ERROR"``.
         cooldown: steps after an alert during which this rule does not alert again, on any key.
+        until: if set, values after this step are not tested (nor fed to the detector): a *regime* rule about the
+            start of a run.
 
     Raises:
         ValueError: for an unknown level or a negative cooldown.
@@ -88,6 +90,7 @@ class Rule:
     detector: Detector
     level: Level = "WARN"
     cooldown: int = 100
+    until: int | None = None
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -144,6 +147,8 @@ class RuleSet:
         """
         alerts = []
         for rule in self.rules:
+            if rule.until is not None and step > rule.until:
+                continue
             state = self._state[rule.name]
             quiet = state.last_alert_step is not None and step - state.last_alert_step < rule.cooldown
             fired: Alert | None = None
@@ -189,10 +194,10 @@ def default_rules() -> list[Rule]:
     Example:
         >>> from connmon.alerts import default_rules
         >>> [rule.name for rule in default_rules()][:1]
-        ['non-finite connmon value']
+        ['non-finite attention']
     """
     return [
-        Rule("non-finite connmon value", "connmon/*", NonFinite(), level="ERROR", cooldown=0),
+        Rule("non-finite attention", "connmon/max_attention_logit/L*", NonFinite(), level="ERROR", cooldown=0),
         Rule("max attention logit rising", "connmon/max_attention_logit/L*", EWMAZScore(threshold=6.0), cooldown=500),
         Rule("attention entropy collapsing", "connmon/attention_entropy_normalized/L*", CUSUM(direction="fall")),
     ]

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from connmon.alerts import CUSUM, EWMAZScore, NonFinite, Threshold
+from connmon.alerts import CUSUM, EWMAZScore, Growth, NonFinite, Threshold
 
 
 def weighted_baseline(values, alpha):
@@ -102,3 +102,14 @@ def test_state_round_trip_continues_identically():
 def test_bad_configuration_is_rejected_with_the_value(factory, match):
     with pytest.raises(ValueError, match=match):
         factory()
+
+
+def test_growth_compares_with_the_first_finite_value_in_either_direction():
+    rise, fall, both = Growth(3.0), Growth(3.0, "fall"), Growth(3.0, "both")
+    for d in (rise, fall, both):
+        assert d.update(float("nan")) is None and d.update(2.0) is None and d.first == 2.0
+    assert rise.update(5.9) is None and rise.update(6.1).statistic == pytest.approx(3.05)
+    assert fall.update(6.1) is None and fall.update(0.6).baseline == 2.0
+    assert both.update(0.6) is not None and both.update(6.1) is not None
+    with pytest.raises(ValueError, match="factor"):
+        Growth(1.0)

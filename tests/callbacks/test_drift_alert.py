@@ -113,7 +113,7 @@ def test_a_non_finite_forward_raises_the_default_critical_alert(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the NaN loss makes Lightning and the capture warn too
         trainer.fit(NaNGPT(), loader())
-    assert [(a.rule, a.step, a.level) for a in alert.alerts][:1] == [("non-finite connmon value", 2, "ERROR")]
+    assert [(a.rule, a.step, a.level) for a in alert.alerts][:1] == [("non-finite attention", 2, "ERROR")]
     assert trainer.global_step == 3  # stopped at the sampled step that saw it
 
 
