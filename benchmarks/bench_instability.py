@@ -15,10 +15,13 @@ Every ``--every`` steps the attention of the first 2 sequences is captured and r
 does it (walk, head/OV transport, drift groups: its light samples), giving ``connmon/<metric>/L<ll>`` series;
 loss and gradient norm are kept every step. Detectors are causal, so they are evaluated on the recorded series
 afterwards, exactly as they would have run online; ``--load`` re-analyses a saved ``--save`` file without training.
+An alert counts as a *warning* if it comes at most ``WINDOW = 300`` steps before divergence; any earlier alert, and
+any alert on a run that never diverges, is a *false alarm* (an alert during healthy learning warns of nothing).
 
-Divergence: the first step at which the loss is NaN, or above ``K = 1.25`` times its running minimum for ``M = 10``
-consecutive steps, once the run has learned (running minimum below 90% of the initial loss, i.e. clearly below the
-unigram plateau near ``ln 64 = 4.16``, which the untrained model reaches in a few steps).
+Divergence: the first step at which the loss is NaN, or at which the smoothed loss (mean of the last 10 steps; one
+batch of 16 is noisy) is above ``K = 1.5`` times its running minimum for ``M = 10`` consecutive steps, once the run
+has learned (running minimum below 90% of the initial loss, i.e. clearly below the unigram plateau near
+``ln 64 = 4.16``, which the untrained model reaches in a few steps).
 
 Usage:
     python benchmarks/bench_instability.py --save /tmp/instability.json   # about 6 minutes on 2 CPU cores
@@ -45,7 +48,7 @@ from connmon.alerts import CUSUM, EWMAZScore, Rule, RuleSet, Threshold, default_
 from connmon.metrics import DriftMetrics, TransportMetrics, WalkMetrics
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
-K, M, LEARNED = 1.25, 10, 0.9
+K, M, LEARNED, SMOOTH, WINDOW = 1.5, 10, 0.9, 10, 300
 
 
 def example_module():
@@ -67,6 +70,7 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = nn.LayerNorm(d_h) if qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C) -> (B, T, C)``."""
         B, T, C = x.shape  # batch, sequence length, width
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
@@ -75,6 +79,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-LN transformer block."""
+
     def __init__(self, n_embd: int, n_head: int, qk_norm: bool) -> None:
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention(n_embd, n_head, qk_norm)
@@ -82,11 +88,14 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, T, C) -> (B, T, C)``."""
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
 class GPT(nn.Module):
+    """The example's tiny GPT, with optional qk-layernorm."""
+
     def __init__(self, vocab: int, tokens: int, qk_norm: bool, n_layer: int = 4, n_embd: int = 128) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(tokens, n_embd)
@@ -94,6 +103,7 @@ class GPT(nn.Module):
         self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """``(B, T)`` token ids -> ``(B, T, V)`` logits."""
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
         for block in self.blocks:
             x = block(x)
@@ -160,15 +170,23 @@ def train(config: dict, steps: int, every: int) -> dict:
         if not math.isfinite(losses[-1]):
             break
         optimizer.step()
-    return {**config, "loss": losses, "grad_norm": grad_norms, "samples": samples, "seconds": time.perf_counter() - start}
+    return {
+        **config,
+        "loss": losses,
+        "grad_norm": grad_norms,
+        "samples": samples,
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def divergence(losses: list[float]) -> int | None:
     """The first step of divergence (see the module docstring), or None."""
     best, above = math.inf, 0
-    for step, loss in enumerate(losses):
-        if not math.isfinite(loss):
+    for step in range(len(losses)):
+        if not math.isfinite(losses[step]):
             return step
+        window = losses[max(0, step - SMOOTH + 1) : step + 1]
+        loss = sum(window) / len(window)
         learned = best < LEARNED * losses[0]
         above = above + 1 if learned and loss > K * best else 0
         if above == M:
@@ -177,15 +195,21 @@ def divergence(losses: list[float]) -> int | None:
     return None
 
 
-def first_alert(rules: Callable[[], RuleSet], series: dict[int, dict[str, float]], until: int | None) -> int | None:
-    """The first step at which a fresh rule set alerts on the series, up to ``until`` (inclusive)."""
+def alert_steps(rules: Callable[[], RuleSet], series: dict[int, dict[str, float]]) -> list[int]:
+    """Every step at which a fresh rule set alerts on the series (online, cooldowns included)."""
     ruleset = rules()
-    for step in sorted(series):
-        if until is not None and step > until:
-            break
-        if ruleset.update(series[step], step):
-            return step
-    return None
+    return [step for step in sorted(series) if ruleset.update(series[step], step)]
+
+
+def score(alerts: list[int], div: int | None) -> tuple[int | None, int]:
+    """The lead of the first warning (an alert in ``[div - WINDOW, div]``) and the number of false alarms.
+
+    Every other alert before divergence, or on a run that never diverges, is a false alarm.
+    """
+    if div is None:
+        return None, len(alerts)
+    warnings = [s for s in alerts if div - WINDOW <= s <= div]
+    return (div - warnings[0] if warnings else None), sum(s < div - WINDOW for s in alerts)
 
 
 def per_step(run: dict, key: str) -> dict[int, dict[str, float]]:
@@ -212,15 +236,26 @@ BASELINES: dict[str, tuple[str, Callable[[], RuleSet]]] = {
 
 
 def candidates(run_keys: set[str]) -> dict[str, Callable[[], RuleSet]]:
-    """Every sampled metric under an EWMA z-score and a CUSUM rule, each direction: what the defaults are chosen from."""
+    """Every sampled metric under EWMA z-score and CUSUM rules, linear and log scale, each direction."""
     metrics = sorted({key.split("/")[1] for key in run_keys if key.endswith("/L00")})
     out = {}
     for metric in metrics:
         for direction in ("rise", "fall"):
             glob = f"connmon/{metric}/L*"
-            out[f"{metric} z>6 {direction}"] = one(Rule("c", glob, EWMAZScore(6.0, direction)))
-            out[f"{metric} cusum {direction}"] = one(Rule("c", glob, CUSUM(8.0, direction=direction)))
+            for log in (False, True):
+                scale = " log" if log else ""
+                for z in (4.0, 6.0):
+                    out[f"{metric}{scale} z>{z:g} {direction}"] = one(
+                        Rule("c", glob, EWMAZScore(z, direction, log=log))
+                    )
+                out[f"{metric}{scale} cusum {direction}"] = one(
+                    Rule("c", glob, CUSUM(8.0, direction=direction, log=log))
+                )
     return out
+
+
+def cell(lead: int | None, false: int) -> str:
+    return ("-" if lead is None else f"lead {lead}") + (f", {false} FA" if false else "")
 
 
 def evaluate(runs: list[dict]) -> None:
@@ -235,45 +270,44 @@ def evaluate(runs: list[dict]) -> None:
         cells = [run["arm"], str(run["seed"]), str(div), f"{run['loss'][-1]:.3g}"]
         for source, rules in [("samples", default_rules_set), *BASELINES.values()]:
             series = samples(run) if source == "samples" else per_step(run, source)
-            alert = first_alert(rules, series, div)
-            cells.append("-" if alert is None else (f"{alert} (lead {div - alert})" if div is not None else f"{alert} FA"))
+            cells.append(cell(*score(alert_steps(rules, series), div)))
         print("| " + " | ".join(cells) + " |")
-    print("\nlead = divergence step - first alert step; FA = a false alarm on a run that never diverged; - = none\n")
+    print(
+        f"\nlead: divergence step minus the first alert within {WINDOW} steps before it; FA: false alarms (alerts "
+        f"earlier than that, or on a run that never diverged); -: no warning\n"
+    )
     diverged = [r for r in ramp if r["divergence"] is not None]
-    calm = [r for r in ramp if r["divergence"] is None]
     keys = set().union(*(set(v) for r in ramp for v in r["samples"].values()))
-    print("### Candidate signals (every sampled metric, EWMA z > 6 and CUSUM h = 8, each direction)\n")
-    print("| signal | runs alerted before divergence | median lead (steps) | false alarms on non-diverging runs |")
+    print("### Candidate signals (every sampled metric; EWMA z > 4, z > 6, CUSUM h = 8; linear and log)\n")
+    print("| signal | diverging runs warned | median lead (steps) | false alarms (all runs) |")
     print("|---|---|---|---|")
     scored = []
     for name, rules in candidates(keys).items():
-        leads = []
-        for run in diverged:
-            alert = first_alert(rules, samples(run), run["divergence"])
-            if alert is not None:
-                leads.append(run["divergence"] - alert)
-        false = sum(first_alert(rules, samples(run), None) is not None for run in calm)
-        median = statistics.median(leads) if leads else float("nan")
-        scored.append((len(leads), -false, median, name, false))
-    for hits, _, median, name, false in sorted(scored, key=lambda s: (-s[0], -s[1], -(s[2] if s[2] == s[2] else -1e9))):
-        if hits:
-            print(f"| {name} | {hits}/{len(diverged)} | {median:g} | {false}/{len(calm)} |")
+        results = [(run["divergence"], score(alert_steps(rules, samples(run)), run["divergence"])) for run in ramp]
+        leads = [lead for div, (lead, _) in results if div is not None and lead is not None]
+        false = sum(f for _, (_, f) in results)
+        scored.append((len(leads), statistics.median(leads) if leads else 0, false, name))
+    for warned, median, false, name in sorted(scored, key=lambda s: (s[2] > 0, -s[0], -s[1]))[:25]:
+        print(f"| {name} | {warned}/{len(diverged)} | {median:g} | {false} |")
     constant = [r for r in runs if r["arm"].startswith("const-")]
     if constant:
-        regime(constant, ramp)
+        regime(constant)
 
 
-def regime(constant: list[dict], ramp: list[dict]) -> None:
-    best = min(min(r["loss"]) for r in ramp if r["arm"] == "control")
-    print(f"\n### Regime: constant-LR runs (best control loss {best:.3f}; 'bad' = final loss > 1.25 x that)\n")
-    print("| arm | seed | final loss (mean of last 20) | bad | max logit by step 25 | entropy (normalized) by step 25 |")
+def regime(constant: list[dict]) -> None:
+    lowest = min(r["peak"] for r in constant)
+    best = statistics.median(statistics.fmean(r["loss"][-20:]) for r in constant if r["peak"] == lowest)
+    print(f"\n### Regime: constant-LR runs (lowest LR's median final loss {best:.3f}; bad = final > 1.1 x that)\n")
+    print(
+        "| arm | seed | final loss (mean of last 20) | bad | max logit by step 25 | entropy (normalized) by step 25 |"
+    )
     print("|---|---|---|---|---|---|")
     for run in constant:
         final = statistics.fmean(run["loss"][-20:]) if all(map(math.isfinite, run["loss"][-20:])) else float("nan")
         early = [v for s, v in samples(run).items() if s <= 25]
         logit = max(v.get("connmon/max_attention_logit/all", float("nan")) for v in early)
         entropy = min(v.get("connmon/attention_entropy_normalized/all", float("nan")) for v in early)
-        bad = not final <= 1.25 * best
+        bad = not final <= 1.1 * best
         print(f"| {run['arm']} | {run['seed']} | {final:.3f} | {bad} | {logit:.3g} | {entropy:.3g} |")
 
 
@@ -285,7 +319,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--const-steps", type=int, default=200)
+    parser.add_argument("--const-steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--peak", type=float, default=1e-1)
     parser.add_argument("--start", type=float, default=1e-3)

@@ -144,15 +144,25 @@ class Growth(Detector):
 class _Baseline(Detector):
     """An exponentially weighted mean and variance, with a warmup count."""
 
-    def __init__(self, alpha: float, warmup: int, min_std: float) -> None:
+    def __init__(self, alpha: float, warmup: int, min_std: float, log: bool) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got alpha={alpha}")
         if warmup < 2:
             raise ValueError(f"warmup must be >= 2 (a variance needs two values), got warmup={warmup}")
         if min_std < 0:
             raise ValueError(f"min_std must be >= 0, got min_std={min_std}")
-        self.alpha, self.warmup, self.min_std = float(alpha), int(warmup), float(min_std)
+        self.alpha, self.warmup, self.min_std, self.log = float(alpha), int(warmup), float(min_std), bool(log)
         self.seen, self.mean, self.var = 0, 0.0, 0.0
+
+    def _scale(self, value: float) -> float:
+        """The value on the detector's scale: ``log(value)`` with ``log=True`` (NaN for ``value <= 0``)."""
+        if not self.log:
+            return value
+        return math.log(value) if value > 0 else math.nan
+
+    def _baseline(self) -> float:
+        """The baseline mean in the series' units (the geometric mean with ``log=True``)."""
+        return math.exp(self.mean) if self.log else self.mean
 
     def _std(self) -> float:
         return max(math.sqrt(self.var), self.min_std, 1e-12 * max(abs(self.mean), 1.0))
@@ -182,6 +192,8 @@ class EWMAZScore(_Baseline):
         warmup: finite values absorbed before the detector may fire.
         min_std: floor of the baseline's standard deviation (in the series' units), so a flat series does not
             turn a tiny wobble into a huge z-score.
+        log: test ``log(value)`` (positive series whose changes are multiplicative, such as attention logits);
+            nonpositive values are then ignored. The baseline and ``min_std`` are on that scale.
 
     Example:
         >>> from connmon.alerts import EWMAZScore
@@ -193,20 +205,21 @@ class EWMAZScore(_Baseline):
 
     def __init__(
         self, threshold: float = 4.0, direction: Direction = "rise", alpha: float = 0.1, warmup: int = 10,
-        min_std: float = 0.0,
+        min_std: float = 0.0, log: bool = False,
     ) -> None:  # fmt: skip
         _check_direction(direction)
-        super().__init__(alpha, warmup, min_std)
+        super().__init__(alpha, warmup, min_std, log)
         self.threshold, self.direction = float(threshold), direction
 
     def update(self, value: float) -> Detection | None:  # noqa: D102
+        value = self._scale(value)
         if not math.isfinite(value):
             return None
         hit = None
         if self.seen >= self.warmup:
             z = self._z(value)
             if _signed(z, self.direction) > self.threshold:
-                hit = Detection(z, self.threshold, self.mean)
+                hit = Detection(z, self.threshold, self._baseline())
         self._absorb(value)
         return hit
 
@@ -224,6 +237,7 @@ class CUSUM(_Baseline):
         alpha: weight of the newest value in the baseline; small, so a shift is not absorbed before it is seen.
         warmup: finite values absorbed before the detector may fire.
         min_std: floor of the baseline's standard deviation.
+        log: test ``log(value)`` (see :class:`EWMAZScore`).
 
     Example:
         >>> from connmon.alerts import CUSUM
@@ -235,16 +249,17 @@ class CUSUM(_Baseline):
 
     def __init__(
         self, threshold: float = 5.0, drift: float = 0.5, direction: Direction = "rise", alpha: float = 0.02,
-        warmup: int = 10, min_std: float = 0.0,
+        warmup: int = 10, min_std: float = 0.0, log: bool = False,
     ) -> None:  # fmt: skip
         _check_direction(direction)
         if threshold <= 0 or drift < 0:
             raise ValueError(f"threshold must be > 0 and drift >= 0, got threshold={threshold}, drift={drift}")
-        super().__init__(alpha, warmup, min_std)
+        super().__init__(alpha, warmup, min_std, log)
         self.threshold, self.drift, self.direction = float(threshold), float(drift), direction
         self.high, self.low = 0.0, 0.0
 
     def update(self, value: float) -> Detection | None:  # noqa: D102
+        value = self._scale(value)
         if not math.isfinite(value):
             return None
         hit = None
@@ -254,7 +269,7 @@ class CUSUM(_Baseline):
             self.low = max(0.0, self.low - z - self.drift) if self.direction != "rise" else 0.0
             statistic = max(self.high, self.low)
             if statistic > self.threshold:
-                hit = Detection(statistic, self.threshold, self.mean)
+                hit = Detection(statistic, self.threshold, self._baseline())
                 self.high = self.low = 0.0
             # clipped to 2 standard deviations, a shift moves the baseline slowly enough to be accumulated first
             value = self.mean + max(-2.0, min(2.0, z)) * self._std()

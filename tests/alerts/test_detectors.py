@@ -113,3 +113,15 @@ def test_growth_compares_with_the_first_finite_value_in_either_direction():
     assert both.update(0.6) is not None and both.update(6.1) is not None
     with pytest.raises(ValueError, match="factor"):
         Growth(1.0)
+
+
+def test_log_scale_tests_multiplicative_changes_and_reports_the_baseline_in_units():
+    rng = random.Random(3)
+    calm = [10.0 * 1.02**i * math.exp(rng.gauss(0, 0.05)) for i in range(20)]  # 2% growth a sample, 5% noise
+    detector = EWMAZScore(threshold=4.0, warmup=10, log=True)
+    assert not any(detector.update(v) for v in calm)
+    hit = detector.update(calm[-1] * 3)  # a sudden tripling
+    assert hit is not None and calm[0] < hit.baseline < calm[-1]  # the geometric baseline, in the series' units
+    assert detector.update(-1.0) is None and detector.update(0.0) is None  # not data on a log scale
+    cusum = CUSUM(warmup=5, log=True)  # a sustained trend is what CUSUM exists to catch
+    assert any(cusum.update(v) for v in calm) and cusum.seen == 20
