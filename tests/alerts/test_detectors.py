@@ -124,4 +124,4 @@ def test_log_scale_tests_multiplicative_changes_and_reports_the_baseline_in_unit
     assert hit is not None and calm[0] < hit.baseline < calm[-1]  # the geometric baseline, in the series' units
     assert detector.update(-1.0) is None and detector.update(0.0) is None  # not data on a log scale
     cusum = CUSUM(warmup=5, log=True)  # a sustained trend is what CUSUM exists to catch
-    assert any(cusum.update(v) for v in calm) and cusum.seen == 20
+    assert any([cusum.update(v) for v in calm]) and cusum.seen == 20
