@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +61,7 @@ def analyze(
     max_tokens: int | None = 256,
     spectrum_k: int = 8,
     edge_samples: int | None = 4,
+    on_record: Callable[[AttentionRecord], object] | None = None,
     **kwargs: object,
 ) -> Report:
     """Capture one forward pass of ``model(*args, **kwargs)`` and compute every per-layer diagnostic.
@@ -75,6 +77,8 @@ def analyze(
         max_tokens: at most this many leading tokens (see :func:`connmon.capture`).
         spectrum_k: eigenvalues of ``M / s`` kept per layer.
         edge_samples: keys drawn per query for ``edge_isometry_gap`` (None: exact).
+        on_record: also called with each record once it is analysed (to keep a walk for a figure, or count
+            progress).
         **kwargs: keyword inputs of the forward.
 
     Returns:
@@ -113,6 +117,8 @@ def analyze(
         spectrum = groups[2].last_spectra[record.index]
         layer["connection_spectrum"] = [[[v.real, v.imag] for v in row.tolist()] for row in spectrum]
         report.layers.append(layer)
+        if on_record is not None:
+            on_record(record)
 
     capture(model, *args, num_sequences=num_sequences, max_tokens=max_tokens, on_record=consume, **kwargs)
     return report

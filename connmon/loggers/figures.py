@@ -1,4 +1,4 @@
-"""Matplotlib figures of a sample: connection spectra in the complex plane, and the gaps across depth."""
+"""Matplotlib figures: connection spectra in the complex plane, per-layer curves across depth, walk heatmaps, series."""
 
 from __future__ import annotations
 
@@ -64,4 +64,69 @@ def depth_figure(values: Mapping[str, Tensor], title: str = "gaps across depth")
         ax.plot(np.arange(len(y)), y, marker="o", label=name)
     ax.set(xlabel="layer", ylabel="value", title=title)
     ax.legend(fontsize="small")
+    return fig
+
+
+def walks_figure(walks: Mapping[int, Tensor], title: str = "walk matrices P (first sequence)") -> Figure:
+    """One heatmap per layer of a walk matrix ``P`` (rows: queries, columns: keys).
+
+    Args:
+        walks: layer index -> ``(n, n)`` walk matrix.
+        title: figure title.
+
+    Returns:
+        A matplotlib Figure.
+
+    Example:
+        >>> import torch
+        >>> from connmon.loggers import walks_figure
+        >>> fig = walks_figure({0: torch.eye(4), 1: torch.full((4, 4), 0.25)})
+        >>> len(fig.axes)  # two heatmaps and one colour bar
+        3
+    """
+    count = max(len(walks), 1)
+    columns = min(count, 4)
+    rows = -(-count // columns)
+    fig = Figure(figsize=(3 * columns + 0.6, 3 * rows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, columns)).ravel()
+    image = None
+    for ax, (index, walk) in zip(axes, sorted(walks.items()), strict=False):
+        image = ax.imshow(walk.detach().cpu().double().numpy(), cmap="magma", vmin=0.0, vmax=1.0)
+        ax.set(title=f"L{index:02d}", xlabel="key", ylabel="query")
+    for ax in axes[len(walks) :]:
+        ax.set_axis_off()
+    if image is not None:
+        fig.colorbar(image, ax=axes.tolist(), shrink=0.8)
+    fig.suptitle(title)
+    return fig
+
+
+def series_figure(series: Mapping[str, tuple[list[int], list[float]]], title: str = "connmon over training") -> Figure:
+    """One panel per logged key: its values against the trainer step.
+
+    Args:
+        series: key -> (steps, values).
+        title: figure title.
+
+    Returns:
+        A matplotlib Figure.
+
+    Example:
+        >>> from connmon.loggers import series_figure
+        >>> fig = series_figure({"connmon/attention_entropy/all": ([0, 100], [3.1, 2.7])})
+        >>> fig.axes[0].get_title()
+        'connmon/attention_entropy/all'
+    """
+    count = max(len(series), 1)
+    columns = min(count, 3)
+    rows = -(-count // columns)
+    fig = Figure(figsize=(4.5 * columns, 2.8 * rows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, columns)).ravel()
+    for ax, (key, (steps, values)) in zip(axes, sorted(series.items()), strict=False):
+        ax.plot(steps, values, marker=".", lw=1)
+        ax.set_title(key, fontsize="small")
+        ax.set_xlabel("step")
+    for ax in axes[len(series) :]:
+        ax.set_axis_off()
+    fig.suptitle(title)
     return fig

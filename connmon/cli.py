@@ -1,0 +1,344 @@
+"""The ``connmon`` command: post-hoc analysis of a model, and figures of a monitored run.
+
+``connmon analyze MODEL`` reads a model (a local Hugging Face model directory, a Lightning checkpoint with its
+module class, or ``demo``), runs one forward pass on a text file, token ids or random tokens, and writes the
+per-layer diagnostics (``report.json``), figures (isometry gaps and depth drift across depth, connection spectra in
+the complex plane, walk-matrix heatmaps) and ``summary.md``. ``connmon report RUN_DIR`` draws the figures that the
+logged scalars allow from a ConnectionMonitor run (Lightning CSV logs, or an offline W&B run).
+
+Bad input (an unreadable path, a class path that does not import, a model without attention) prints one message
+and exits with status 2; nothing is downloaded.
+
+Example:
+    >>> from connmon.cli import main
+    >>> main(["analyze", "no/such/model"])  # prints "connmon: no/such/model is neither 'demo', ..." to stderr
+    2
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["main"]
+
+GAPS = ("head_isometry_gap", "ov_isometry_gap", "edge_isometry_gap", "transport_symmetry_gap")
+SUMMARY = (
+    "reconstruction_error", "attention_entropy_normalized", "max_attention_logit", "walk_spectral_gap",
+    "reversibility_gap", "head_isometry_gap", "ov_isometry_gap", "edge_isometry_gap", "transport_scale",
+    "connection_spectral_radius", "connection_laplacian_gap", "depth_drift",
+)  # fmt: skip
+
+
+class InputError(Exception):
+    """Bad input from the command line: reported in one line, exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``connmon`` command; returns the exit status (0, or 2 for bad input)."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except InputError as error:
+        print(f"connmon: {error}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="connmon", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+    analyze = commands.add_parser("analyze", help="diagnose every attention layer of a model from one forward pass")
+    analyze.add_argument("model", help="'demo', a local Hugging Face model directory, or a Lightning .ckpt file")
+    analyze.add_argument("--class-path", help="the LightningModule of a .ckpt: package.module:Class")
+    inputs = analyze.add_mutually_exclusive_group()
+    inputs.add_argument("--text", type=Path, help="a text file, one sequence per line (the model's tokenizer)")
+    inputs.add_argument("--token-ids", type=Path, help="a file of token ids, one sequence per line")
+    analyze.add_argument("--vocab-size", type=int, help="for random tokens when the model does not say")
+    analyze.add_argument("--sequences", type=int, default=4, help="sequences to analyse (default 4)")
+    analyze.add_argument("--max-tokens", type=int, default=128, help="tokens per sequence (default 128)")
+    analyze.add_argument("--spectrum-k", type=int, default=8, help="eigenvalues of M / s per layer (default 8)")
+    analyze.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    analyze.add_argument("--seed", type=int, default=0, help="seed of random tokens (default 0)")
+    analyze.add_argument("--out", type=Path, default=Path("connmon_analysis"), help="output directory")
+    analyze.set_defaults(run=_analyze)
+    report = commands.add_parser("report", help="figures from a ConnectionMonitor run (CSV logs or offline W&B)")
+    report.add_argument("run_dir", type=Path, help="a Lightning CSV log directory or a W&B offline run directory")
+    report.add_argument("--out", type=Path, help="output directory (default RUN_DIR/connmon_report)")
+    report.set_defaults(run=_report)
+    return parser
+
+
+# --- connmon analyze ----------------------------------------------------------------------------------------------
+
+
+def _analyze(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    import connmon
+    import connmon.functional as F
+    from connmon.capture import attention_layers
+
+    for name in ("sequences", "max_tokens", "spectrum_k"):
+        if getattr(args, name) < 1:
+            raise InputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:
+        raise InputError(f"--device {args.device!r} is not usable here ({error})") from None
+    model, tokenizer, vocab_size = _load_model(args)
+    model = model.to(device).eval()
+    forward_args, forward_kwargs = _inputs(args, tokenizer, vocab_size, device)
+    try:
+        layers = attention_layers(model)
+    except ValueError as error:
+        raise InputError(str(error)) from None
+    walks: dict[int, torch.Tensor] = {}
+    with tqdm(total=len(layers), desc="connmon analyze", unit="layer") as progress:
+
+        def keep(record: Any) -> None:
+            walks[record.index] = F.walk_matrix(record.attn[0]).cpu()
+            progress.update()
+
+        report = connmon.analyze(
+            model, *forward_args, num_sequences=args.sequences, max_tokens=args.max_tokens,
+            spectrum_k=args.spectrum_k, on_record=keep, **forward_kwargs,
+        )  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "report.json").write_text(report.to_json(indent=1))
+    figures = _analysis_figures(report.layers, walks)
+    for name, figure in figures.items():
+        figure.savefig(args.out / f"{name}.png", dpi=110)
+    given = args.text or args.token_ids
+    source = f"{args.model} on {given if given else 'random tokens'}"
+    (args.out / "summary.md").write_text(_summary(report.layers, report.model, source, figures))
+    print(f"connmon: {len(report.layers)} layers of {args.model} analysed; wrote {args.out}/report.json, "
+          f"summary.md and {len(figures)} figures")  # fmt: skip
+    return 0
+
+
+def _load_model(args: argparse.Namespace) -> tuple[nn.Module, Any, int | None]:
+    """``(model, tokenizer or None, vocab size or None)``."""
+    path = Path(args.model)
+    if args.model == "demo":
+        from connmon.demo import DemoGPT
+
+        model = DemoGPT()
+        return model, None, model.vocab_size
+    if path.is_dir() and (path / "config.json").is_file():
+        try:
+            import transformers
+        except ImportError:
+            raise InputError(
+                "reading a Hugging Face model directory needs transformers: pip install transformers"
+            ) from None
+        try:
+            model = transformers.AutoModel.from_pretrained(path, local_files_only=True)
+        except Exception as error:  # transformers raises many types for an unreadable directory
+            raise InputError(f"could not load a model from {path}: {error}") from None
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception:
+            tokenizer = None
+        return model, tokenizer, getattr(model.config, "vocab_size", None)
+    if path.suffix == ".ckpt" and path.is_file():
+        if not args.class_path:
+            raise InputError(f"{path} is a Lightning checkpoint: pass --class-path package.module:Class")
+        module_class = _import_class(args.class_path)
+        try:
+            model = module_class.load_from_checkpoint(path, map_location="cpu")
+        except Exception as error:
+            raise InputError(f"could not load {path} with {args.class_path}: {error}") from None
+        hparams = getattr(model, "hparams", {})
+        vocab = next((hparams[k] for k in ("vocab_size", "vocab") if k in hparams), None)
+        return model, None, vocab
+    raise InputError(
+        f"{args.model} is neither 'demo', a Hugging Face model directory (with config.json) nor a .ckpt file"
+    )
+
+
+def _import_class(class_path: str) -> Any:
+    module_name, _, class_name = class_path.replace(":", ".").rpartition(".")
+    try:
+        module_class = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise InputError(f"--class-path {class_path!r} does not import: {error}") from None
+    if not hasattr(module_class, "load_from_checkpoint"):
+        raise InputError(f"--class-path {class_path!r} is not a LightningModule (it has no load_from_checkpoint)")
+    return module_class
+
+
+def _inputs(
+    args: argparse.Namespace, tokenizer: Any, vocab_size: int | None, device: torch.device
+) -> tuple[tuple, dict]:
+    """Forward arguments: tokenized text, token ids from a file, or random tokens."""
+    if args.text is not None:
+        if tokenizer is None:
+            raise InputError("--text needs the model's tokenizer files (a Hugging Face model directory has them)")
+        lines = [line.strip() for line in _read(args.text).splitlines() if line.strip()][: args.sequences]
+        if not lines:
+            raise InputError(f"{args.text} has no text")
+        batch = tokenizer(lines, padding=True, truncation=True, max_length=args.max_tokens, return_tensors="pt")
+        return (), {key: value.to(device) for key, value in batch.items()}
+    if args.token_ids is not None:
+        try:
+            rows = [[int(t) for t in line.split()] for line in _read(args.token_ids).splitlines() if line.strip()]
+        except ValueError as error:
+            raise InputError(f"{args.token_ids} must hold whitespace-separated integers: {error}") from None
+        if not rows:
+            raise InputError(f"{args.token_ids} has no token ids")
+        length = min(len(row) for row in rows[: args.sequences])
+        ids = torch.tensor([row[:length] for row in rows[: args.sequences]], device=device)
+    else:
+        vocab_size = args.vocab_size or vocab_size
+        if vocab_size is None:
+            raise InputError("random tokens need a vocabulary size: pass --vocab-size, --token-ids or --text")
+        generator = torch.Generator().manual_seed(args.seed)
+        ids = torch.randint(0, vocab_size, (args.sequences, args.max_tokens), generator=generator).to(device)
+    if (Path(args.model) / "config.json").is_file():  # a Hugging Face model takes keyword inputs
+        return (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return (ids,), {}
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise InputError(f"cannot read {path}: {error}") from None
+
+
+def _analysis_figures(layers: list[dict[str, Any]], walks: dict[int, torch.Tensor]) -> dict[str, Any]:
+    from connmon.loggers.figures import depth_figure, spectra_figure, walks_figure
+
+    def per_layer(metric: str) -> torch.Tensor:
+        return torch.tensor([layer.get(metric, math.nan) for layer in layers], dtype=torch.float64)
+
+    spectra = {
+        layer["index"]: torch.tensor([[complex(re, im) for re, im in row] for row in layer["connection_spectrum"]])
+        for layer in layers
+    }
+    return {
+        "gaps_by_depth": depth_figure({m: per_layer(m) for m in GAPS}, "isometry gaps across depth"),
+        "depth_drift": depth_figure({"depth_drift": per_layer("depth_drift")}, "depth drift (against the layer below)"),
+        "spectra": spectra_figure(spectra),
+        "walks": walks_figure(walks),
+    }
+
+
+def _summary(layers: list[dict[str, Any]], model: dict[str, float], source: str, figures: dict[str, Any]) -> str:
+    metrics = [m for m in SUMMARY if any(m in layer for layer in layers)]
+    lines = [f"# connmon analysis: {source}", "", f"{len(layers)} attention layers.", ""]
+    lines += ["| layer | " + " | ".join(metrics) + " |", "|---|" + "---|" * len(metrics)]
+    for layer in layers:
+        cells = [f"{layer[m]:.4g}" if m in layer else "-" for m in metrics]
+        lines.append(f"| {layer['name']} | " + " | ".join(cells) + " |")
+    lines.append("| **model mean** | " + " | ".join(f"{model[m]:.4g}" if m in model else "-" for m in metrics) + " |")
+    recon = model.get("reconstruction_error", math.nan)
+    verdict = "exact" if recon <= 1e-4 else "NOT exact: read the other numbers with care"
+    lines += ["", f"Reconstruction error {recon:.2g}: the captured connection walks are {verdict}.", ""]
+    lines += [f"![{name}]({name}.png)" for name in figures]
+    return "\n".join(lines) + "\n"
+
+
+# --- connmon report -----------------------------------------------------------------------------------------------
+
+
+def _report(args: argparse.Namespace) -> int:
+    from connmon.loggers.figures import depth_figure, series_figure
+
+    if not args.run_dir.is_dir():
+        raise InputError(f"{args.run_dir} is not a directory")
+    series = _read_run(args.run_dir)
+    if not series:
+        raise InputError(f"{args.run_dir} has no connmon/ values (a ConnectionMonitor run logs connmon/<metric>/L<ll>)")
+    out = args.out or args.run_dir / "connmon_report"
+    out.mkdir(parents=True, exist_ok=True)
+    last = _last_per_layer(series)
+    gaps = {m: last[m] for m in GAPS if m in last}
+    figures = {
+        "over_training": series_figure({k: v for k, v in series.items() if k.endswith("/all")}),
+        "gaps_by_depth": depth_figure(gaps, "isometry gaps across depth (last sample)"),
+    }
+    if "depth_drift" in last:
+        figures["depth_drift"] = depth_figure({"depth_drift": last["depth_drift"]}, "depth drift (last sample)")
+    for name, figure in figures.items():
+        figure.savefig(out / f"{name}.png", dpi=110)
+    steps = sorted({step for steps, _ in series.values() for step in steps})
+    text = [
+        f"# connmon report: {args.run_dir}", "",
+        f"{len(steps)} samples, steps {steps[0]}..{steps[-1]}; {len(series)} logged series.", "",
+        "Connection spectra and walk heatmaps need the eigenvalues and walks themselves, which a run logs only as",
+        "W&B histograms: run `connmon analyze` on a checkpoint for those figures.", "",
+        *[f"![{name}]({name}.png)" for name in figures],
+    ]  # fmt: skip
+    (out / "summary.md").write_text("\n".join(text) + "\n")
+    print(f"connmon: {len(series)} series over {len(steps)} samples; wrote {len(figures)} figures to {out}")
+    return 0
+
+
+def _read_run(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
+    """``{key: (steps, values)}`` of every ``connmon/`` key in a CSV log or an offline W&B run under ``run_dir``."""
+    rows: list[dict[str, Any]] = []
+    csv_files = sorted(run_dir.rglob("metrics.csv"))
+    wandb_files = sorted(run_dir.rglob("*.wandb"))
+    if csv_files:
+        with csv_files[-1].open() as handle:
+            rows = [{k: v for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
+    elif wandb_files:
+        result = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(wandb_files[-1].parent)],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        if result.returncode != 0:
+            raise InputError(f"wandb could not read {wandb_files[-1].parent}: {result.stderr.strip()[-300:]}")
+        for line in result.stdout.splitlines():
+            record = json.loads(line) if line.startswith("{") else {}
+            if record.get("type") == "history":
+                item = record["history"]["item"]
+                rows.append({**item, "step": item.get("trainer/global_step", item.get("_step"))})
+    else:
+        raise InputError(f"{run_dir} holds neither a Lightning metrics.csv nor a W&B run (*.wandb)")
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for row in rows:
+        if row.get("step") is None:
+            continue
+        for key, value in row.items():
+            if key.startswith("connmon/") and "_hist/" not in key and "/figures/" not in key:
+                try:
+                    number = float(value)
+                except (TypeError, ValueError):
+                    continue
+                steps, values = series.setdefault(key, ([], []))
+                steps.append(int(float(row["step"])))
+                values.append(number)
+    return series
+
+
+def _last_per_layer(series: dict[str, tuple[list[int], list[float]]]) -> dict[str, torch.Tensor]:
+    """``{metric: (L,) values at the last step that logged it}`` (NaN for layers missing there)."""
+    per_metric: dict[str, dict[int, tuple[int, float]]] = {}
+    for key, (steps, values) in series.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[2].startswith("L") and parts[2][1:].isdigit():
+            per_metric.setdefault(parts[1], {})[int(parts[2][1:])] = (steps[-1], values[-1])
+    out = {}
+    for metric, layers in per_metric.items():
+        last = max(step for step, _ in layers.values())
+        values = [layers[i][1] if i in layers and layers[i][0] == last else math.nan for i in range(max(layers) + 1)]
+        out[metric] = torch.tensor(values, dtype=torch.float64)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
