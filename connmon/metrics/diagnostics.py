@@ -109,12 +109,13 @@ class TransportMetrics(LayerwiseMean):
             )
         else:
             edges = torch.full((batch,), float("nan"), dtype=head_gaps.dtype, device=head_gaps.device)
+        ov = F.ov_singular_values(w_v, w_o)  # (d,): one SVD for ov_isometry_gap and transport_scale
         columns = [
             per_sequence(head_gaps.mean(), batch),
-            per_sequence(F.ov_isometry_gap(w_v, w_o), batch),
+            per_sequence(F.isometry_gap(ov), batch),
             edges,
             per_sequence(F.transport_symmetry_gap(w_v, w_o), batch),
-            per_sequence(F.transport_scale(w_v, w_o), batch),
+            per_sequence(ov.mean(dim=-1), batch),
         ]
         return torch.stack(columns, dim=-1)
 
