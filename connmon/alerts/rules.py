@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import copy
 import fnmatch
-import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from connmon.alerts.detectors import Detector, EWMAZScore, Growth, NonFinite, Threshold
@@ -219,9 +218,3 @@ def default_rules() -> list[Rule]:
         Rule("attention logits above 30", logits, Threshold(30.0), cooldown=500),
         Rule("attention logits growing early", logits, Growth(3.0), until=100, cooldown=1000),
     ]
-
-
-def alert_to_dict(alert: Alert) -> dict[str, Any]:
-    """An alert as a plain dict (for JSON)."""
-    out = asdict(alert)
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
