@@ -6,7 +6,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
 import connmon
 from connmon.callbacks import ConnectionMonitor
@@ -112,3 +112,18 @@ def test_report_draws_the_figures_of_a_csv_run(tmp_path):
     assert written(out, ("over_training", "gaps_by_depth", "depth_drift"))
     assert "3 samples, steps 0..4" in (out / "summary.md").read_text()
     assert main(["report", str(tmp_path / "run" / "connmon_report")]) == 2  # no log there
+
+
+def test_report_reads_an_offline_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logger = WandbLogger(project="connmon-test", save_dir=str(tmp_path), offline=True)
+    trainer = L.Trainer(max_steps=3, callbacks=[ConnectionMonitor(every_n_steps=1, figures_every_n_samples=None)],
+                        logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False)  # fmt: skip
+    trainer.fit(LitGPT(), loader())
+    logger.experiment.finish()
+    out = tmp_path / "report"
+    assert main(["report", str(tmp_path), "--out", str(out)]) == 0
+    assert written(out, ("over_training", "gaps_by_depth", "depth_drift"))
+    assert "3 samples, steps 0..2" in (out / "summary.md").read_text()
