@@ -54,7 +54,7 @@ class ConnectionMonitor(Callback):
         edge_queries: query rows for ``edge_isometry_gap`` (None: every row; both None: exact, costly).
         full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample
             (1: on every sample). With the defaults they are logged every 2500 steps, the rest every 100: a full sample
-            costs about 13x a light one (benchmarks/README.md).
+            costs about 15x a light one (benchmarks/README.md).
 
     Raises:
         ValueError: for an invalid option (the message names the valid ones).

@@ -26,7 +26,7 @@ class DriftAlert(Callback):
     * ``"wandb"``: a W&B ``run.alert`` (title, text, level, ``wait_duration``) when a ``WandbLogger`` is attached;
     * ``"stop"``: if its level is at least ``stop_level``, the run stops (``trainer.should_stop``), decided the
       same way on every process through ``strategy.reduce_boolean_decision``;
-    * passed to ``on_alert(alert)`` if given (on every process).
+    * passed to ``on_alert(alert)`` if given (on every process; an exception there is reported, not raised).
 
     Alerts are also logged to every logger as ``connmon/alerts/count`` (this sample) and ``connmon/alerts/total``.
     The rules' state (baselines, cooldowns, counts) is saved in checkpoints, so a resumed run neither re-learns
@@ -109,7 +109,10 @@ class DriftAlert(Callback):
         self._report(trainer, step, alerts)
         for alert in alerts:
             if self.on_alert is not None:
-                self.on_alert(alert)
+                try:
+                    self.on_alert(alert)
+                except Exception as error:  # a user's handler must not end the training run
+                    rank_zero_warn(f"DriftAlert: on_alert raised {type(error).__name__}: {error}; the run goes on")
         if "stop" in self.actions:
             stop = any(LEVELS.index(a.level) >= LEVELS.index(self.stop_level) for a in alerts)
             if trainer.strategy.reduce_boolean_decision(stop, all=False):

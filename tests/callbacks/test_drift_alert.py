@@ -128,3 +128,13 @@ def test_a_non_finite_forward_raises_the_default_critical_alert(tmp_path):
 def test_bad_configuration_raises_in_init(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DriftAlert(**kwargs)
+
+
+def test_an_on_alert_handler_that_raises_does_not_end_the_run(tmp_path):
+    def handler(alert):
+        raise RuntimeError("pager down")
+
+    alert = DriftAlert(rules=[Rule("any logit", LOGIT, Threshold(-1.0))], actions=(), on_alert=handler)
+    with pytest.warns(UserWarning, match="on_alert raised RuntimeError: pager down"):
+        trainer = fit(tmp_path, [monitor(), alert], max_steps=2)
+    assert trainer.global_step == 2 and alert.total == 1
