@@ -200,15 +200,18 @@ def _layers(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Iterator[tuple[tuple[int,
 def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, int]) -> dict[Which, Tensor]:
     """For each request ``{which: k}``, the first ``k`` of the union over tokens of ``eig(D_i)``: ``(*, k)``.
 
-    ``D_i = sum_h A^h_ii T_h = O diag(a_i) V``. Tokens go in descending order of a bound on their blocks' spectral
-    radius, ``||D_i||_2 <= min(sum_h A^h_ii ||T_h||_2, max_h A^h_ii ||O||_2 ||V||_2)``, and stop once no remaining
-    block can beat the k-th key found for any request: for modulus, the norm bound; for real part, the tighter
+    ``D_i = sum_h A^h_ii T_h = O diag(a_i) V``, whose nonzero eigenvalues are those of ``diag(a_i) P`` and
+    ``P diag(a_i)``, ``P = V O``. Tokens go in descending order of a bound on their blocks' spectral radius, the
+    smallest of ``sum_h A^h_ii ||T_h||_2``, ``max_h A^h_ii ||O||_2 ||V||_2`` and
+    ``sqrt(sum_h (A^h_ii)^2 ||P_h||_2^2)`` for ``P_h`` the rows (then the columns) of head h in ``P`` (Cauchy-Schwarz
+    over heads; in attention layers it halves the blocks left in), and stop once no remaining block can beat the
+    k-th key found for any request: for modulus, the norm bound; for real part, the tighter
     numerical-abscissa bound ``Re lambda(D_i) <= sum_h A^h_ii omega(T_h)``, ``omega(T) = lambda_max((T + T^T)/2)``
     (subadditive over nonnegative combinations). Blocks that cannot enter any answer are never decomposed, and one
     pass serves all requests. When ``H d_h < d`` each block is
     solved through its ``H d_h`` core ``diag(a_i) V O``, which has the nonzero eigenvalues of ``O diag(a_i) V``;
-    the other ``d - H d_h`` are 0. Blocks are built a chunk at a time, so memory stays within ``_CHUNK_ELEMENTS``
-    numbers beyond the inputs.
+    the other ``d - H d_h`` are 0. Chunks of blocks double in size from 2 (new blocks often raise the bar), never
+    holding a block whose bound no longer reaches the current k-th key, nor more than ``_CHUNK_ELEMENTS`` numbers.
     """
     heads, d_h, d = w_v.shape[-3:]
     inner = heads * d_h
@@ -223,9 +226,7 @@ def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, 
         abscissa = eigvalsh((maps + maps.mT) / 2)[..., -1].expand(*batch, heads)  # (*, H)
     for index, a, v_cat, o_cat in _layers(attn, w_v, w_o):
         self_weight = a.diagonal(dim1=-2, dim2=-1).mT  # (n, H): A^h_ii
-        bound = torch.minimum(
-            self_weight @ head_norms[index], self_weight.amax(dim=-1) * spectral_norm(o_cat) * spectral_norm(v_cat)
-        )
+        bound = _block_radius_bounds(self_weight, head_norms[index], v_cat, o_cat)
         order = bound.argsort(descending=True)
         # For each request, the largest key any block from position j of the order on can reach: |lambda| <= the
         # norm bound (sorted, so the next one); Re lambda <= omega(D_i) <= sum_h A^h_ii omega(T_h) (subadditive).
@@ -239,16 +240,51 @@ def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, 
         zeros = a.new_zeros(min(max(requests.values()), a.shape[-1] * (d - inner)) if inner < d else 0)
         best = {which: zeros.to(_complex(attn)) for which in requests}
 
-        start, chunk = 0, 2
+        start, chunk = 0, 2  # two blocks first: they usually hold the answer, and set the bar for the rest
         while start < len(order) and not _settled(best, {w: float(r[start]) for w, r in reach.items()}, requests):
             g = gates[order[start : start + chunk]]  # (c, H*d_h)
-            start, chunk = start + chunk, min(2 * chunk, largest_chunk)  # few blocks first: pruning often stops early
+            start += chunk
             blocks = g.unsqueeze(-1) * core if core is not None else (o_cat * g.unsqueeze(-2)) @ v_cat  # (c, m, m)
             found = eigvals(blocks).flatten()
             best = {w: _first_by(torch.cat([best[w], found]), k, w) for w, k in requests.items()}
+            reaching = _still_reaching(best, reach, requests, start) - start  # blocks not yet ruled out
+            chunk = max(1, min(reaching, 2 * chunk, largest_chunk))  # doubling: new blocks often raise the bar
         for which in requests:
             values[which][index] = best[which]
     return values
+
+
+def _block_radius_bounds(self_weight: Tensor, head_norms: Tensor, v_cat: Tensor, o_cat: Tensor) -> Tensor:
+    """Upper bounds on the spectral radius of each causal diagonal block ``D_i = O diag(a_i) V``: ``(n,)``.
+
+    ``self_weight`` is ``(n, H)`` (``A^h_ii``), ``head_norms`` ``(H,)`` (``||T_h||_2``), ``v_cat`` ``(H*d_h, d)``,
+    ``o_cat`` ``(d, H*d_h)``; see :func:`_causal_first` for the four bounds.
+    """
+    heads = self_weight.shape[-1]
+    p = v_cat @ o_cat  # (H*d_h, H*d_h)
+    row_norms = spectral_norm(p.unflatten(0, (heads, -1)))  # (H,): ||P_h||_2 of each head's rows
+    column_norms = spectral_norm(p.unflatten(1, (heads, -1)).transpose(0, 1))  # (H,): of its columns
+    squared = self_weight**2
+    return torch.stack(
+        [
+            self_weight @ head_norms,
+            self_weight.amax(dim=-1) * spectral_norm(o_cat) * spectral_norm(v_cat),
+            (squared @ row_norms**2).sqrt(),
+            (squared @ column_norms**2).sqrt(),
+        ]
+    ).amin(dim=0)
+
+
+def _still_reaching(best: dict[Which, Tensor], reach: dict[str, Tensor], requests: dict[Which, int], start: int) -> int:
+    """The end of the run of positions from ``start`` on whose bound still reaches some request's k-th key."""
+    end = start
+    for which, k in requests.items():
+        bound = reach.get(which, reach["LM"])
+        if best[which].numel() < k:
+            return len(bound)
+        bar = _key(best[which][k - 1 : k], which).item()
+        end = max(end, start + int((bound[start:] >= bar).sum()))  # bounds are non-increasing along the order
+    return end
 
 
 def _settled(best: dict[Which, Tensor], reach: dict[str, float], requests: dict[Which, int]) -> bool:
