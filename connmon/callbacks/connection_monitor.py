@@ -30,7 +30,7 @@ class ConnectionMonitor(Callback):
     each layer are recorded and streamed into torchmetrics accumulators (synced across processes), and the
     per-layer values are logged as ``connmon/<metric>/L<ll>`` plus ``connmon/<metric>/all`` at
     ``trainer.global_step`` to every attached logger. The eigen- and SVD-bound diagnostics (the spectrum group and
-    the edge isometry gap, about 90% of a sample's cost) run on every ``full_every_n_samples``-th sample, the
+    the edge isometry gap, about 90% of a full sample's cost) run on every ``full_every_n_samples``-th sample, the
     first included; the others (walk, head and OV transport, drift) on every sample. With a ``WandbLogger`` it
     also logs histograms of per-head isometry gaps and of connection-spectrum moduli, and every
     ``figures_every_n_samples`` samples a figure of the spectra and of the gaps across depth. Nothing it does can
@@ -54,7 +54,7 @@ class ConnectionMonitor(Callback):
         edge_queries: query rows for ``edge_isometry_gap`` (None: every row; both None: exact, costly).
         full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample
             (1: on every sample). With the defaults they are logged every 2500 steps, the rest every 100: a full sample
-            costs about 15x a light one (benchmarks/README.md).
+            costs about 11x a light one (benchmarks/README.md).
 
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
