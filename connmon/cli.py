@@ -22,6 +22,7 @@ import csv
 import importlib
 import json
 import math
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -274,17 +275,37 @@ def _report(args: argparse.Namespace) -> int:
         figures["depth_drift"] = depth_figure({"depth_drift": last["depth_drift"]}, "depth drift (last sample)")
     for name, figure in figures.items():
         figure.savefig(out / f"{name}.png", dpi=110)
+    logged = _logged_figures(args.run_dir, out)
     steps = sorted({step for steps, _ in series.values() for step in steps})
+    spectra = (
+        "The connection spectra below are the latest figure the run itself logged to W&B."
+        if "logged_spectra" in logged
+        else "Connection spectra are in a run only as W&B figures (none here): `connmon analyze` draws them."
+    )
     text = [
         f"# connmon report: {args.run_dir}", "",
         f"{len(steps)} samples, steps {steps[0]}..{steps[-1]}; {len(series)} logged series.", "",
-        "Connection spectra and walk heatmaps need the eigenvalues and walks themselves, which a run logs only as",
-        "W&B histograms: run `connmon analyze` on a checkpoint for those figures.", "",
-        *[f"![{name}]({name}.png)" for name in figures],
+        spectra, "Walk heatmaps need the walks themselves, which a run does not log: `connmon analyze` draws them.", "",
+        *[f"![{name}]({name}.png)" for name in [*figures, *logged]],
     ]  # fmt: skip
     (out / "summary.md").write_text("\n".join(text) + "\n")
-    print(f"connmon: {len(series)} series over {len(steps)} samples; wrote {len(figures)} figures to {out}")
+    count = len(figures) + len(logged)
+    print(f"connmon: {len(series)} series over {len(steps)} samples; wrote {count} figures to {out}")
     return 0
+
+
+def _logged_figures(run_dir: Path, out: Path) -> list[str]:
+    """Copy the latest of each connmon figure a W&B run logged (``files/media/images/connmon/figures``) into ``out``."""
+    latest: dict[str, tuple[int, Path]] = {}
+    for path in run_dir.rglob("media/images/connmon/figures/*.png"):
+        stem, step, _ = path.stem.rsplit("_", 2)  # <name>_<W&B step>_<hash>; names may hold "_"
+        if step.isdigit() and (stem not in latest or int(step) > latest[stem][0]):
+            latest[stem] = (int(step), path)
+    names = []
+    for stem, (_, path) in sorted(latest.items()):
+        shutil.copyfile(path, out / f"logged_{stem}.png")
+        names.append(f"logged_{stem}")
+    return names
 
 
 def _read_run(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:

@@ -118,12 +118,13 @@ def test_report_reads_an_offline_wandb_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     logger = WandbLogger(project="connmon-test", save_dir=str(tmp_path), offline=True)
-    trainer = L.Trainer(max_steps=3, callbacks=[ConnectionMonitor(every_n_steps=1, figures_every_n_samples=None)],
+    trainer = L.Trainer(max_steps=3, callbacks=[ConnectionMonitor(every_n_steps=1, figures_every_n_samples=1)],
                         logger=logger, accelerator="cpu", enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False)  # fmt: skip
     trainer.fit(LitGPT(), loader())
     logger.experiment.finish()
     out = tmp_path / "report"
     assert main(["report", str(tmp_path), "--out", str(out)]) == 0
-    assert written(out, ("over_training", "gaps_by_depth", "depth_drift"))
-    assert "3 samples, steps 0..2" in (out / "summary.md").read_text()
+    assert written(out, ("over_training", "gaps_by_depth", "depth_drift", "logged_spectra", "logged_gaps_by_depth"))
+    summary = (out / "summary.md").read_text()
+    assert "3 samples, steps 0..2" in summary and "latest figure the run itself logged" in summary
