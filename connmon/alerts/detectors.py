@@ -175,7 +175,7 @@ class _Baseline(Detector):
         if self.seen == 1:
             self.mean, self.var = value, 0.0
             return
-        # the first `warmup` values get equal weight (a plain running mean), the rest exponential weight
+        # equal weights (a plain running mean) until 1 / alpha values are in, exponential weights after that
         alpha = max(self.alpha, 1.0 / self.seen)
         delta = value - self.mean
         self.mean += alpha * delta

@@ -32,6 +32,10 @@ class DriftAlert(Callback):
     The rules' state (baselines, cooldowns, counts) is saved in checkpoints, so a resumed run neither re-learns
     nor re-alerts. The default rules and how they were chosen are in :func:`connmon.alerts.default_rules`.
 
+    An alert can come no sooner than the monitor's next sample. On the instability suite of benchmarks/README.md
+    the attention signals warned 30-50 steps before divergence, so alerting wants a dense, light monitor, such as
+    ``ConnectionMonitor(every_n_steps=5, diagnostics=("walk",))`` (the walk group holds entropy and max logit).
+
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
         actions: any of ``"log"``, ``"wandb"``, ``"stop"``.
@@ -46,7 +50,8 @@ class DriftAlert(Callback):
     Example:
         >>> import lightning as L
         >>> from connmon.callbacks import ConnectionMonitor, DriftAlert
-        >>> callbacks = [ConnectionMonitor(every_n_steps=50), DriftAlert(actions=("log", "stop"))]
+        >>> monitor = ConnectionMonitor(every_n_steps=5, diagnostics=("walk",))
+        >>> callbacks = [monitor, DriftAlert(actions=("log", "stop"))]
         >>> trainer = L.Trainer(callbacks=callbacks, logger=False, enable_progress_bar=False)
     """
 
