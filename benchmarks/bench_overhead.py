@@ -7,6 +7,7 @@ alternately, ``--rounds`` times; the table gives median steps/s and the ratio of
 
 * plain: no monitor (CSV logger).
 * ConnectionMonitor(every_n_steps=100) and (every_n_steps=10): the default diagnostics on the training forward.
+* alerting_5: ConnectionMonitor(every_n_steps=5, diagnostics=("walk",)) with DriftAlert, the alerting setup.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
 
 It also reports what one sampled step costs: the median time of the sampled steps of the ``every_n_steps=10`` run
@@ -39,7 +40,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from torch.utils.data import DataLoader
 
-from connmon.callbacks import ConnectionMonitor
+from connmon.callbacks import ConnectionMonitor, DriftAlert
 
 STEPS = 201
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
@@ -74,6 +75,8 @@ def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
         every = int(config.split("_")[1])
         full = {"full_every_n_samples": 10} if every == 10 else {}  # 2 full samples in the window, to time them
         callbacks.append(ConnectionMonitor(every_n_steps=every, figures_every_n_samples=None, **full))
+    if config == "alerting_5":  # the setup DriftAlert wants: dense, walk group only
+        callbacks += [ConnectionMonitor(every_n_steps=5, diagnostics=("walk",)), DriftAlert(actions=("log",))]
     if config == "wandb.watch":
         logger = WandbLogger(project="connmon-bench", save_dir=str(workdir), mode="offline")
         logger.watch(model, log="all", log_freq=100)
@@ -94,10 +97,11 @@ def main() -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
     data = DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
-    configs = ["plain", "monitor_100", "monitor_10", "wandb.watch"]
+    configs = ["plain", "monitor_100", "monitor_10", "alerting_5", "wandb.watch"]
     throughput: dict[str, list[float]] = {c: [] for c in configs}
     light_cost: list[float] = []
     full_cost: list[float] = []
+    walk_cost: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for config in configs:
@@ -108,6 +112,9 @@ def main() -> None:
                     step = statistics.median(times[s] for s in range(1, STEPS) if s % 10)
                     light_cost.extend((times[s] - step) / step for s in range(10, STEPS, 10) if s % 100)
                     full_cost.extend((times[s] - step) / step for s in range(100, STEPS, 100))
+                if config == "alerting_5":
+                    step = statistics.median(times[s] for s in range(1, STEPS) if s % 5)
+                    walk_cost.extend((times[s] - step) / step for s in range(5, STEPS, 5))
                 print(f"round {round_ + 1}: {config} {throughput[config][-1]:.2f} steps/s", flush=True)
     base = statistics.median(throughput["plain"])
     print(f"\ntorch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {args.rounds} rounds, steps 1..200\n")
@@ -122,6 +129,8 @@ def main() -> None:
     per_sample = ((cadence - 1) * light + full) / cadence
     print(f"amortized at the default full_every_n_samples={cadence} ({per_sample:.2f} steps per sample): ", end="")
     print(f"every_n_steps=100 {1 + per_sample / 100:.4f}x, every_n_steps=10 {1 + per_sample / 10:.3f}x")
+    walk = statistics.median(walk_cost)
+    print(f"alerting (walk group every 5 steps + DriftAlert): {walk:.2f} steps per sample, {1 + walk / 5:.3f}x")
 
 
 if __name__ == "__main__":
