@@ -170,6 +170,21 @@ class _Baseline(Detector):
     def _z(self, value: float) -> float:
         return (value - self.mean) / self._std()
 
+    def update(self, value: float) -> Detection | None:
+        """Take the next value; a Detection when the test fires (no test during the warmup)."""
+        value = self._scale(value)
+        if not math.isfinite(value):
+            return None
+        hit = None
+        if self.seen >= self.warmup:
+            hit, value = self._test(value, self._z(value))
+        self._absorb(value)
+        return hit
+
+    @abstractmethod
+    def _test(self, value: float, z: float) -> tuple[Detection | None, float]:
+        """The test on a value (z its z-score): a Detection or None, and the value the baseline absorbs."""
+
     def _absorb(self, value: float) -> None:
         self.seen += 1
         if self.seen == 1:
@@ -211,17 +226,9 @@ class EWMAZScore(_Baseline):
         super().__init__(alpha, warmup, min_std, log)
         self.threshold, self.direction = float(threshold), direction
 
-    def update(self, value: float) -> Detection | None:  # noqa: D102
-        value = self._scale(value)
-        if not math.isfinite(value):
-            return None
-        hit = None
-        if self.seen >= self.warmup:
-            z = self._z(value)
-            if _signed(z, self.direction) > self.threshold:
-                hit = Detection(z, self.threshold, self._baseline())
-        self._absorb(value)
-        return hit
+    def _test(self, value: float, z: float) -> tuple[Detection | None, float]:
+        fired = _signed(z, self.direction) > self.threshold
+        return (Detection(z, self.threshold, self._baseline()) if fired else None), value
 
 
 class CUSUM(_Baseline):
@@ -258,23 +265,15 @@ class CUSUM(_Baseline):
         self.threshold, self.drift, self.direction = float(threshold), float(drift), direction
         self.high, self.low = 0.0, 0.0
 
-    def update(self, value: float) -> Detection | None:  # noqa: D102
-        value = self._scale(value)
-        if not math.isfinite(value):
-            return None
-        hit = None
-        if self.seen >= self.warmup:
-            z = self._z(value)
-            self.high = max(0.0, self.high + z - self.drift) if self.direction != "fall" else 0.0
-            self.low = max(0.0, self.low - z - self.drift) if self.direction != "rise" else 0.0
-            statistic = max(self.high, self.low)
-            if statistic > self.threshold:
-                hit = Detection(statistic, self.threshold, self._baseline())
-                self.high = self.low = 0.0
-            # clipped to 2 standard deviations, a shift moves the baseline slowly enough to be accumulated first
-            value = self.mean + max(-2.0, min(2.0, z)) * self._std()
-        self._absorb(value)
-        return hit
+    def _test(self, value: float, z: float) -> tuple[Detection | None, float]:
+        self.high = max(0.0, self.high + z - self.drift) if self.direction != "fall" else 0.0
+        self.low = max(0.0, self.low - z - self.drift) if self.direction != "rise" else 0.0
+        statistic, hit = max(self.high, self.low), None
+        if statistic > self.threshold:
+            hit = Detection(statistic, self.threshold, self._baseline())
+            self.high = self.low = 0.0
+        # clipped to 2 standard deviations, a shift moves the baseline slowly enough to be accumulated first
+        return hit, self.mean + max(-2.0, min(2.0, z)) * self._std()
 
 
 class NonFinite(Detector):

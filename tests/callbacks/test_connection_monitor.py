@@ -1,17 +1,15 @@
 import csv
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger
 
 from connmon.callbacks import ConnectionMonitor
 from tests.callbacks.lightning_models import LitGPT, loader
+from tests.callbacks.wandb_run import finish_and_read, history, offline_logger
 
 
 def trainer(tmp_path, monitor, max_steps=6, logger="csv", **kwargs):
@@ -161,22 +159,14 @@ def test_no_logger_is_reported_once(tmp_path):
 
 
 def test_wandb_offline_run_has_connmon_scalars_and_histograms(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = WandbLogger(project="connmon-test", save_dir=str(tmp_path), offline=True)
+    logger = offline_logger(tmp_path, monkeypatch)
     monitor = ConnectionMonitor(every_n_steps=2, figures_every_n_samples=1)
     trainer(tmp_path, monitor, max_steps=4, logger=logger).fit(LitGPT(), loader())
-    run_dir = Path(logger.experiment.dir).parent
-    logger.experiment.finish()
-    out = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    history = [json.loads(line)["history"]["item"] for line in out.stdout.splitlines() if '"type":"history"' in line]
-    keys = set().union(*history)
+    items = history(finish_and_read(logger))
+    keys = set().union(*items)
     assert "connmon/attention_entropy/L00" in keys and "connmon/connection_spectral_radius/all" in keys
     assert "connmon/head_isometry_gap_hist/L01._type" in keys
     assert "connmon/spectrum_modulus_hist/L00._type" in keys
     assert any(key.startswith("connmon/figures/spectra") for key in keys)
-    steps = sorted({item["trainer/global_step"] for item in history if "connmon/attention_entropy/L00" in item})
+    steps = sorted({item["trainer/global_step"] for item in items if "connmon/attention_entropy/L00" in item})
     assert steps == [0, 2]

@@ -1,18 +1,16 @@
 import json
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger
 
 from connmon.alerts import NonFinite, Rule, Threshold
 from connmon.callbacks import ConnectionMonitor, DriftAlert
 from tests.callbacks.lightning_models import LitGPT, loader
 from tests.callbacks.test_connection_monitor import read_csv
+from tests.callbacks.wandb_run import finish_and_read, history, offline_logger
 
 LOGIT = "connmon/max_attention_logit/L*"
 
@@ -73,24 +71,15 @@ def test_a_resumed_run_keeps_the_cooldown_and_the_count(tmp_path):
 
 
 def test_wandb_offline_run_records_the_alert(tmp_path, monkeypatch):
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    logger = WandbLogger(project="connmon-test", save_dir=str(tmp_path), offline=True)
+    logger = offline_logger(tmp_path, monkeypatch)
     alert = DriftAlert(rules=[Rule("any logit", LOGIT, Threshold(-1.0), cooldown=100)], actions=("wandb",))
     fit(tmp_path, [monitor(), alert], max_steps=2, logger=logger)
-    run_dir = Path(logger.experiment.dir).parent
-    logger.experiment.finish()
-    out = subprocess.run(
-        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    records = finish_and_read(logger)
     alerts = [r for r in records if r.get("type") == "alert" or "alert" in r]
     assert alerts, sorted({r.get("type") for r in records})
     text = json.dumps(alerts)
     assert "connmon: any logit" in text and "connmon/max_attention_logit/L00" in text
-    history = [r["history"]["item"] for r in records if r.get("type") == "history"]
-    assert any(item.get("connmon/alerts/total") == 1 for item in history)
+    assert any(item.get("connmon/alerts/total") == 1 for item in history(records))
 
 
 def test_without_a_monitor_it_warns_and_the_run_goes_on(tmp_path):
