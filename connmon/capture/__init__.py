@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -27,8 +28,7 @@ import torch
 from torch import nn
 
 from connmon.capture.adapters.base import Adapter
-from connmon.capture.adapters.huggingface import HuggingFaceAttention
-from connmon.capture.adapters.sdpa import FusedQKVAttention
+from connmon.capture.adapters.kernel import FusedQKVAttention, KernelAttention, projections, warn_unreadable
 from connmon.capture.adapters.torch_mha import TorchMultiheadAttention
 from connmon.capture.record import AttentionRecord, reconstruction_error
 from connmon.capture.session import CaptureSession, Layer
@@ -38,6 +38,7 @@ __all__ = [
     "Adapter",
     "AttentionRecord",
     "FusedQKVAttention",
+    "KernelAttention",
     "armed",
     "attention_layers",
     "capture",
@@ -47,10 +48,10 @@ __all__ = [
 
 ADAPTERS: list[Adapter] = [
     TorchMultiheadAttention(),
-    HuggingFaceAttention(),
-    FusedQKVAttention("CausalSelfAttention", qkv="c_attn", proj="c_proj", heads="n_head"),  # nanoGPT
     FusedQKVAttention("Attention", qkv="qkv", proj="proj", heads="num_heads", identity=("norm",)),  # timm ViT
+    KernelAttention(),  # any module calling SDPA or transformers' attention functions: nanoGPT, HF, your own
 ]
+_LOOKS_LIKE_ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
 
 
 def register_adapter(adapter: Adapter) -> None:
@@ -73,6 +74,10 @@ def register_adapter(adapter: Adapter) -> None:
 def attention_layers(model: nn.Module) -> list[Layer]:
     """The self-attention modules connmon can read, in module order, each with its adapter.
 
+    A module whose class name says attention and that holds Linear layers, but that neither an adapter reads nor
+    contains a module one reads (hand-written softmax attention, flex_attention, Bloom's ALiBi), is reported with one
+    warning and left out.
+
     Raises:
         ValueError: if the model has none; the message lists the module types seen and how to add an adapter.
 
@@ -83,19 +88,25 @@ def attention_layers(model: nn.Module) -> list[Layer]:
         >>> [layer.name for layer in attention_layers(model)]
         ['layers.0.self_attn', 'layers.1.self_attn', 'layers.2.self_attn']
     """
-    layers = []
+    adapters = {}
     for name, module in model.named_modules():
         adapter = next((a for a in ADAPTERS if a.matches(module)), None)
-        if adapter is not None:
-            layers.append(Layer(name, len(layers), module, adapter))
+        if adapter is not None and not any(name.startswith(f"{outer}.") for outer in adapters if outer):
+            adapters[name] = (module, adapter)  # an attention module inside another is read as part of it
+    for name, module in model.named_modules():
+        if name not in adapters and _LOOKS_LIKE_ATTENTION.search(type(module).__name__) and projections(module):
+            if not any(inner == name or inner.startswith(f"{name}.") or name.startswith(f"{inner}.")
+                       for inner in adapters):  # fmt: skip
+                warn_unreadable(name, module)
+    layers = [Layer(name, index, module, adapter) for index, (name, (module, adapter)) in enumerate(adapters.items())]
     if not layers:
         seen = sorted({type(m).__name__ for m in model.modules()})
         raise ValueError(
             f"connmon found no self-attention module it can read in {type(model).__name__}; module types seen: "
-            f"{', '.join(seen)}. Supported: torch.nn.MultiheadAttention, Hugging Face transformers attention "
-            "(GPT-2, LLaMA family, BERT family, ViT), nanoGPT CausalSelfAttention and timm Attention. For your own "
-            "module call connmon.capture.register_adapter(FusedQKVAttention('YourClass', qkv=..., proj=..., "
-            "heads=...)) or subclass connmon.capture.Adapter."
+            f"{', '.join(seen)}. connmon reads torch.nn.MultiheadAttention and any module that calls "
+            "torch.nn.functional.scaled_dot_product_attention or Hugging Face transformers' attention functions "
+            "(its value and output projections are found from the data). For another module call "
+            "connmon.capture.register_adapter(...) with a subclass of connmon.capture.Adapter."
         )
     return layers
 
@@ -159,6 +170,7 @@ def armed(
         finally:
             for handle in handles:
                 handle.remove()
+            session.close()
 
 
 def capture(

@@ -1,8 +1,11 @@
-"""Attention logits and probabilities from the exact ``q``, ``k``, mask and scale an attention kernel receives.
+"""Attention probabilities from the exact ``q``, ``k``, mask and score features an attention kernel receives.
 
 Follows ``torch.nn.functional.scaled_dot_product_attention``'s semantics: a bool mask is True where a key may be
 attended, a float mask is added to the scores, ``is_causal`` is the upper-left aligned lower triangle, and keys
-with fewer heads than queries (GQA) are repeated ``H / H_kv`` times.
+with fewer heads than queries (GQA) are repeated ``H / H_kv`` times. The score features of Hugging Face's eager
+attention functions are applied in their order: ``scale``, then soft-capping ``cap * tanh(s / cap)``, then an
+additive position ``bias`` (T5's relative bias), then the mask; attention sinks (GPT-OSS) are one extra logit per
+head that joins each row's softmax and is dropped afterwards, so those rows sum to less than 1.
 """
 
 from __future__ import annotations
@@ -14,12 +17,21 @@ from torch import Tensor
 
 
 def attention_scores(
-    query: Tensor, key: Tensor, mask: Tensor | None = None, *, scale: float | None = None, is_causal: bool = False
+    query: Tensor,
+    key: Tensor,
+    mask: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    softcap: float | None = None,
+    bias: Tensor | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Logits, probabilities and the allowed-key mask, in float32 (float64 stays float64).
+    """Probabilities, the largest allowed logit per sequence and the allowed-key mask, in float32 (float64 stays).
 
-    The allowed mask is built on the mask's own shape (a float mask blocks exactly where it is ``-inf``, since
-    ``q . k`` is finite), so an unmasked or causal layer never materializes a full ``(B, H, L, S)`` bool tensor.
+    Memory: one ``(B, H, L, S)`` map (the logits become the probabilities in place) plus the mask's own shape; the
+    allowed mask is built on the mask's shape (a float mask blocks exactly where it is ``-inf``), so an unmasked or
+    causal layer never materializes a full ``(B, H, L, S)`` bool tensor.
 
     Args:
         query: ``(B, H, L, E)``.
@@ -27,26 +39,37 @@ def attention_scores(
         mask: bool or additive float mask broadcastable to ``(B, H, L, S)``.
         scale: score scale; default ``1 / sqrt(E)``.
         is_causal: apply the lower-triangular mask.
+        softcap: soft-capping constant (Gemma 2): scores become ``softcap * tanh(scores / softcap)``.
+        bias: additive float bias broadcastable to ``(B, H, L, S)``, added after soft-capping (T5's position bias).
+        sinks: ``(H,)`` attention-sink logits (GPT-OSS): each joins its head's softmax as an extra key.
 
     Returns:
-        ``logits (B, H, L, S)`` with ``-inf`` where blocked, ``probs (B, H, L, S)`` with rows of no allowed key set
-        to 0, and ``allowed``, a 4-dim bool tensor broadcastable to ``(B, H, L, S)``.
+        ``probs (B, H, L, S)`` with rows of no allowed key set to 0, ``max_logit (B,)`` the largest score the
+        softmax sees over heads, rows and allowed keys, and ``allowed``, a 4-dim bool tensor broadcastable to
+        ``(B, H, L, S)``.
 
     Example:
         >>> import torch
         >>> from connmon.capture.scores import attention_scores
         >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
-        >>> logits, probs, allowed = attention_scores(q, k, is_causal=True)
-        >>> probs[0, 0, 0].tolist(), tuple(allowed.shape)
-        ([1.0, 0.0, 0.0], (1, 1, 3, 3))
+        >>> probs, max_logit, allowed = attention_scores(q, k, is_causal=True)
+        >>> probs[0, 0, 0].tolist(), tuple(max_logit.shape), tuple(allowed.shape)
+        ([1.0, 0.0, 0.0], (1,), (1, 1, 3, 3))
+        >>> sunk, _, _ = attention_scores(q, k, sinks=torch.zeros(2))
+        >>> bool((sunk.sum(-1) < 1).all())  # a sink takes part of every row's mass
+        True
     """
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     q, k = query.to(dtype), key.to(dtype)
     if k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
-    logits = (q @ k.mT).mul_(scale)  # in place from here on: one map of logits, one of probabilities
-    length, keys = logits.shape[-2:]
+    scores = (q @ k.mT).mul_(scale)  # (B, H, L, S); in place from here on: one map in all
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
+    if bias is not None:
+        scores.add_(bias.to(dtype))
+    length, keys = scores.shape[-2:]
     allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     if is_causal:
         allowed = allowed & torch.ones(length, keys, dtype=torch.bool, device=q.device).tril()
@@ -55,12 +78,22 @@ def attention_scores(
         if mask.dtype == torch.bool:
             allowed = allowed & mask
         else:
-            logits.add_(mask.to(dtype))
+            scores.add_(mask.to(dtype))
             allowed = allowed & (mask != float("-inf"))
     blocked = not bool(allowed.all())
     if blocked:
-        logits.masked_fill_(~allowed, float("-inf"))
-    probs = logits.softmax(dim=-1)
+        scores.masked_fill_(~allowed, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)  # (B, H, L, 1)
+    max_logit = row_max.flatten(1).amax(dim=-1)
+    if sinks is not None:
+        sink = sinks.to(dtype).view(1, -1, 1, 1)
+        row_max = torch.maximum(row_max, sink)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))  # a fully blocked row
+    probs = scores.sub_(row_max).exp_()  # the logits become unnormalized probabilities in place
+    total = probs.sum(dim=-1, keepdim=True)
+    if sinks is not None:
+        total = total + (sink - row_max).exp()
+    probs.div_(total)
     if blocked:
         probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)  # a row with no allowed key: 0, not NaN
-    return logits, probs, allowed
+    return probs, max_logit, allowed

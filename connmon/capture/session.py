@@ -1,12 +1,14 @@
 """One armed capture: collects the pieces of each layer's forward pass and turns them into AttentionRecords.
 
-Adapters feed a session three pieces per attention module, in any order: the module input ``x``, the attention
-``scores`` (logits, probabilities, allowed keys) and the attention ``output``. When all three have arrived the
-session builds the record, checks its reconstruction and hands it to ``on_record`` (or keeps it). A module is
+Adapters feed a session four pieces per attention module: the input ``x`` of its value projection, the attention
+``scores`` (computed here from the kernel's own ``q``, ``k``, mask and score features), the transport ``weights``
+and the ``output`` of its output projection. When all have arrived the session builds the record, checks that the
+connection walk rebuilt from it reproduces the output, and hands it to ``on_record`` (or keeps it). A record that
+does not reproduce its output is dropped with one warning: a layer is recorded exactly or not at all. A module is
 recorded once per session, so activation checkpointing's second forward is ignored.
 
-The session slices the first ``num_sequences`` sequences and copies them out of the autograd graph at once, so
-records never keep activations alive.
+Only the first ``num_sequences`` sequences and the leading ``max_tokens`` positions are ever scored or copied,
+and copies leave the autograd graph at once, so records never keep activations alive.
 """
 
 from __future__ import annotations
@@ -14,15 +16,17 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from connmon.capture.record import AttentionRecord, reconstruction_error
-from connmon.functional import max_attention_logit
+from connmon.capture.scores import attention_scores
 
-SUSPECT_RECONSTRUCTION = 0.1  # far above float32 (1e-7) and bf16 (1e-2) round-off: the module is not a walk
+# The largest reconstruction error of an exact record, per dtype the module computed in: far above the round-off
+# of that dtype over a layer (float32 ~1e-7, bf16 ~1e-2) and far below what a module that is not a walk gives.
+RECONSTRUCTION_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 
 
 @dataclass
@@ -37,12 +41,19 @@ class Layer:
 
 @dataclass
 class _Pending:
+    entered: bool = False  # the module's forward ran in this session
+    scored: bool = False  # an attention kernel call was read
     x: Tensor | None = None
     probs: Tensor | None = None  # (B_s, H, m, m), the recorded window
     max_logit: Tensor | None = None  # (B_s,)
     key_mask: Tensor | None = None  # (B_s, m) bool
     truncated: bool = False  # the window cut keys that some kept query reads
+    dropout: bool = False  # attention dropout was active: the output is not the walk of the probabilities
+    weights: tuple[Tensor, Tensor, Tensor] | None = None
     output: Tensor | None = None
+    output_dtype: torch.dtype = torch.float32
+    adapter_state: dict = field(default_factory=dict)  # the adapter's own bookkeeping for this module
+    missing: str = ""  # why nothing was recorded, if the session ends without a record
 
 
 class CaptureSession:
@@ -65,8 +76,15 @@ class CaptureSession:
         self.done: set[int] = set()
         self._pending: dict[int, _Pending] = {}
 
-    def skip(self, module: nn.Module) -> None:
-        """Record nothing for ``module`` in this session (an adapter found it unsupported)."""
+    def name(self, module: nn.Module) -> str:
+        """The module's path in the model (its class name if it is not armed here)."""
+        layer = self.layers.get(id(module))
+        return layer.name if layer else type(module).__name__
+
+    def skip(self, module: nn.Module, why: str | None = None) -> None:
+        """Record nothing for ``module`` in this session; ``why`` is warned once per cause and layer."""
+        if why is not None and self.wants(module):
+            warn_once(f"connmon: {self.name(module)} is not recorded: {why}", key=(why, self.name(module)))
         self.done.add(id(module))
         self._pending.pop(id(module), None)
 
@@ -77,86 +95,167 @@ class CaptureSession:
         Autocast is switched off inside (the records are float32), and no error escapes into the user's forward.
         """
         try:
-            with full_precision():
+            with full_precision(), torch.no_grad():
                 yield
         except Exception as error:  # the user's forward must go on whatever a record's bookkeeping hits
-            layer = self.layers.get(id(module))
-            name = layer.name if layer else type(module).__name__
-            warn_once(f"connmon: could not record {name} ({type(error).__name__}: {error}); skipped")
-            self.skip(module)
+            self.skip(module, f"recording failed ({type(error).__name__}: {error})")
 
     def wants(self, module: nn.Module) -> bool:
         """Whether ``module`` is armed here and not recorded yet."""
         return id(module) in self.layers and id(module) not in self.done
 
-    def take(self, tensor: Tensor) -> Tensor:
-        """The first ``num_sequences`` along dim 0, detached, copied, in the record dtype."""
-        return tensor[: self.num_sequences].detach().to(self.dtype, copy=True)
+    def pending(self, module: nn.Module) -> _Pending:
+        """The pieces gathered so far for ``module`` (created on first use)."""
+        return self._pending.setdefault(id(module), _Pending())
+
+    def window(self, tensor: Tensor, dim: int = 1) -> Tensor:
+        """The first ``num_sequences`` along dim 0 and the leading ``max_tokens`` along ``dim`` (a view)."""
+        return tensor[: self.num_sequences].narrow(dim, 0, min(tensor.shape[dim], self.max_tokens or tensor.shape[dim]))
+
+    def take(self, tensor: Tensor, dim: int = 1) -> Tensor:
+        """:meth:`window`, detached and copied in the record dtype."""
+        return self.window(tensor, dim).detach().to(self.dtype, copy=True)
 
     def put(
-        self, module: nn.Module, *, x: Tensor | None = None, output: Tensor | None = None, **scores: Tensor
+        self,
+        module: nn.Module,
+        *,
+        x: Tensor | None = None,
+        output: Tensor | None = None,
+        weights: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> None:
-        """Hand over a piece: ``x`` or ``output`` as ``(B, n, d)``, or ``logits``, ``probs``, ``allowed``.
+        """Hand over a piece: ``x`` or ``output`` as ``(B, n, d)`` (windowed here), or ``(w_v, w_o, bias)``."""
+        if not self.wants(module):
+            return
+        pending = self.pending(module)
+        with self.guarded(module):
+            if x is not None:
+                pending.x = self.take(x)
+            if output is not None:
+                pending.output, pending.output_dtype = self.take(output), output.dtype
+            if weights is not None:
+                pending.weights = tuple(t.detach().to(self.dtype, copy=True) for t in weights)
+            self._maybe_finish(module, pending)
 
-        Scores are reduced at once to what the record keeps (the probabilities of the window, the max logit and
-        the key mask), so the logits and mask never outlive this call.
+    def put_scores(
+        self,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        mask: Tensor | None = None,
+        *,
+        scale: float | None = None,
+        is_causal: bool = False,
+        softcap: float | None = None,
+        bias: Tensor | None = None,
+        sinks: Tensor | None = None,
+        dropout: bool = False,
+    ) -> None:
+        """Score the recorded window from the kernel's own inputs (``(B, H, L, E)`` queries, ``(B, H_kv, S, E)`` keys).
+
+        Only the first ``num_sequences`` sequences and the leading ``max_tokens`` queries and keys are scored, so the
+        memory of a sampled step is one window's map whatever the sequence length. For causal attention the window
+        is closed (no kept query reads a dropped key) and exact; for bidirectional attention it is the walk
+        restricted to the window, rows renormalized over the kept keys, and the record's reconstruction is NaN.
         """
         if not self.wants(module):
             return
-        pending = self._pending.setdefault(id(module), _Pending())
-        window = slice(None, self.max_tokens)
-        with self.guarded(module), torch.no_grad():
-            if x is not None:
-                pending.x = self.take(x[:, window])
-            if output is not None:
-                pending.output = self.take(output[:, window])
-            if scores:
-                self._reduce(pending, scores["logits"], scores["probs"], scores["allowed"])
-            if pending.x is not None and pending.output is not None and pending.probs is not None:
-                self._finish(self.layers[id(module)], self._pending.pop(id(module)))
-
-    def _reduce(self, pending: _Pending, logits: Tensor, probs: Tensor, allowed: Tensor) -> None:
-        logits, probs, allowed = (t[: self.num_sequences] for t in (logits, probs, allowed))
-        n = probs.shape[-1]
-        allowed = allowed.expand(*allowed.shape[:-2], n, n)  # a view: allowed may come in a broadcast shape
-        m = n if self.max_tokens is None else min(n, self.max_tokens)
-        if m < n:
-            pending.truncated = bool(allowed[..., :m, m:].any())  # a kept query reads a dropped key: not causal
-            logits, probs, allowed = logits[..., :m, :m], probs[..., :m, :m], allowed[..., :m, :m]
-        pending.probs = probs.detach().to(self.dtype, copy=True)
-        if pending.truncated:  # the walk restricted to the window: rows renormalized over the kept keys
-            pending.probs /= pending.probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(self.dtype).tiny)
-        pending.max_logit = max_attention_logit(logits).to(self.dtype)
-        keys = allowed.any(dim=-2).any(dim=-2)  # (B_s | 1, m): keys some query of some head may attend
-        pending.key_mask = keys.expand(probs.shape[0], probs.shape[-1]).clone()
-
-    def _finish(self, layer: Layer, pending: _Pending) -> None:
-        self.done.add(id(layer.module))
-        with torch.no_grad():
-            record = self._record(layer, pending)
-        error = record.reconstruction_error.item()
-        if error > SUSPECT_RECONSTRUCTION:
-            warn_once(
-                f"connmon: {layer.name} ({type(layer.module).__name__}): the connection walk rebuilds its output only "
-                f"to a relative error of {error:.2g}, so the module computes something the walk does not model "
-                "(gating, a norm before the output projection, active attention dropout, ...); treat its record "
-                "with care or register an adapter that reads it exactly"
+        pending = self.pending(module)
+        with self.guarded(module):
+            if query.shape[-2] != key.shape[-2]:
+                raise ValueError(
+                    f"queries and keys differ in length ({query.shape[-2]} vs {key.shape[-2]}): cross-attention or "
+                    "cached decoding, which is not a walk on one sequence"
+                )
+            n = query.shape[-2]
+            m = n if self.max_tokens is None else min(n, self.max_tokens)
+            query, key = self.window(query, dim=-2), self.window(key, dim=-2)
+            mask, bias = (None if t is None else _first(t, self.num_sequences) for t in (mask, bias))
+            if m < n and not is_causal:
+                pending.truncated = mask is None or _reads_beyond(mask, m)
+            if m < n:
+                mask, bias = (None if t is None else _square(t, m) for t in (mask, bias))
+            probs, max_logit, allowed = attention_scores(
+                query, key, mask, scale=scale, is_causal=is_causal, softcap=softcap, bias=bias, sinks=sinks
             )
+            if pending.truncated:  # the walk restricted to the window: rows renormalized over the kept keys
+                probs /= probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
+            pending.probs = probs.to(self.dtype)
+            pending.max_logit = max_logit.to(self.dtype)
+            keys = allowed.any(dim=-2).any(dim=-2)  # (B_s | 1, m): keys some query of some head may attend
+            pending.key_mask = keys.expand(probs.shape[0], probs.shape[-1]).clone()
+            pending.scored, pending.dropout = True, dropout
+            self._maybe_finish(module, pending)
+
+    def close(self) -> None:
+        """End the session: every armed layer that ran but left no record is reported once, with the reason."""
+        for layer in self.layers.values():
+            pending = self._pending.get(id(layer.module))
+            if pending is not None and pending.entered and self.wants(layer.module):
+                self.skip(layer.module, pending.missing or self._missing(pending))
+        self._pending.clear()
+
+    @staticmethod
+    def _missing(pending: _Pending) -> str:
+        if not pending.scored:
+            return (
+                "it ran but made no attention call connmon reads (F.scaled_dot_product_attention or transformers' "
+                "'sdpa'/'eager' attention functions); hand-written softmax attention and flex_attention are not "
+                "read: call SDPA, or register an adapter (connmon.capture.register_adapter)"
+            )
+        if pending.x is None:
+            return (
+                "the values its attention read are not the output columns of one of its Linear layers, so its "
+                "value projection is unknown; register an adapter (connmon.capture.register_adapter)"
+            )
+        return (
+            "no Linear layer took its attention output unchanged (a gate or a norm before the output projection?), "
+            "so the walk does not model it"
+        )
+
+    def _maybe_finish(self, module: nn.Module, pending: _Pending) -> None:
+        if pending.x is None or pending.output is None or pending.probs is None:
+            return
+        layer = self.layers[id(module)]
+        if pending.weights is None:
+            pending.weights = tuple(t.detach().to(self.dtype, copy=True) for t in layer.adapter.weights(module))
+        self.done.add(id(module))
+        self._pending.pop(id(module), None)
+        record = self._record(layer, pending)
+        error = record.reconstruction_error.item()
+        tolerance = RECONSTRUCTION_TOLERANCE.get(pending.output_dtype, 1e-3)
+        if pending.dropout:
+            warn_once(
+                f"connmon: {layer.name}: attention dropout is active in the recorded forward, so the records hold the "
+                "pre-dropout probabilities and their reconstruction cannot be checked (NaN); record in eval mode "
+                "(ConnectionMonitor(probe=...)) for exact records",
+                key=("dropout", layer.name),
+            )
+        elif not error <= tolerance:  # NaN (a truncated bidirectional window) is checked on the full sequence only
+            if not pending.truncated:
+                warn_once(
+                    f"connmon: {layer.name} ({type(module).__name__}) is not recorded: the connection walk rebuilt "
+                    f"from its capture reproduces its output only to a relative error of {error:.2g} (tolerance "
+                    f"{tolerance:g}), so it computes something the walk does not model (gating, a norm before the "
+                    "output projection, ...); register an adapter that reads it exactly",
+                    key=("reconstruction", layer.name),
+                )
+                return
         if self.on_record is not None:
             self.on_record(record)
         else:
             self.records.append(record)
 
     def _record(self, layer: Layer, pending: _Pending) -> AttentionRecord:
-        w_v, w_o, bias = (t.detach().to(self.dtype, copy=True) for t in layer.adapter.weights(layer.module))
+        w_v, w_o, bias = pending.weights
         probs, x, output = pending.probs, pending.x, pending.output
-        if probs.shape[-2] != probs.shape[-1] or x.shape[-2] != probs.shape[-1]:
+        if x.shape[-2] != probs.shape[-1] or output.shape != x.shape[:-1] + (w_o.shape[-2],):
             raise ValueError(
-                f"{layer.name}: self-attention needs as many queries as keys, got attention {tuple(probs.shape)} "
-                f"for input {tuple(x.shape)}"
+                f"{layer.name}: attention {tuple(probs.shape)} does not fit input {tuple(x.shape)} and output "
+                f"{tuple(output.shape)}"
             )
         error = reconstruction_error(probs, w_v, w_o, bias, x, output)
-        if pending.truncated:
+        if pending.truncated or pending.dropout:
             error = torch.full_like(error, float("nan"))
         key_mask = pending.key_mask
         return AttentionRecord(
@@ -174,6 +273,24 @@ class CaptureSession:
         )
 
 
+def _first(mask: Tensor, n: int) -> Tensor:
+    """The first ``n`` sequences of a mask whose leading dim is the batch (a broadcast dim of 1 is kept)."""
+    return mask[:n] if mask.dim() == 4 and mask.shape[0] > 1 else mask
+
+
+def _square(mask: Tensor, m: int) -> Tensor:
+    """The leading ``m`` queries and keys of a mask (broadcast dims of 1 are kept)."""
+    if mask.shape[-2] > 1:
+        mask = mask[..., :m, :]
+    return mask[..., :m] if mask.shape[-1] > 1 else mask
+
+
+def _reads_beyond(mask: Tensor, m: int) -> bool:
+    """Whether some query in the window may attend a key after it (bool: True = allowed; float: finite)."""
+    beyond = mask[..., :m, m:] if mask.shape[-2] > 1 else mask[..., m:]
+    return bool(beyond.any()) if beyond.dtype == torch.bool else bool((beyond != float("-inf")).any())
+
+
 @contextlib.contextmanager
 def full_precision() -> Iterator[None]:
     """Switch autocast off (CPU, and CUDA where present) for connmon's own math inside a user's forward."""
@@ -184,11 +301,12 @@ def full_precision() -> Iterator[None]:
         yield
 
 
-_WARNED: set[str] = set()
+_WARNED: set[object] = set()
 
 
-def warn_once(message: str) -> None:
-    """Warn once per message for the life of the process (one warning per cause)."""
-    if message not in _WARNED:
-        _WARNED.add(message)
+def warn_once(message: str, key: object = None) -> None:
+    """Warn once per ``key`` (default: the message) for the life of the process: one warning per cause and layer."""
+    key = message if key is None else key
+    if key not in _WARNED:
+        _WARNED.add(key)
         warnings.warn(message, stacklevel=3)

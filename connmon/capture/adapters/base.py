@@ -57,15 +57,42 @@ def head_maps(
         >>> tuple(w_v.shape), tuple(w_o.shape), bool(torch.equal(w_v[0], w_v[1]))  # 2 kv heads for 4 query heads
         ((4, 2, 8), (4, 8, 2), True)
     """
-    d_out, inner = output.shape
-    d_h = inner // heads
+    d_h = output.shape[1] // heads
     kv_heads = value.shape[0] // d_h
-    w_v = value.reshape(kv_heads, d_h, value.shape[1]).repeat_interleave(heads // kv_heads, dim=0)
-    w_o = output.reshape(d_out, heads, d_h).transpose(0, 1)  # (H, d, d_h)
-    bias = torch.zeros(d_out, dtype=w_o.dtype, device=w_o.device)
+    rows = torch.arange(kv_heads * d_h, device=value.device).view(kv_heads, d_h)
+    return transport_maps(value, value_bias, rows.repeat_interleave(heads // kv_heads, dim=0), output, output_bias)
+
+
+def transport_maps(
+    value: Tensor, value_bias: Tensor | None, rows: Tensor, output: Tensor, output_bias: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-head maps from the rows of a value projection ``(F, d)`` that each query head reads, and ``(d, H d_h)``.
+
+    Args:
+        value: the weight (``y = W x``) of the Linear whose output holds the values, fused or not: ``(F, d)``.
+        value_bias: its bias ``(F,)`` or None.
+        rows: ``(H, d_h)`` long, the output features of ``value`` that query head ``h`` reads as its values.
+        output: the output projection's weight ``(d, H d_h)``, input features head-major.
+        output_bias: its bias ``(d,)`` or None.
+
+    Returns:
+        ``w_v (H, d_h, d)``, ``w_o (H, d, d_h)`` and the bias constant ``c = sum_h O_h b_v^h + b_o`` ``(d,)``.
+
+    Example:
+        >>> import torch
+        >>> from connmon.capture.adapters.base import transport_maps
+        >>> qkv = torch.randn(12, 4)  # a fused [q; k; v] projection, 2 heads of width 2
+        >>> rows = torch.arange(8, 12).view(2, 2)  # the value rows, head-major
+        >>> w_v, w_o, c = transport_maps(qkv, None, rows, torch.randn(4, 4), None)
+        >>> bool(torch.equal(w_v[1], qkv[10:12])), tuple(w_o.shape)
+        (True, (2, 4, 2))
+    """
+    heads, d_h = rows.shape
+    w_v = value[rows]  # (H, d_h, d)
+    w_o = output.reshape(output.shape[0], heads, d_h).transpose(0, 1)  # (H, d, d_h)
+    bias = torch.zeros(output.shape[0], dtype=w_o.dtype, device=w_o.device)
     if value_bias is not None:
-        b_v = value_bias.reshape(kv_heads, d_h, 1).repeat_interleave(heads // kv_heads, dim=0)
-        bias = bias + (w_o @ b_v).sum(dim=0).squeeze(-1)
+        bias = bias + torch.einsum("hde,he->d", w_o, value_bias[rows])
     if output_bias is not None:
         bias = bias + output_bias
     return w_v, w_o, bias

@@ -17,8 +17,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from connmon.capture.adapters.base import Adapter, head_maps
-from connmon.capture.scores import attention_scores
-from connmon.capture.session import CaptureSession, warn_once
+from connmon.capture.session import CaptureSession
 
 _PARAMETERS = list(inspect.signature(nn.MultiheadAttention.forward).parameters)[1:]  # query, key, value, ...
 
@@ -40,16 +39,16 @@ class TorchMultiheadAttention(Adapter):
 
     def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
         if module.bias_k is not None or module.add_zero_attn:
-            warn_once(f"connmon: {name} uses bias_k/bias_v or add_zero_attn, which the walk does not model; skipped")
+            session.skip(module, "it uses bias_k/bias_v or add_zero_attn, which the walk does not model")
             return []
 
         def hook(mod: nn.MultiheadAttention, args: tuple, kwargs: dict, output: tuple) -> None:
             bound = dict(zip(_PARAMETERS, args, strict=False)) | kwargs
             query, key, value = bound["query"], bound["key"], bound["value"]
             if not (query is key and key is value):
-                warn_once(f"connmon: {name} is called as cross-attention (query is not key/value); skipped")
+                session.skip(mod, "it is called as cross-attention (query is not key/value)")
                 return
-            with session.guarded(mod), torch.no_grad():
+            with session.guarded(mod):
                 self._feed(mod, session, bound, output[0])
 
         return [module.register_forward_hook(hook, with_kwargs=True)]
@@ -58,7 +57,7 @@ class TorchMultiheadAttention(Adapter):
     def _feed(mod: nn.MultiheadAttention, session: CaptureSession, bound: dict, out: Tensor) -> None:
         x = bound["query"] if mod.batch_first else bound["query"].transpose(0, 1)  # (B, n, d)
         out = out if mod.batch_first else out.transpose(0, 1)
-        x = x[: session.num_sequences]
+        x = x[: session.num_sequences]  # the session scores only the leading max_tokens of these
         batch, n, d = x.shape
         heads, d_h = mod.num_heads, d // mod.num_heads
         if mod._qkv_same_embed_dim:
@@ -72,13 +71,14 @@ class TorchMultiheadAttention(Adapter):
         if attn_mask is None and bound.get("is_causal", False):
             attn_mask = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
         masks = []
+        rows = session.window(x).shape[1]  # the recorded queries: masks are cut to them before they are combined
         if attn_mask is not None:
-            masks.append(attn_mask if attn_mask.dim() == 2 else attn_mask.view(-1, heads, n, n)[:batch])
+            masks.append((attn_mask if attn_mask.dim() == 2 else attn_mask.view(-1, heads, n, n))[..., :rows, :])
         if padding is not None:
-            masks.append(padding[:batch, None, None, :])
+            masks.append(padding[:, None, None, :])
         additive = sum(_additive(mask) for mask in masks) if masks else None  # broadcast shapes, never (B, H, n, n)
-        logits, probs, allowed = attention_scores(q, k, additive)
-        session.put(mod, x=x, output=out, logits=logits, probs=probs, allowed=allowed)
+        session.put_scores(mod, q, k, additive, dropout=mod.training and mod.dropout > 0)
+        session.put(mod, x=x, output=out)
 
     @contextlib.contextmanager
     def armed(self, model: nn.Module, session: CaptureSession) -> Iterator[None]:  # noqa: D102

@@ -1,0 +1,494 @@
+"""Any self-attention module that calls an attention kernel connmon reads, whatever its class or attribute names.
+
+The kernels: ``torch.nn.functional.scaled_dot_product_attention`` (nanoGPT, minGPT-style SDPA modules, litgpt,
+x-transformers, torchtitan, timm, your own) and the attention functions that Hugging Face ``transformers`` models
+dispatch to through ``AttentionInterface`` (``"sdpa"`` and ``"eager"``, with each family's own eager function).
+
+Nothing is switched: the model keeps its own attention implementation and kernel. While a capture is armed, the
+kernel is wrapped so that it runs first, unchanged, and then connmon scores the recorded window from the exact
+``query``, ``key``, mask and score features it received (scaling, soft-capping, position bias, attention sinks,
+after RoPE, qk-norm and GQA). A feature connmon does not model (an unknown keyword of the attention call, a
+``BlockMask``, a flash kernel) leaves that layer unrecorded with one warning that names it.
+
+The transport maps are found from the data, not from names: the value projection is the Linear (or GPT-2
+``Conv1D``) inside the module whose output columns are exactly the values the kernel read (separate, fused
+``[q; k; v]``, per-head interleaved as in GPT-NeoX, or grouped as in Falcon; GQA repeated or not), and the output
+projection is the Linear that takes the kernel's output unchanged (inside the module, or the sibling
+``output.dense`` of the BERT family). The record's reconstruction error then proves the capture exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import sys
+import types
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from connmon.capture.adapters.base import Adapter, transport_maps
+from connmon.capture.session import CaptureSession, warn_once
+
+_KERNEL_NAMES = frozenset({"scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface"})
+_CROSS_KWARGS = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
+# Keywords of a transformers attention call: those connmon reads into the scores, and those that do not change what
+# the kernel computes. Any other keyword with a value leaves the layer unrecorded, with a warning naming it.
+_READ_KWARGS = frozenset({"dropout", "scaling", "is_causal", "softcap", "position_bias", "s_aux", "sliding_window"})
+_INERT_KWARGS = frozenset(
+    {
+        "position_ids", "cache_position", "past_key_values", "past_key_value", "use_cache", "output_attentions",
+        "output_hidden_states", "return_dict", "layer_idx", "position_embeddings", "token_type_ids",
+    }
+)  # fmt: skip
+
+_STACK: list[nn.Module] = []  # armed modules whose forward is running, innermost last
+_SESSIONS: list[CaptureSession] = []
+_INSIDE_TRANSFORMERS = [0]  # > 0 while a transformers attention function runs (its own SDPA call is not read twice)
+
+
+def linear_weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """``(W, b)`` with ``y = x W^T + b`` for an ``nn.Linear`` or a transformers ``Conv1D``; None for anything else.
+
+    Example:
+        >>> import torch
+        >>> from connmon.capture.adapters.kernel import linear_weight
+        >>> tuple(linear_weight(torch.nn.Linear(4, 6))[0].shape), linear_weight(torch.nn.ReLU())
+        ((6, 4), None)
+    """
+    if isinstance(module, nn.Linear):
+        return module.weight, module.bias
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # GPT-2: y = x W + b, W (d_in, d_out)
+        return module.weight.T, module.bias
+    return None
+
+
+def calls_attention_kernel(module: nn.Module) -> bool:
+    """Whether the module's ``forward`` names SDPA or transformers' attention dispatch in its code.
+
+    Example:
+        >>> import torch
+        >>> from connmon.capture.adapters.kernel import calls_attention_kernel
+        >>> class Attend(torch.nn.Module):
+        ...     def forward(self, q, k, v):
+        ...         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        >>> calls_attention_kernel(Attend()), calls_attention_kernel(torch.nn.Linear(2, 2))
+        (True, False)
+    """
+    return _forward_calls_kernel(type(module))
+
+
+@functools.cache
+def _forward_calls_kernel(cls: type) -> bool:
+    forward = getattr(cls, "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code is not None and bool(_KERNEL_NAMES & _names(code))
+
+
+def _names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def projections(module: nn.Module) -> list[nn.Module]:
+    """The Linear and ``Conv1D`` layers inside ``module``: the candidates for its value and output projections."""
+    return [m for m in module.modules() if m is not module and linear_weight(m) is not None]
+
+
+class KernelAttention(Adapter):
+    """Adapter for any module whose forward calls an attention kernel and that holds its projections.
+
+    A module matches when its forward calls the kernel and it contains Linear layers, or when a child without
+    Linear layers calls the kernel for it (x-transformers' ``Attend``). Cross-attention is skipped with a warning.
+
+    Example:
+        >>> import torch
+        >>> import connmon
+        >>> class Mixer(torch.nn.Module):  # any class name, any attribute names
+        ...     def __init__(self, d=8, heads=2):
+        ...         super().__init__()
+        ...         self.heads, self.wqkv, self.wo = heads, torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        ...     def forward(self, x):
+        ...         b, n, d = x.shape
+        ...         q, k, v = self.wqkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)  # 3 x (B, H, n, e)
+        ...         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ...         return self.wo(y.transpose(1, 2).reshape(b, n, d))
+        >>> (record,) = connmon.capture(Mixer(), torch.randn(1, 5, 8))
+        >>> tuple(record.w_v.shape), float(record.reconstruction_error) < 1e-5
+        ((2, 4, 8), True)
+    """
+
+    name = "attention kernel"
+
+    def __init__(self) -> None:
+        self._resolved: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+
+    def matches(self, module: nn.Module) -> bool:  # noqa: D102
+        if not projections(module):
+            return False
+        if calls_attention_kernel(module):
+            return True
+        return any(calls_attention_kernel(child) and not projections(child) for child in module.children())
+
+    def weights(self, module: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
+        """The maps found for ``module`` by its last capture (they are read from the data flowing through it).
+
+        Raises:
+            ValueError: if the module was never captured.
+        """
+        if id(module) not in self._resolved:
+            raise ValueError(
+                f"{type(module).__name__} has not been captured yet: its projections are found by a capture"
+            )
+        return self._resolved[id(module)]
+
+    def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
+        if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
+            session.skip(module, "it is cross-attention (queries and keys from different sequences)")
+            return []
+        candidates = projections(module)
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        sibling = getattr(getattr(parent, "output", None), "dense", None)  # the BERT family's output projection
+        if parent is not module and sibling is not None and linear_weight(sibling) is not None:
+            candidates.append(sibling)
+
+        def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            _STACK.append(mod)
+            if session.wants(mod):
+                pending = session.pending(mod)
+                pending.entered = True
+                pending.adapter_state.setdefault("calls", [])
+                if any(kwargs.get(key) is not None for key in _CROSS_KWARGS):
+                    session.skip(mod, "it is called as cross-attention (queries and keys from different sequences)")
+
+        def leave(mod: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            if _STACK and _STACK[-1] is mod:
+                _STACK.pop()
+
+        def projected(proj: nn.Module, args: tuple, output: Tensor) -> None:
+            if not (session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor)):
+                return
+            state = session.pending(module).adapter_state
+            if "consumes" in state:  # after the kernel call: is this the output projection?
+                with session.guarded(module):
+                    self._output(session, module, proj, args[0], output)
+            elif module in _STACK:
+                state.setdefault("calls", []).append((proj, args[0], output))
+
+        return [
+            module.register_forward_pre_hook(enter, with_kwargs=True),
+            module.register_forward_hook(leave, with_kwargs=True, always_call=True),
+            *(proj.register_forward_hook(projected) for proj in candidates),
+        ]
+
+    @contextlib.contextmanager
+    def armed(self, model: nn.Module, session: CaptureSession) -> Iterator[None]:  # noqa: D102
+        with intercepted(session):
+            yield
+
+    def _output(self, session: CaptureSession, module: nn.Module, proj: nn.Module, inp: Tensor, out: Tensor) -> None:
+        state = session.pending(module).adapter_state
+        consumed = state["consumes"]  # (B_s, m, H d_h), the kernel's output as an output projection reads it
+        seen = session.window(inp)
+        if seen.shape != consumed.shape or not torch.equal(seen.detach(), consumed.to(seen.dtype)):
+            return
+        value, value_bias = linear_weight(state["value"])
+        out_weight, out_bias = linear_weight(proj)
+        weights = transport_maps(
+            value.detach(), _detach(value_bias), state["rows"], out_weight.detach(), _detach(out_bias)
+        )
+        self._resolved[id(module)] = weights
+        session.put(module, output=out, weights=weights)
+
+    def read_kernel_call(
+        self,
+        session: CaptureSession,
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        output: Tensor,
+        **scores: object,
+    ) -> None:
+        """Record one kernel call of ``module``: its scores, its value projection and the output to look for.
+
+        Args:
+            session: the armed session.
+            module: the attention module on whose behalf the kernel ran.
+            query: ``(B, H, L, E)``.
+            key: ``(B, H_kv, S, E)``.
+            value: ``(B, H_v, S, E)``.
+            output: the kernel's output as ``(B, L, H, E)``.
+            **scores: mask and score features for :meth:`CaptureSession.put_scores`.
+        """
+        pending = session.pending(module)
+        if pending.scored:
+            return
+        session.put_scores(module, query, key, **scores)
+        if not session.wants(module):
+            return
+        with session.guarded(module):
+            heads = query.shape[-3]
+            found = _find_value(session, pending.adapter_state.pop("calls", []), session.window(value, dim=-2), heads)
+            if found is None:
+                return  # reported when the session closes
+            proj, rows, inp = found
+            pending.adapter_state.update(value=proj, rows=rows)
+            session.put(module, x=inp)
+            window = session.window(output).detach()
+            pending.adapter_state["consumes"] = window.reshape(*window.shape[:2], -1)
+
+
+def _find_value(
+    session: CaptureSession, calls: list, value: Tensor, heads: int
+) -> tuple[nn.Module, Tensor, Tensor] | None:
+    """The projection whose output columns are ``value`` ``(B_s, H_v, m, d_h)``, its rows per query head, its input."""
+    batch, value_heads, m, d_h = value.shape
+    for proj, inp, out in reversed(calls):  # the value projection usually runs last of q, k, v
+        columns = session.window(out).detach()  # (B_s, m, F)
+        if columns.shape[:2] != (batch, m):
+            continue
+        for rows in _value_layouts(columns.shape[-1], heads, d_h, columns.device):
+            kv = rows.shape[0]
+            if value_heads % kv or heads % kv:
+                continue
+            read = columns[..., rows.flatten()].view(batch, m, kv, d_h).transpose(1, 2)  # (B_s, kv, m, d_h)
+            read = read.repeat_interleave(value_heads // kv, dim=1)
+            if torch.equal(read.to(value.dtype), value.detach()):
+                return proj, rows.repeat_interleave(heads // kv, dim=0), inp
+    return None
+
+
+def _value_layouts(features: int, heads: int, d_h: int, device: torch.device) -> Iterator[Tensor]:
+    """Candidate ``(H_kv, d_h)`` value rows of a projection with ``features`` outputs, for ``heads`` query heads."""
+    if features % d_h:
+        return
+    per = features // d_h  # head-sized blocks
+    e = torch.arange(d_h, device=device)
+    yield torch.arange(features, device=device).view(per, d_h)  # a value projection of its own
+    if per > heads and (per - heads) % 2 == 0:  # [q (H), k (H_kv), v (H_kv)] contiguous (nanoGPT, Phi3, MQA)
+        kv = (per - heads) // 2
+        yield torch.arange(features - kv * d_h, features, device=device).view(kv, d_h)
+        if heads % kv == 0:  # grouped per kv head [q (H / H_kv), k, v] (Falcon)
+            group = heads // kv + 2
+            yield (torch.arange(kv, device=device)[:, None] * group + group - 1) * d_h + e
+    if per % 3 == 0:  # per head [q, k, v] interleaved (GPT-NeoX)
+        yield (torch.arange(per // 3, device=device)[:, None] * 3 + 2) * d_h + e
+
+
+def _detach(tensor: Tensor | None) -> Tensor | None:
+    return None if tensor is None else tensor.detach()
+
+
+# --- the kernels, wrapped while any session is armed ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def intercepted(session: CaptureSession) -> Iterator[None]:
+    """Wrap SDPA (and transformers' attention dispatch, when transformers is loaded) while the block runs.
+
+    Re-entrant: nested sessions share one wrapper, and the originals are restored when the last one ends.
+    """
+    if session in _SESSIONS:
+        yield
+        return
+    _SESSIONS.append(session)
+    first = len(_SESSIONS) == 1
+    if first:
+        _sdpa.original = torch.nn.functional.scaled_dot_product_attention
+        torch.nn.functional.scaled_dot_product_attention = _sdpa
+        interface = _attention_interface()
+        if interface is not None:
+            _get_interface.original = interface.get_interface
+            interface.get_interface = _get_interface
+    try:
+        yield
+    finally:
+        _SESSIONS.remove(session)
+        if first:
+            torch.nn.functional.scaled_dot_product_attention = _sdpa.original
+            interface = _attention_interface()
+            if interface is not None and getattr(_get_interface, "original", None) is not None:
+                interface.get_interface = _get_interface.original
+                _get_interface.original = None
+
+
+def _attention_interface() -> type | None:
+    """Transformers' ``AttentionInterface`` if the user's process has loaded transformers (never imported here)."""
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    return getattr(modeling_utils, "AttentionInterface", None)
+
+
+_SDPA_PARAMETERS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _sdpa(query: Tensor, key: Tensor, value: Tensor, *args: object, **kwargs: object) -> Tensor:
+    """``F.scaled_dot_product_attention``, run unchanged; then read for the innermost armed module."""
+    output = _sdpa.original(query, key, value, *args, **kwargs)
+    if _STACK and not _INSIDE_TRANSFORMERS[0]:
+        module = _STACK[-1]
+        bound = dict(zip(_SDPA_PARAMETERS, args, strict=False)) | kwargs
+        for session in _SESSIONS:
+            if session.wants(module):
+                with session.guarded(module):
+                    session.layers[id(module)].adapter.read_kernel_call(
+                        session, module, query, key, value, output.transpose(1, 2),
+                        mask=bound.get("attn_mask"), scale=bound.get("scale"), is_causal=bool(bound.get("is_causal")),
+                        dropout=float(bound.get("dropout_p") or 0.0) > 0,
+                    )  # fmt: skip
+    return output
+
+
+_sdpa.original = torch.nn.functional.scaled_dot_product_attention
+
+
+def _get_interface(self: object, attn_implementation: str, default: object) -> object:
+    """``AttentionInterface.get_interface``, returning the model's own function wrapped so that it is read."""
+    function = _get_interface.original(self, attn_implementation, default)
+    return functools.partial(_transformers_attention, function, attn_implementation)
+
+
+_get_interface.original = None
+
+
+def _transformers_attention(
+    function: object,
+    implementation: str,
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: object = None,
+    **kwargs: object,
+) -> tuple[Tensor, Tensor | None]:
+    """The model's own attention function, run unchanged; then read for ``module``."""
+    _INSIDE_TRANSFORMERS[0] += 1
+    try:
+        result = function(module, query, key, value, attention_mask, **kwargs)
+    finally:
+        _INSIDE_TRANSFORMERS[0] -= 1
+    for session in _SESSIONS:
+        if session.wants(module):
+            with session.guarded(module):
+                _read_transformers_call(session, module, function, implementation, query, key, value, attention_mask,
+                                        result[0], kwargs)  # fmt: skip
+    return result
+
+
+def _read_transformers_call(
+    session: CaptureSession,
+    module: nn.Module,
+    function: object,
+    implementation: str,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    mask: object,
+    output: Tensor,
+    kwargs: dict,
+) -> None:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layer = session.layers[id(module)]
+    if not isinstance(layer.adapter, KernelAttention):
+        return
+    sdpa = function is sdpa_attention_forward
+    if not (sdpa or implementation == "eager"):
+        session.skip(module, f"its attention implementation {implementation!r} is not read (connmon reads 'sdpa' "
+                             "and 'eager'); it runs unchanged")  # fmt: skip
+        return
+    if mask is not None and not isinstance(mask, Tensor):
+        session.skip(module, f"its attention mask is a {type(mask).__name__}, which connmon does not read")
+        return
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _READ_KWARGS | _INERT_KWARGS)
+    if unknown:
+        session.skip(module, f"its attention call passes {', '.join(unknown)}, which connmon does not model; the "
+                             "model's own attention runs unchanged")  # fmt: skip
+        return
+    is_causal = False
+    if sdpa:  # as sdpa_attention_forward decides it
+        is_causal = kwargs.get("is_causal")
+        is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        is_causal = bool(is_causal) and mask is None and query.shape[-2] > 1
+    sinks = kwargs.get("s_aux")
+    layer.adapter.read_kernel_call(
+        session, module, query, key, value, output,
+        mask=mask, scale=kwargs.get("scaling"), is_causal=is_causal, softcap=kwargs.get("softcap"),
+        bias=kwargs.get("position_bias"), sinks=None if sinks is None else sinks.detach(),
+        dropout=float(kwargs.get("dropout") or 0.0) > 0,
+    )  # fmt: skip
+
+
+def warn_unreadable(name: str, module: nn.Module) -> None:
+    """Warn once that a module looks like attention but calls no kernel connmon reads."""
+    warn_once(
+        f"connmon: {name} ({type(module).__name__}) looks like attention but calls neither "
+        "F.scaled_dot_product_attention nor transformers' attention functions (hand-written softmax, flex_attention, "
+        "ALiBi as in Bloom): not recorded. Call it through SDPA or register an adapter "
+        "(connmon.capture.register_adapter)",
+        key=("unreadable", name),
+    )
+
+
+class FusedQKVAttention(KernelAttention):
+    """A named attention class, for a module whose forward reaches SDPA through code connmon cannot see.
+
+    Projections are still found from the data (see the module docstring); the names say which module is attention
+    and which of its attributes must be the identity for the walk to be exact.
+
+    Args:
+        class_name: the module's class name (``"Attention"`` for timm), or ``"*"`` for any module that has the
+            projections.
+        qkv: attribute of the fused ``[q; k; v]`` projection, a Linear.
+        proj: attribute of the output projection, a Linear.
+        heads: attribute holding the number of heads.
+        identity: attributes that must be ``nn.Identity`` (or absent) for the walk to be exact, such as timm's
+            ``norm`` between the attention and the output projection (scale-norm attention); a module where one is
+            not is reported once and skipped, never recorded wrongly.
+
+    Example:
+        >>> from connmon.capture import FusedQKVAttention
+        >>> timm_vit = FusedQKVAttention("Attention", qkv="qkv", proj="proj", heads="num_heads", identity=("norm",))
+    """
+
+    def __init__(self, class_name: str, *, qkv: str, proj: str, heads: str, identity: tuple[str, ...] = ()) -> None:
+        super().__init__()
+        self.class_name, self.qkv, self.proj, self.heads, self.identity = class_name, qkv, proj, heads, identity
+        self.name = f"{class_name} (fused {qkv}/{proj})"
+
+    def matches(self, module: nn.Module) -> bool:  # noqa: D102
+        if self.class_name != "*" and type(module).__name__ != self.class_name:
+            return False
+        return (
+            linear_weight(getattr(module, self.qkv, None)) is not None
+            and linear_weight(getattr(module, self.proj, None)) is not None
+            and isinstance(getattr(module, self.heads, None), int)
+        )
+
+    def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
+        for attribute in self.identity:
+            if not isinstance(getattr(module, attribute, nn.Identity()), nn.Identity):
+                session.skip(module, f"{name}.{attribute} transforms the attention output before {self.proj} (for "
+                                     "example scale-norm attention), which the walk does not model")  # fmt: skip
+                return []
+        handles = super().hooks(model, name, module, session)
+        if handles and getattr(module, "fused_attn", True) is False:  # timm's eager path is the same math by hand
+            module.fused_attn = True
+            handles.append(_Restore(module, "fused_attn", False))
+        return handles
+
+
+class _Restore:
+    """A handle-like object that puts an attribute back on ``remove()``."""
+
+    def __init__(self, obj: object, attribute: str, value: object) -> None:
+        self.obj, self.attribute, self.value = obj, attribute, value
+
+    def remove(self) -> None:
+        setattr(self.obj, self.attribute, self.value)
