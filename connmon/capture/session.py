@@ -249,7 +249,7 @@ class CaptureSession:
     def _record(self, layer: Layer, pending: _Pending) -> AttentionRecord:
         w_v, w_o, bias = pending.weights
         probs, x, output = pending.probs, pending.x, pending.output
-        if x.shape[-2] != probs.shape[-1] or output.shape != x.shape[:-1] + (w_o.shape[-2],):
+        if x.shape[-2] != probs.shape[-1] or output.shape != (*x.shape[:-1], w_o.shape[-2]):
             raise ValueError(
                 f"{layer.name}: attention {tuple(probs.shape)} does not fit input {tuple(x.shape)} and output "
                 f"{tuple(output.shape)}"

@@ -282,10 +282,6 @@ def _value_layouts(features: int, heads: int, d_h: int, device: torch.device) ->
         yield (torch.arange(per // 3, device=device)[:, None] * 3 + 2) * d_h + e
 
 
-def _detach(tensor: Tensor | None) -> Tensor | None:
-    return None if tensor is None else tensor.detach()
-
-
 # --- the kernels, wrapped while any session is armed ---------------------------------------------------------------
 
 
