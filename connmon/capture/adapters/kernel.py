@@ -200,9 +200,8 @@ class KernelAttention(Adapter):
             return
         value, value_bias = linear_weight(state["value"])
         out_weight, out_bias = linear_weight(proj)
-        weights = transport_maps(
-            value.detach(), _detach(value_bias), state["rows"], out_weight.detach(), _detach(out_bias)
-        )
+        value_bias, out_bias = (None if b is None else b.detach() for b in (value_bias, out_bias))
+        weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), out_bias)
         self._resolved[id(module)] = weights
         session.put(module, output=out, weights=weights)
 
