@@ -16,3 +16,11 @@ def test_quick_start_prints_what_the_readme_says():
         exec(compile(block, str(README), "exec"), {})
     printed = [line.strip() for line in out.getvalue().splitlines()]
     assert printed == promised
+
+
+def test_coverage_table_is_the_generated_one():
+    from tests.capture.families import coverage_table
+
+    text = README.read_text()
+    table = text.split("<!-- coverage:start -->\n", 1)[1].split("\n<!-- coverage:end -->", 1)[0]
+    assert table == coverage_table(), "regenerate it: python -m tests.capture.families"

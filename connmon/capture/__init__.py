@@ -93,17 +93,20 @@ def attention_layers(model: nn.Module) -> list[Layer]:
         adapter = next((a for a in ADAPTERS if a.matches(module)), None)
         if adapter is not None and not any(name.startswith(f"{outer}.") for outer in adapters if outer):
             adapters[name] = (module, adapter)  # an attention module inside another is read as part of it
+    unreadable = []
     for name, module in model.named_modules():
         if name not in adapters and _LOOKS_LIKE_ATTENTION.search(type(module).__name__) and projections(module):
             if not any(inner == name or inner.startswith(f"{name}.") or name.startswith(f"{inner}.")
                        for inner in adapters):  # fmt: skip
                 warn_unreadable(name, module)
+                unreadable.append(f"{name} ({type(module).__name__})")
     layers = [Layer(name, index, module, adapter) for index, (name, (module, adapter)) in enumerate(adapters.items())]
     if not layers:
         seen = sorted({type(m).__name__ for m in model.modules()})
+        by_hand = f" Modules that look like attention but compute it by hand: {', '.join(unreadable)}." if unreadable else ""
         raise ValueError(
             f"connmon found no self-attention module it can read in {type(model).__name__}; module types seen: "
-            f"{', '.join(seen)}. connmon reads torch.nn.MultiheadAttention and any module that calls "
+            f"{', '.join(seen)}.{by_hand} connmon reads torch.nn.MultiheadAttention and any module that calls "
             "torch.nn.functional.scaled_dot_product_attention or Hugging Face transformers' attention functions "
             "(its value and output projections are found from the data). For another module call "
             "connmon.capture.register_adapter(...) with a subclass of connmon.capture.Adapter."

@@ -84,7 +84,7 @@ class CaptureSession:
     def skip(self, module: nn.Module, why: str | None = None) -> None:
         """Record nothing for ``module`` in this session; ``why`` is warned once per cause and layer."""
         if why is not None and self.wants(module):
-            warn_once(f"connmon: {self.name(module)} is not recorded: {why}", key=(why, self.name(module)))
+            warn_once(f"connmon: {self.name(module)} is not recorded: {why}", key=(why, id(module)))
         self.done.add(id(module))
         self._pending.pop(id(module), None)
 
@@ -229,7 +229,7 @@ class CaptureSession:
                 f"connmon: {layer.name}: attention dropout is active in the recorded forward, so the records hold the "
                 "pre-dropout probabilities and their reconstruction cannot be checked (NaN); record in eval mode "
                 "(ConnectionMonitor(probe=...)) for exact records",
-                key=("dropout", layer.name),
+                key=("dropout", id(module)),
             )
         elif not error <= tolerance:  # NaN (a truncated bidirectional window) is checked on the full sequence only
             if not pending.truncated:
@@ -238,7 +238,7 @@ class CaptureSession:
                     f"from its capture reproduces its output only to a relative error of {error:.2g} (tolerance "
                     f"{tolerance:g}), so it computes something the walk does not model (gating, a norm before the "
                     "output projection, ...); register an adapter that reads it exactly",
-                    key=("reconstruction", layer.name),
+                    key=("reconstruction", id(module)),
                 )
                 return
         if self.on_record is not None:
@@ -305,7 +305,10 @@ _WARNED: set[object] = set()
 
 
 def warn_once(message: str, key: object = None) -> None:
-    """Warn once per ``key`` (default: the message) for the life of the process: one warning per cause and layer."""
+    """Warn once per ``key`` (default: the message) for the life of the process.
+
+    Keys are ``(cause, id(module))``: one warning per cause and layer, however many samples hit it.
+    """
     key = message if key is None else key
     if key not in _WARNED:
         _WARNED.add(key)

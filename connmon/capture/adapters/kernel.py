@@ -42,6 +42,8 @@ _INERT_KWARGS = frozenset(
     {
         "position_ids", "cache_position", "past_key_values", "past_key_value", "use_cache", "output_attentions",
         "output_hidden_states", "return_dict", "layer_idx", "position_embeddings", "token_type_ids",
+        "output_router_logits", "num_items_in_batch", "seq_idx",
+        "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",  # flash only; sdpa and eager read the mask
     }
 )  # fmt: skip
 
@@ -427,7 +429,7 @@ def warn_unreadable(name: str, module: nn.Module) -> None:
         "F.scaled_dot_product_attention nor transformers' attention functions (hand-written softmax, flex_attention, "
         "ALiBi as in Bloom): not recorded. Call it through SDPA or register an adapter "
         "(connmon.capture.register_adapter)",
-        key=("unreadable", name),
+        key=("unreadable", id(module)),
     )
 
 
