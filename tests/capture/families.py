@@ -59,7 +59,9 @@ def sharpen(model: torch.nn.Module, factor: float = 6.0) -> None:
                 parameter.mul_(factor)
 
 
-_DECODER = dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64)
+_DECODER = dict(
+    vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64
+)
 _GQA = dict(num_attention_heads=HEADS, num_key_value_heads=2)
 
 FAMILIES = [
