@@ -103,7 +103,7 @@ def attention_layers(model: nn.Module) -> list[Layer]:
     layers = [Layer(name, index, module, adapter) for index, (name, (module, adapter)) in enumerate(adapters.items())]
     if not layers:
         seen = sorted({type(m).__name__ for m in model.modules()})
-        by_hand = f" Modules that look like attention but compute it by hand: {', '.join(unreadable)}." if unreadable else ""
+        by_hand = f" Attention computed by hand (not read): {', '.join(unreadable)}." if unreadable else ""
         raise ValueError(
             f"connmon found no self-attention module it can read in {type(model).__name__}; module types seen: "
             f"{', '.join(seen)}.{by_hand} connmon reads torch.nn.MultiheadAttention and any module that calls "
