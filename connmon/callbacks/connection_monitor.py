@@ -82,32 +82,42 @@ class ConnectionMonitor(Callback):
         edge_queries: int | None = 16,
         full_every_n_samples: int = 25,
     ) -> None:
-        if every_n_steps < 1:
-            raise ValueError(f"every_n_steps must be >= 1, got every_n_steps={every_n_steps}")
-        if num_sequences < 1:
-            raise ValueError(f"num_sequences must be >= 1, got num_sequences={num_sequences}")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got max_tokens={max_tokens}")
-        unknown = [d for d in diagnostics if d not in DIAGNOSTICS]
-        if unknown or not diagnostics:
-            raise ValueError(f"diagnostics must be a non-empty subset of {DIAGNOSTICS}, got {tuple(diagnostics)}")
-        if spectrum_k < 1:
-            raise ValueError(f"spectrum_k must be >= 1, got spectrum_k={spectrum_k}")
-        if figures_every_n_samples is not None and figures_every_n_samples < 1:
-            raise ValueError(f"figures_every_n_samples must be >= 1 or None, got {figures_every_n_samples}")
-        if full_every_n_samples < 1:
-            raise ValueError(f"full_every_n_samples must be >= 1, got full_every_n_samples={full_every_n_samples}")
-        if probe_fn is not None and probe is None:
-            raise ValueError("probe_fn needs a probe batch: pass probe=... too")
+        _check_int("every_n_steps", every_n_steps)
+        _check_int("num_sequences", num_sequences)
+        _check_int("max_tokens", max_tokens, optional=True)
+        _check_int("spectrum_k", spectrum_k)
+        _check_int("figures_every_n_samples", figures_every_n_samples, optional=True)
+        _check_int("edge_samples", edge_samples, optional=True)
+        _check_int("edge_queries", edge_queries, optional=True)
+        _check_int("full_every_n_samples", full_every_n_samples)
+        diagnostics = (diagnostics,) if isinstance(diagnostics, str) else diagnostics
+        if not isinstance(diagnostics, Sequence) or not diagnostics or any(d not in DIAGNOSTICS for d in diagnostics):
+            raise ValueError(
+                f"diagnostics must be a non-empty subset of {DIAGNOSTICS}, got diagnostics={diagnostics!r}"
+            )
         if isinstance(layers, str):
             try:
                 re.compile(layers)
             except re.error as error:
                 raise ValueError(f"layers={layers!r} is not a valid regular expression: {error}") from None
+        elif layers is not None and (
+            not isinstance(layers, Sequence)
+            or not all(isinstance(x, (str, int)) and x is not True and x is not False for x in layers)
+        ):
+            raise ValueError(
+                "layers must be None (all), a regular expression on module names, or a list of names and indices, "
+                f"got layers={layers!r}"
+            )
+        if not isinstance(log_histograms, bool):
+            raise ValueError(f"log_histograms must be True or False, got log_histograms={log_histograms!r}")
+        if probe_fn is not None and not callable(probe_fn):
+            raise ValueError(f"probe_fn must be callable, got probe_fn={probe_fn!r}")
+        if probe_fn is not None and probe is None:
+            raise ValueError("probe_fn needs a probe batch: pass probe=... too")
         self.every_n_steps = every_n_steps
         self.num_sequences = num_sequences
         self.max_tokens = max_tokens
-        self.layers = layers
+        self.layers = layers if layers is None or isinstance(layers, str) else list(layers)
         self.diagnostics = tuple(diagnostics)
         self.spectrum_k = spectrum_k
         self.probe = probe
@@ -125,12 +135,32 @@ class ConnectionMonitor(Callback):
         self._wandb: Any = None
         self._pending_drift_state: dict | None = None
         self._sample_step = -1
+        self._step_at_batch_start = 0
+        self._first_micro_batch = True  # the next batch starts an optimizer step
+        self._restored = False  # load_state_dict ran since the last fit began: keep its state
         self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
+
+    @property
+    def state_key(self) -> str:
+        """Unique per configuration, so that several monitors (say, different layers or cadences) coexist."""
+        return self._generate_state_key(
+            every_n_steps=self.every_n_steps, layers=self.layers, diagnostics=self.diagnostics
+        )
 
     # --- Lightning hooks ------------------------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Find the attention layers and the loggers; an unreadable model disables the monitor with one warning."""
+        """On fit: find the attention layers and the loggers, and start afresh (unless a checkpoint was loaded).
+
+        An unreadable model disables the monitor with one warning. ``validate``, ``test`` and ``predict`` leave the
+        training state (cadence, drift references) alone: the monitor samples training only.
+        """
+        if stage != "fit":
+            return
+        if not self._restored:
+            self.samples, self.last_sampled_step, self._pending_drift_state = 0, -1, None
+        self._restored = False
+        self._first_micro_batch = True
         try:
             found = attention_layers(pl_module)
         except ValueError as error:
@@ -160,10 +190,14 @@ class ConnectionMonitor(Callback):
         for metric in self._metrics.values():
             metric.to(pl_module.device)
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """An epoch's first batch starts an optimizer step (Lightning steps on an epoch's last batch)."""
+        self._first_micro_batch = True
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Arm the capture on the first micro-batch of a sampled optimizer step (training-forward mode)."""
-        first_micro_batch = batch_idx % trainer.accumulate_grad_batches == 0
-        if self.probe is None and first_micro_batch and self._due(trainer.global_step):
+        self._step_at_batch_start = trainer.global_step
+        if self.probe is None and self._first_micro_batch and self._due(trainer.global_step):
             self._sample_step = trainer.global_step  # the step whose forward is recorded
             self._arm(pl_module)
 
@@ -171,11 +205,12 @@ class ConnectionMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Disarm and log the training-forward sample; in probe mode, run the probe after a sampled step."""
+        stepped = trainer.global_step != self._step_at_batch_start  # Lightning's own count: the optimizer stepped
+        self._first_micro_batch = stepped
         if self._armed is not None:
             self._disarm()
             self._finish_sample(trainer, self._sample_step)
             return
-        stepped = (batch_idx + 1) % trainer.accumulate_grad_batches == 0  # the optimizer just stepped
         if self.probe is not None and stepped and self._due(trainer.global_step):
             self._run_probe(pl_module)  # the model after global_step optimizer steps
             self._finish_sample(trainer, trainer.global_step)
@@ -187,6 +222,8 @@ class ConnectionMonitor(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove every hook at the end of the run."""
         self._disarm()
+        if stage == "fit":
+            self._restored = False  # the next fit starts afresh unless a checkpoint is loaded into it
 
     def state_dict(self) -> dict[str, Any]:
         """Sampling cadence and the previous sample of each layer (so a resumed run continues its time drift)."""
@@ -199,6 +236,7 @@ class ConnectionMonitor(Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
+        self._restored = True
         self.samples = state_dict.get("samples", 0)
         self.last_sampled_step = state_dict.get("last_sampled_step", -1)
         drift_state = state_dict.get("drift")
@@ -291,10 +329,13 @@ class ConnectionMonitor(Callback):
     def _finish_sample(self, trainer: Trainer, step: int) -> None:
         full = self._is_full()
         values: dict[str, Tensor] = {}
+        broken = torch.zeros(len(self._layers) and max(layer.index for layer in self._layers) + 1)
         for metric in self._active():
             values.update(metric.compute())  # syncs across processes: every rank reaches this on a sampled step
+            broken = broken + values.pop("nonfinite_layers").cpu().float()[: len(broken)]
+        broken_layers = {layer.index for layer in self._layers if broken[layer.index] > 0}
         scalars = self._scalars(values)
-        self._log(trainer, step, scalars, values, full)
+        self._log(trainer, step, scalars, values, full, broken_layers)
         for metric in self._metrics.values():
             metric.reset()
         self.last_sampled_step = step
@@ -315,11 +356,29 @@ class ConnectionMonitor(Callback):
 
     @rank_zero_only
     def _log(
-        self, trainer: Trainer, step: int, scalars: dict[str, float], values: dict[str, Tensor], full: bool
+        self,
+        trainer: Trainer,
+        step: int,
+        scalars: dict[str, float],
+        values: dict[str, Tensor],
+        full: bool,
+        broken_layers: set[int],
     ) -> None:
-        finite = {key: value for key, value in scalars.items() if math.isfinite(value)}
+        broken_keys = tuple(f"/L{index:02d}" for index in broken_layers)
+        logged = {  # NaN is logged where the forward went non-finite, and left out where nothing was measured
+            key: value
+            for key, value in scalars.items()
+            if math.isfinite(value) or (broken_layers and (key.endswith("/all") or key.endswith(broken_keys)))
+        }
+        if broken_layers:
+            names = sorted(layer.name for layer in self._layers if layer.index in broken_layers)
+            rank_zero_warn(
+                f"ConnectionMonitor: step {step}: non-finite attention, input or output in {', '.join(names)}; their "
+                "values and every connmon/<metric>/all are logged as NaN (W&B, CSV and TensorBoard keep NaN; a logger "
+                "that rejects NaN drops them)"
+            )
         for logger in trainer.loggers:
-            logger.log_metrics(finite, step=step)
+            logger.log_metrics(logged, step=step)
         if self._wandb is not None:
             self._log_wandb(step, values, full)
 
@@ -352,6 +411,15 @@ class ConnectionMonitor(Callback):
 
                 return WandbSink(logger)
         return None
+
+
+def _check_int(name: str, value: object, *, optional: bool = False) -> None:
+    """An integer option >= 1 (or None where ``optional``); the error names the valid values and the one seen."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        valid = "an integer >= 1" + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {valid}, got {name}={value!r}")
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

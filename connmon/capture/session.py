@@ -231,16 +231,15 @@ class CaptureSession:
                 "(ConnectionMonitor(probe=...)) for exact records",
                 key=("dropout", id(module)),
             )
-        elif not error <= tolerance:  # NaN (a truncated bidirectional window) is checked on the full sequence only
-            if not pending.truncated:
-                warn_once(
-                    f"connmon: {layer.name} ({type(module).__name__}) is not recorded: the connection walk rebuilt "
-                    f"from its capture reproduces its output only to a relative error of {error:.2g} (tolerance "
-                    f"{tolerance:g}), so it computes something the walk does not model (gating, a norm before the "
-                    "output projection, ...); register an adapter that reads it exactly",
-                    key=("reconstruction", id(module)),
-                )
-                return
+        elif error > tolerance:  # NaN passes: a truncated window, or a non-finite forward the metrics flag as NaN
+            warn_once(
+                f"connmon: {layer.name} ({type(module).__name__}) is not recorded: the connection walk rebuilt "
+                f"from its capture reproduces its output only to a relative error of {error:.2g} (tolerance "
+                f"{tolerance:g}), so it computes something the walk does not model (gating, a norm before the "
+                "output projection, ...); register an adapter that reads it exactly",
+                key=("reconstruction", id(module)),
+            )
+            return
         if self.on_record is not None:
             self.on_record(record)
         else:

@@ -1,8 +1,10 @@
 """A torchmetrics accumulator of per-layer means over sampled sequences (the base of every connmon metric).
 
-State: ``total (L, M)`` and ``count (L, M)``, both summed across processes (``dist_reduce_fx="sum"``), so the
-synced value is the mean over every sequence any rank recorded. A metric that is NaN for a sequence (for example
-the normalized entropy of a one-token sequence) is left out of that layer's mean rather than poisoning it.
+State: ``total (L, M)``, ``count (L, M)`` and ``nonfinite (L,)``, all summed across processes
+(``dist_reduce_fx="sum"``), so the synced value is the mean over every sequence any rank recorded. A metric that is
+NaN for a sequence by definition (for example the normalized entropy of a one-token sequence) is left out of that
+layer's mean rather than poisoning it; but a layer whose record itself is non-finite (NaN or inf attention, input or
+output: a forward gone bad) is NaN in every metric, and so is the model-level mean, never a silent subset.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class LayerwiseMean(Metric):
         shape = (num_layers, len(self.metrics))
         self.add_state("total", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("count", torch.zeros(shape, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("nonfinite", torch.zeros(num_layers, dtype=torch.float64), dist_reduce_fx="sum")
 
     @abc.abstractmethod
     def measure(self, record: AttentionRecord) -> Tensor:
@@ -57,14 +60,24 @@ class LayerwiseMean(Metric):
         finite = torch.isfinite(values)
         self.total[record.index] += torch.where(finite, values, torch.zeros_like(values)).sum(dim=0)
         self.count[record.index] += finite.sum(dim=0)
+        broken = [~torch.isfinite(t).all() for t in (record.attn, record.x, record.output)]  # no host sync
+        self.nonfinite[record.index] += torch.stack(broken).any()
 
     def compute(self) -> dict[str, Tensor]:
-        """``{metric: (L,) per-layer mean}``, NaN for a layer with no finite value; ``"<metric>/all"`` model mean."""
-        mean = self.total / self.count  # 0/0 = NaN for layers never seen
+        """``{metric: (L,) per-layer mean}`` and ``"<metric>/all"``, the mean over layers with a value.
+
+        A layer is NaN when it has no finite value (not measured) or when a record of it was non-finite; the key
+        ``"nonfinite_layers"`` ``(L,)`` counts the latter, and any of them makes every ``/all`` NaN.
+        """
+        broken = self.nonfinite > 0
+        mean = (self.total / self.count).masked_fill(broken[:, None], float("nan"))  # 0/0 = NaN: never seen
         out = {name: mean[:, i] for i, name in enumerate(self.metrics)}
         for i, name in enumerate(self.metrics):
             seen = self.count[:, i] > 0
             out[f"{name}/all"] = mean[seen, i].mean() if bool(seen.any()) else mean.new_tensor(float("nan"))
+            if bool(broken.any()):
+                out[f"{name}/all"] = mean.new_tensor(float("nan"))
+        out["nonfinite_layers"] = self.nonfinite.clone()
         return out
 
 

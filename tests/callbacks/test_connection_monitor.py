@@ -123,9 +123,9 @@ def test_resume_continues_cadence_and_time_drift(tmp_path):
 
 
 def test_configuration_errors_name_the_value():
-    with pytest.raises(ValueError, match="every_n_steps must be >= 1, got every_n_steps=0"):
+    with pytest.raises(ValueError, match="every_n_steps must be an integer >= 1, got every_n_steps=0"):
         ConnectionMonitor(every_n_steps=0)
-    with pytest.raises(ValueError, match=r"diagnostics must be a non-empty subset of .*got \('walks',\)"):
+    with pytest.raises(ValueError, match=r"diagnostics must be a non-empty subset of .*got diagnostics=\('walks',\)"):
         ConnectionMonitor(diagnostics=("walks",))
     with pytest.raises(ValueError, match="not a valid regular expression"):
         ConnectionMonitor(layers="blocks[")
@@ -170,3 +170,95 @@ def test_wandb_offline_run_has_connmon_scalars_and_histograms(tmp_path, monkeypa
     assert any(key.startswith("connmon/figures/spectra") for key in keys)
     steps = sorted({item["trainer/global_step"] for item in items if "connmon/attention_entropy/L00" in item})
     assert steps == [0, 2]
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("every_n_steps", "10", "every_n_steps must be an integer >= 1, got every_n_steps='10'"),
+        ("every_n_steps", 2.5, "every_n_steps must be an integer >= 1, got every_n_steps=2.5"),
+        ("every_n_steps", True, "every_n_steps must be an integer >= 1, got every_n_steps=True"),
+        ("layers", 0, "layers must be None .*got layers=0"),
+        ("edge_samples", 0, "edge_samples must be an integer >= 1 or None, got edge_samples=0"),
+        ("max_tokens", 0, "max_tokens must be an integer >= 1 or None"),
+        ("diagnostics", "walks", r"diagnostics must be a non-empty subset"),
+        ("log_histograms", "yes", "log_histograms must be True or False"),
+    ],
+)
+def test_every_option_is_checked_in_init(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        ConnectionMonitor(**{option: value})
+
+
+def test_a_single_diagnostic_group_may_be_named_as_a_string():
+    assert ConnectionMonitor(diagnostics="walk").diagnostics == ("walk",)
+
+
+class StepSpy(L.Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.steps.append(trainer.global_step)
+
+
+def test_samples_follow_lightnings_optimizer_steps_under_partial_accumulation(tmp_path):
+    # 14 batches an epoch, accumulate 4: Lightning also steps on each epoch's last (partial) group
+    data = loader(batch_size=4)
+    data = torch.utils.data.DataLoader(torch.utils.data.Subset(data.dataset, range(56)), batch_size=4)
+    monitor = ConnectionMonitor(every_n_steps=3, diagnostics=("walk",), probe=torch.randint(0, 50, (2, 12)))
+    spy = StepSpy()
+    t = trainer(tmp_path, monitor, max_steps=16, accumulate_grad_batches=4)
+    t.callbacks.append(spy)
+    t.fit(LitGPT(), data)
+    rows = [row for row in read_csv(tmp_path) if "connmon/attention_entropy/all" in row]
+    assert [int(row["step"]) for row in rows] == [3, 6, 9, 12, 15]
+    training = ConnectionMonitor(every_n_steps=3, diagnostics=("walk",))  # training-forward mode: first micro-batch
+    t2 = trainer(tmp_path / "train", training, max_steps=16, accumulate_grad_batches=4)
+    t2.fit(LitGPT(), data)
+    rows = [row for row in read_csv(tmp_path / "train") if "connmon/attention_entropy/all" in row]
+    assert [int(row["step"]) for row in rows] == [0, 3, 6, 9, 12, 15]
+
+
+def test_two_monitors_coexist_and_checkpoint_apart(tmp_path):
+    walk = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",))
+    drift = ConnectionMonitor(every_n_steps=3, diagnostics=("drift",), layers=[1])
+    assert walk.state_key != drift.state_key
+    t = trainer(tmp_path, walk, max_steps=4)
+    t.callbacks.append(drift)
+    t.fit(LitGPT(), loader())
+    assert (walk.samples, drift.samples) == (2, 2)
+    rows = read_csv(tmp_path)
+    assert any("connmon/attention_entropy/L00" in r for r in rows) and any("connmon/time_drift/L01" in r for r in rows)
+
+
+def test_validate_keeps_training_state_and_a_reused_monitor_starts_afresh(tmp_path):
+    probe = torch.randint(0, 50, (2, 12))
+    monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("drift",), probe=probe)
+    model = LitGPT()
+    model.validation_step = lambda batch, batch_idx: None
+    t = trainer(tmp_path, monitor, max_steps=4)
+    t.fit(model, loader())
+    before = monitor.state_dict()
+    t.validate(model, loader())
+    after = monitor.state_dict()
+    assert after["samples"] == before["samples"] == 2
+    assert after["drift"] is not None and after["drift"].keys() == before["drift"].keys()
+    t2 = trainer(tmp_path / "again", monitor, max_steps=2)
+    t2.fit(LitGPT(), loader())
+    rows = [row for row in read_csv(tmp_path / "again") if any(k.startswith("connmon/") for k in row)]
+    assert [int(row["step"]) for row in rows] == [2]  # probe mode samples after step 2; step 0 is not skipped...
+    assert monitor.samples == 1  # ...and the count restarted
+    assert "connmon/time_drift/all" not in rows[0]  # no comparison with the previous run's sample
+
+
+def test_a_non_finite_layer_is_logged_as_nan_and_poisons_the_mean(tmp_path):
+    model = LitGPT()
+    with torch.no_grad():
+        model.model.blocks[1].attn.c_attn.weight.fill_(float("nan"))
+    monitor = ConnectionMonitor(every_n_steps=1, diagnostics=("walk",))
+    with pytest.warns(UserWarning, match=r"non-finite attention, input or output in model\.blocks\.1\.attn"):
+        trainer(tmp_path, monitor, max_steps=1).fit(model, loader())
+    (row,) = [row for row in read_csv(tmp_path) if any(k.startswith("connmon/") for k in row)]
+    assert row["connmon/attention_entropy/L01"] == "nan" and row["connmon/attention_entropy/all"] == "nan"
+    assert float(row["connmon/attention_entropy/L00"]) > 0

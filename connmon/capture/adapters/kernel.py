@@ -198,7 +198,7 @@ class KernelAttention(Adapter):
         state = session.pending(module).adapter_state
         consumed = state["consumes"]  # (B_s, m, H d_h), the kernel's output as an output projection reads it
         seen = session.window(inp)
-        if seen.shape != consumed.shape or not torch.equal(seen.detach(), consumed.to(seen.dtype)):
+        if seen.shape != consumed.shape or not _same(seen.detach(), consumed.to(seen.dtype)):
             return
         value, value_bias = linear_weight(state["value"])
         out_weight, out_bias = linear_weight(proj)
@@ -261,9 +261,14 @@ def _find_value(
                 continue
             read = columns[..., rows.flatten()].view(batch, m, kv, d_h).transpose(1, 2)  # (B_s, kv, m, d_h)
             read = read.repeat_interleave(value_heads // kv, dim=1)
-            if torch.equal(read.to(value.dtype), value.detach()):
+            if _same(read.to(value.dtype), value.detach()):
                 return proj, rows.repeat_interleave(heads // kv, dim=0), inp
     return None
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Bitwise-equal values, NaN equal to NaN (a forward gone non-finite is still recorded, and flagged)."""
+    return torch.equal(a, b) or torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
 
 
 def _value_layouts(features: int, heads: int, d_h: int, device: torch.device) -> Iterator[Tensor]:
