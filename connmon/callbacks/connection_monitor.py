@@ -249,9 +249,10 @@ class ConnectionMonitor(Callback):
     def add_listener(self, listener: Callable[[Trainer, int, dict[str, float]], None]) -> None:
         """Call ``listener(trainer, step, values)`` on every process after each sample is logged.
 
-        ``values`` maps every logged key of the selected layers (and the ``/all`` means) to a float, NaN included:
-        NaN is a layer with no finite value this sample (not measured on this sample, nothing to compare with, or a
-        non-finite forward). The values are the synced ones, equal on every process. DriftAlert listens here.
+        ``values`` maps every logged key to a float: the finite values of the selected layers and the ``/all`` means,
+        and NaN for every key of a layer whose forward went non-finite (its ``/all`` means are NaN too). A value not
+        measured on this sample (nothing to compare with, a layer skipped at run time) is absent. The values are the
+        synced ones, equal on every process. DriftAlert listens here.
         """
         self._listeners.append(listener)
 
@@ -329,12 +330,13 @@ class ConnectionMonitor(Callback):
     def _finish_sample(self, trainer: Trainer, step: int) -> None:
         full = self._is_full()
         values: dict[str, Tensor] = {}
-        broken = torch.zeros(len(self._layers) and max(layer.index for layer in self._layers) + 1)
+        broken: set[int] = set()
         for metric in self._active():
             values.update(metric.compute())  # syncs across processes: every rank reaches this on a sampled step
-            broken = broken + values.pop("nonfinite_layers").cpu().float()[: len(broken)]
-        broken_layers = {layer.index for layer in self._layers if broken[layer.index] > 0}
-        scalars = self._scalars(values)
+            counts = values.pop("nonfinite_layers").reshape(-1).tolist()  # torchmetrics squeezes a (1,) state
+            broken |= {index for index, count in enumerate(counts) if count > 0}
+        broken_layers = {layer.index for layer in self._layers if layer.index in broken}
+        scalars = self._scalars(values, broken_layers)
         self._log(trainer, step, scalars, values, full, broken_layers)
         for metric in self._metrics.values():
             metric.reset()
@@ -343,16 +345,18 @@ class ConnectionMonitor(Callback):
         for listener in self._listeners:
             listener(trainer, step, scalars)
 
-    def _scalars(self, values: dict[str, Tensor]) -> dict[str, float]:
+    def _scalars(self, values: dict[str, Tensor], broken_layers: set[int]) -> dict[str, float]:
+        """The values to log: finite ones, and NaN where a layer's forward went non-finite (never a missing value)."""
         scalars = {}
         for name, value in values.items():
             if name.endswith("/all"):
                 scalars[f"connmon/{name}"] = value.item()
                 continue
-            per_layer = value.tolist()  # one host copy per metric
+            per_layer = value.reshape(-1).tolist()  # one host copy per metric; a one-layer model's value is 0-dim
             for layer in self._layers:
-                scalars[f"connmon/{name}/L{layer.index:02d}"] = per_layer[layer.index]
-        return scalars
+                if math.isfinite(per_layer[layer.index]) or layer.index in broken_layers:
+                    scalars[f"connmon/{name}/L{layer.index:02d}"] = per_layer[layer.index]
+        return {k: v for k, v in scalars.items() if math.isfinite(v) or broken_layers}
 
     @rank_zero_only
     def _log(
@@ -364,12 +368,6 @@ class ConnectionMonitor(Callback):
         full: bool,
         broken_layers: set[int],
     ) -> None:
-        broken_keys = tuple(f"/L{index:02d}" for index in broken_layers)
-        logged = {  # NaN is logged where the forward went non-finite, and left out where nothing was measured
-            key: value
-            for key, value in scalars.items()
-            if math.isfinite(value) or (broken_layers and (key.endswith("/all") or key.endswith(broken_keys)))
-        }
         if broken_layers:
             names = sorted(layer.name for layer in self._layers if layer.index in broken_layers)
             rank_zero_warn(
@@ -378,7 +376,7 @@ class ConnectionMonitor(Callback):
                 "that rejects NaN drops them)"
             )
         for logger in trainer.loggers:
-            logger.log_metrics(logged, step=step)
+            logger.log_metrics(scalars, step=step)
         if self._wandb is not None:
             self._log_wandb(step, values, full)
 

@@ -60,7 +60,7 @@ def depth_figure(values: Mapping[str, Tensor], title: str = "gaps across depth")
     fig = Figure(figsize=(6, 4), layout="constrained")
     ax = fig.subplots()
     for name, per_layer in values.items():
-        y = per_layer.detach().cpu().double().numpy()
+        y = per_layer.detach().cpu().double().reshape(-1).numpy()  # a one-layer model: 0-dim from torchmetrics
         ax.plot(np.arange(len(y)), y, marker="o", label=name)
     ax.set(xlabel="layer", ylabel="value", title=title)
     ax.legend(fontsize="small")
