@@ -9,8 +9,8 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from connmon.capture import attention_layers
 from connmon.callbacks import ConnectionMonitor, DriftAlert
+from connmon.capture import attention_layers
 from tests.callbacks.test_connection_monitor import read_csv
 from tests.callbacks.wandb_run import finish_and_read, history, offline_logger
 from tests.capture import test_layouts
