@@ -103,6 +103,10 @@ def projections(module: nn.Module) -> list[nn.Module]:
     return [m for m in module.modules() if m is not module and linear_weight(m) is not None]
 
 
+def _has_projection(module: nn.Module) -> bool:
+    return any(m is not module and linear_weight(m) is not None for m in module.modules())
+
+
 class KernelAttention(Adapter):
     """Adapter for any module whose forward calls an attention kernel and that holds its projections.
 
@@ -132,11 +136,10 @@ class KernelAttention(Adapter):
         self._resolved: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
 
     def matches(self, module: nn.Module) -> bool:  # noqa: D102
-        if not projections(module):
-            return False
-        if calls_attention_kernel(module):
-            return True
-        return any(calls_attention_kernel(child) and not projections(child) for child in module.children())
+        calls = calls_attention_kernel(module) or any(
+            calls_attention_kernel(child) and not _has_projection(child) for child in module.children()
+        )
+        return calls and _has_projection(module)
 
     def weights(self, module: nn.Module) -> tuple[Tensor, Tensor, Tensor]:
         """The maps found for ``module`` by its last capture (they are read from the data flowing through it).
