@@ -102,7 +102,7 @@ class ConnectionMonitor(Callback):
                 raise ValueError(f"layers={layers!r} is not a valid regular expression: {error}") from None
         elif layers is not None and (
             not isinstance(layers, Sequence)
-            or not all(isinstance(x, (str, int)) and x is not True and x is not False for x in layers)
+            or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in layers)
         ):
             raise ValueError(
                 "layers must be None (all), a regular expression on module names, or a list of names and indices, "
