@@ -9,8 +9,14 @@ Per architecture (built from code or configs, random weights, eval mode, float32
   kept) and the streaming mode (``on_record`` drops each record after reading it), in units of one layer's maps
   (``B_s x H x n x n`` float32 probabilities and logits and a bool mask).
 
+* long sequences: the extra peak a capture adds to a forward over 4096 tokens (d = 32, 4 heads, 2 layers, 2
+  sequences, streaming) for ``max_tokens`` 256 (the default), 1024 and None, in units of one window's map
+  (``B_s x H x m x m`` float32): only the window is ever scored, so the target is at most 1.5. At 256 the map is
+  2 MiB, near the resident-memory noise (about 1 MiB); the 1024 row resolves the ratio.
+
 Usage:
-    python benchmarks/bench_capture.py            # about 2 minutes on 2 CPU cores
+    python benchmarks/bench_capture.py            # about 4 minutes on 2 CPU cores
+    python benchmarks/bench_capture.py --long-only  # the long-sequence table alone, about 1 minute
     python benchmarks/bench_capture.py --device cuda
 """
 
@@ -135,21 +141,79 @@ def memory_row(arch: str, one_layer: int) -> str:
     )
 
 
+LONG_TOKENS, LONG_WIDTH, LONG_HEADS, WINDOWS = 4096, 32, 4, (256, 1024, None)
+
+
+def build_long(arch: str) -> tuple[nn.Module, dict]:
+    torch.manual_seed(0)
+    ids = torch.randint(0, 100, (SEQUENCES, LONG_TOKENS))
+    if arch == "nanoGPT":
+        return TinyGPT(vocab=100, n_embd=LONG_WIDTH, n_head=LONG_HEADS, n_layer=2), {"idx": ids}
+    import transformers
+
+    if arch == "HF LLaMA (GQA)":
+        config = transformers.LlamaConfig(
+            vocab_size=100, hidden_size=LONG_WIDTH, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=LONG_HEADS, num_key_value_heads=2, max_position_embeddings=LONG_TOKENS,
+        )  # fmt: skip
+        return transformers.LlamaModel(config), {"input_ids": ids}
+    config = transformers.BertConfig(
+        vocab_size=100, hidden_size=LONG_WIDTH, num_hidden_layers=2, num_attention_heads=LONG_HEADS,
+        intermediate_size=64, max_position_embeddings=LONG_TOKENS,
+    )  # fmt: skip
+    return transformers.BertModel(config, add_pooling_layer=False), {"input_ids": ids}
+
+
+def long_rows(arch: str) -> list[str]:
+    model, inputs = build_long(arch)
+    model.eval()
+
+    def plain() -> object:
+        with torch.no_grad():
+            return model(**inputs)
+
+    def streamed(max_tokens: int | None) -> Callable[[], object]:
+        return lambda: connmon.capture(model, max_tokens=max_tokens, on_record=lambda r: None, **inputs)
+
+    plain()  # warm-up
+    base = statistics.median(peak_extra(plain) for _ in range(5))
+    rows = []
+    for window in WINDOWS:
+        window_map = SEQUENCES * LONG_HEADS * (window or LONG_TOKENS) ** 2 * 4
+        extra = statistics.median(peak_extra(streamed(window)) for _ in range(5)) - base
+        rows.append(
+            f"| {arch} | {window or 'None'} | {window_map / 2**20:.0f} MiB | {base / 2**20:.0f} MiB "
+            f"| {extra / 2**20:.1f} MiB | {extra / window_map:.2f} |"
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--no-memory", action="store_true", help="skip the CPU memory table")
+    parser.add_argument("--no-memory", action="store_true", help="skip the CPU memory tables")
+    parser.add_argument("--long-only", action="store_true", help="only the long-sequence memory table")
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, {device}, {torch.get_num_threads()} threads; d={WIDTH}, H={HEADS}, "
           f"{LAYERS} layers, batch {BATCH} x {TOKENS} tokens, recording {SEQUENCES} sequences\n")  # fmt: skip
-    print("| architecture | plain forward ms | armed forward ms | armed / plain |")
-    print("|---|---|---|---|")
-    for arch in ARCHITECTURES:
-        plain, armed = timing(arch, device, args.repeats)
-        print(f"| {arch} | {plain * 1e3:.1f} | {armed * 1e3:.1f} | {armed / plain:.2f}x |", flush=True)
+    if not args.long_only:
+        print("| architecture | plain forward ms | armed forward ms | armed / plain |")
+        print("|---|---|---|---|")
+        for arch in ARCHITECTURES:
+            plain, armed = timing(arch, device, args.repeats)
+            print(f"| {arch} | {plain * 1e3:.1f} | {armed * 1e3:.1f} | {armed / plain:.2f}x |", flush=True)
     if args.no_memory:
+        return
+    print(f"\nlong sequences: batch {SEQUENCES} x {LONG_TOKENS} tokens, d={LONG_WIDTH}, {LONG_HEADS} heads, 2 layers, "
+          "streaming; a window's map is B_s x H x m x m float32\n")  # fmt: skip
+    print("| architecture | max_tokens | one window's map | plain forward peak | extra peak, capture "
+          "| in window maps |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for arch in ["nanoGPT", "HF LLaMA (GQA)", "HF BERT"]:
+        print("\n".join(long_rows(arch)), flush=True)
+    if args.long_only:
         return
     one_layer = SEQUENCES * HEADS * TOKENS * TOKENS * (4 + 4 + 1)  # probabilities, logits, mask
     print(f"\none layer's maps: {one_layer / 2**20:.1f} MiB (CPU resident memory, Linux VmHWM)\n")

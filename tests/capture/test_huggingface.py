@@ -91,3 +91,36 @@ def test_bert_decoder_cross_attention_is_skipped_with_a_warning():
     assert [r.name for r in records] == ["encoder.layer.0.attention.self"]
     assert records[0].attn.triu(1).abs().max() == 0  # decoder self-attention is causal
     assert records[0].reconstruction_error.item() <= TOL
+
+
+def test_every_hf_model_inside_a_wrapper_is_captured_and_left_on_its_own_implementation():
+    torch.manual_seed(0)
+    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=32)
+    llama = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation="eager",
+    )  # fmt: skip
+
+    class Distill(torch.nn.Module):  # a teacher and a student, as a LightningModule would hold them
+        def __init__(self):
+            super().__init__()
+            self.teacher = transformers.GPT2LMHeadModel(gpt2).eval()
+            self.student = transformers.LlamaForCausalLM(llama).eval()
+
+        def forward(self, ids):
+            return self.teacher(ids).logits + self.student(ids).logits
+
+    model = Distill()
+    implementations = [model.teacher.config._attn_implementation, model.student.config._attn_implementation]
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        plain = model(ids)
+    with connmon.capture.armed(model) as session, torch.no_grad():
+        armed = model(ids)
+    assert torch.equal(plain, armed)
+    assert [r.name for r in session.records] == [
+        "teacher.transformer.h.0.attn", "teacher.transformer.h.1.attn", "student.model.layers.0.self_attn"
+    ]  # fmt: skip
+    assert all(r.reconstruction_error.item() <= TOL for r in session.records)
+    assert [model.teacher.config._attn_implementation, model.student.config._attn_implementation] == implementations
+    assert implementations == ["sdpa", "eager"]  # each model ran, and was recorded, on its own implementation
