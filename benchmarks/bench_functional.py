@@ -1,6 +1,6 @@
 """Speed of connmon.functional's solvers against their baselines, measured in the same run. Prints markdown tables.
 
-1. ``connection_spectrum(k=8)`` against scipy's ARPACK (``scipy.sparse.linalg.eigs``) driving the same
+1. ``connection_spectrum(k=8, deflate=False)`` (the solver on the whole operator) against scipy's ARPACK (``scipy.sparse.linalg.eigs``) driving the same
    ``connection_matvec`` with the same tolerance, basis size and restart bound, and against dense
    ``torch.linalg.eigvals`` of the ``n d x n d`` operator where it fits (``n d <= --dense-max``). The matvec
    bound is (matvecs connmon used) x (median time of one matvec): no matvec-based solver can beat it.
@@ -90,7 +90,7 @@ HEADER = (
 def spectrum_row(n: int, d: int, heads: int, causal: bool, device: torch.device, repeats: int, dense_max: int) -> str:
     attn, w_v, w_o = make_layer(n, d, heads, causal, device)
     ours_s, found = clock(
-        lambda: F.connection_spectrum(attn, w_v, w_o, k=K, ncv=NCV, return_info=True), device, repeats
+        lambda: F.connection_spectrum(attn, w_v, w_o, k=K, ncv=NCV, deflate=False, return_info=True), device, repeats
     )
     matvecs = int(found.num_matvecs)
     x = torch.randn(n, d, device=device)

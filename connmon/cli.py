@@ -38,7 +38,7 @@ GAPS = ("head_isometry_gap", "ov_isometry_gap", "edge_isometry_gap", "transport_
 SUMMARY = (
     "reconstruction_error", "attention_entropy_normalized", "max_attention_logit", "walk_spectral_gap",
     "reversibility_gap", "head_isometry_gap", "ov_isometry_gap", "edge_isometry_gap", "transport_scale",
-    "connection_spectral_radius", "connection_laplacian_gap", "depth_drift",
+    "connection_spectral_radius", "connection_laplacian_gap", "ov_spectral_radius", "depth_drift",
 )  # fmt: skip
 
 

@@ -112,7 +112,7 @@ def summary_png(csv_path: Path, out: Path) -> None:
         ("train/loss", "training loss"),
         ("connmon/attention_entropy_normalized", "normalized attention entropy"),
         ("connmon/ov_isometry_gap", "OV isometry gap"),
-        ("connmon/connection_spectral_radius", "spectral radius of M / s"),
+        ("connmon/connection_spectral_radius", "spectral radius of the walk part of M / s"),
     ]
     for ax, (key, title) in zip(axes, panels, strict=True):
         columns = [key] if key in rows[0] else sorted(c for c in rows[0] if c.startswith(key + "/L"))

@@ -27,6 +27,8 @@ from connmon.functional.spectrum import (
     connection_spectra,
     connection_spectral_radius,
     connection_spectrum,
+    ov_spectral_radius,
+    walk_basis,
 )
 from connmon.functional.transport import (
     edge_isometry_gap,
@@ -67,6 +69,7 @@ __all__ = [
     "max_attention_logit",
     "ov_isometry_gap",
     "ov_singular_values",
+    "ov_spectral_radius",
     "ov_transport",
     "reversibility_gap",
     "stationary_distribution",
@@ -76,6 +79,7 @@ __all__ = [
     "transport_scale",
     "transport_singular_values",
     "transport_symmetry_gap",
+    "walk_basis",
     "walk_matrix",
     "walk_spectral_gap",
 ]

@@ -4,6 +4,15 @@
 ``M(X) = sum_h A^h X T_h^T``. Spectral quantities are of ``M / s``, ``s`` the transport scale
 (:func:`connmon.functional.transport_scale`); a zero transport (``s = 0``) has the zero normalized operator.
 
+Constant fields are invariant: rows of ``A^h`` sum to 1, so ``M(1 v^T) = 1 (T_bar v)^T`` and ``eig(T_bar / s)`` is
+always part of ``eig(M / s)``, a weight-only part (:func:`ov_spectral_radius`). By default (``deflate=True``) the
+spectral functions report the *walk part*: the operator on the quotient by constant fields, ``Q M Q`` on the range
+of ``Q = (I - 1 1^T / m) ⊗ I_d`` over the ``m`` valid tokens (keys some query attends; a padding key nobody reads
+has a zero column). In an orthonormal basis ``U (n, n - 1)`` of the mean-zero fields on the valid tokens (Helmert
+vectors, zero columns for padding) it is ``sum_h kron(U^T A^h U, T_h)``, so every path below runs on
+``U^T A^h U`` unchanged, except the causal one, which drops the first valid token's block (``D = T_bar``). The full
+spectrum is the union of the walk part and ``eig(T_bar / s)``, with multiplicity.
+
 The spectrum solver picks the cheapest exact path that the layer allows (``method="auto"``):
 
 * ``"kron"``: one head, ``M = kron(A, T)``: the eigenvalues are the products ``lambda_i(A) mu_a(T)``.
@@ -20,7 +29,7 @@ except the matvec synchronize the GPU (eigenvalue solvers). Non-finite input giv
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -42,6 +51,8 @@ __all__ = [
     "connection_spectra",
     "connection_spectral_radius",
     "connection_spectrum",
+    "ov_spectral_radius",
+    "walk_basis",
 ]
 
 Method = Literal["auto", "dense", "kron", "causal", "krylov"]
@@ -71,6 +82,72 @@ class SpectrumResult(NamedTuple):
 def _layer(attn: Tensor, w_v: Tensor, w_o: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[int, int, int, int]]:
     attn, w_v, w_o = promote(as_float(attn, "attn"), as_float(w_v, "w_v"), as_float(w_o, "w_o"))
     return attn, w_v, w_o, check_layer(attn, w_v, w_o)
+
+
+def walk_basis(attn: Tensor) -> Tensor:
+    """An orthonormal basis ``U (*, n, n - 1)`` of the mean-zero fields on the valid tokens (Helmert vectors).
+
+    A token is valid when some query of some head attends it (a nonzero column); with ``m`` valid tokens the first
+    ``m - 1`` columns span ``{x : x_j = 0 off the valid tokens, sum_j x_j = 0}`` and the rest are 0. ``U^T A U`` is
+    the walk on the quotient by constant fields. No host synchronization.
+
+    Args:
+        attn: ``(*, H, n, n)``.
+
+    Returns:
+        ``(*, n, n - 1)`` in ``attn``'s dtype.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional import walk_basis
+        >>> U = walk_basis(torch.full((1, 4, 4), 0.25))
+        >>> bool(torch.allclose(U.mT @ U, torch.eye(3))), bool(torch.allclose(U.sum(0), torch.zeros(3), atol=1e-6))
+        (True, True)
+    """
+    n = attn.shape[-1]
+    valid = (attn != 0).any(dim=-2).any(dim=-2)  # (*, n): a column some query of some head reads
+    rank = valid.cumsum(dim=-1) - 1  # position of each valid token among the valid ones
+    count = valid.sum(dim=-1, keepdim=True)  # (*, 1)
+    c = torch.arange(1, n, device=attn.device)  # column c - 1 averages the first c valid tokens against the next
+    norm = 1 / torch.sqrt((c * (c + 1)).to(attn.dtype))
+    used = valid.unsqueeze(-1) & (c < count).unsqueeze(-2)  # (*, n, n - 1)
+    r, c = rank.unsqueeze(-1), c.to(rank.dtype)
+    basis = torch.where(r < c, norm, torch.where(r == c, -c.to(attn.dtype) * norm, torch.zeros_like(norm)))
+    return torch.where(used, basis, torch.zeros_like(basis))
+
+
+def _padded(attn: Tensor) -> Tensor | None:
+    """The valid tokens ``(*, n)`` when some sequence has a key nobody reads (padding), else None (one host sync)."""
+    valid = (attn != 0).any(dim=-2).any(dim=-2)
+    return None if bool(valid.all()) else valid
+
+
+def _each_sequence(solve: Callable[..., Tensor], attn: Tensor, w_v: Tensor, w_o: Tensor, valid: Tensor) -> Tensor:
+    """``solve(attn, w_v, w_o, m)`` on each layer of the batch restricted to its ``m`` valid tokens, stacked.
+
+    The walk part's ``Q`` runs over the valid tokens of a padded sequence, whose count differs between sequences.
+    """
+    heads, n = attn.shape[-3], attn.shape[-1]
+    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+    attn, valid = attn.expand(*batch, heads, n, n), valid.expand(*batch, n)
+    w_v, w_o = w_v.expand(*batch, *w_v.shape[-3:]), w_o.expand(*batch, *w_o.shape[-3:])
+    found = []
+    for index in np.ndindex(*batch):
+        keep = valid[index].nonzero().squeeze(-1)
+        found.append(solve(attn[index][:, keep][:, :, keep], w_v[index], w_o[index], len(keep)))
+    return torch.stack(found).reshape(tuple(batch) + tuple(found[0].shape))
+
+
+def _nan_padded(values: Tensor, k: int) -> Tensor:
+    """``values (..., j)`` followed by NaN up to ``k`` entries (a short sequence has fewer eigenvalues)."""
+    missing = values.new_full((*values.shape[:-1], k - values.shape[-1]), float("nan"))
+    return torch.cat([values, missing], dim=-1)
+
+
+def _walk_part(attn: Tensor) -> Tensor:
+    """``U^T A^h U``: ``(*, H, n - 1, n - 1)``, the attention of the walk on the quotient by constant fields."""
+    basis = walk_basis(attn).unsqueeze(-3)  # (*, 1, n, n - 1)
+    return basis.mT @ attn @ basis
 
 
 def _matvec(attn: Tensor, v_cat: Tensor, o_cat: Tensor, x: Tensor) -> Tensor:
@@ -197,8 +274,13 @@ def _layers(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Iterator[tuple[tuple[int,
         yield index, attn[index], v_cat[index], o_cat[index]
 
 
-def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, int]) -> dict[Which, Tensor]:
+def _causal_first(
+    attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, int], deflate: bool = False
+) -> dict[Which, Tensor]:
     """For each request ``{which: k}``, the first ``k`` of the union over tokens of ``eig(D_i)``: ``(*, k)``.
+
+    With ``deflate`` the first valid token is left out: it attends only itself, its block is ``T_bar`` (the
+    constant fields), and the union over the other tokens is the walk part.
 
     ``D_i = sum_h A^h_ii T_h = O diag(a_i) V``, whose nonzero eigenvalues are those of ``diag(a_i) P`` and
     ``P diag(a_i)``, ``P = V O``. Tokens go in descending order of a bound on their blocks' spectral radius, the
@@ -228,6 +310,9 @@ def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, 
         self_weight = a.diagonal(dim1=-2, dim2=-1).mT  # (n, H): A^h_ii
         bound = _block_radius_bounds(self_weight, head_norms[index], v_cat, o_cat)
         order = bound.argsort(descending=True)
+        if deflate:  # the first valid token (the first column some query reads) holds T_bar
+            first = (a != 0).any(dim=-2).any(dim=-2).int().argmax()
+            order = order[order != first]
         # For each request, the largest key any block from position j of the order on can reach: |lambda| <= the
         # norm bound (sorted, so the next one); Re lambda <= omega(D_i) <= sum_h A^h_ii omega(T_h) (subadditive).
         reach = {"LM": bound[order]}
@@ -237,7 +322,7 @@ def _causal_first(attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, 
         reach = {w: r.cpu() for w, r in reach.items()}  # one synchronization per layer
         gates = self_weight.repeat_interleave(d_h, dim=-1)  # (n, H*d_h)
         core = v_cat @ o_cat if inner < d else None  # (H*d_h, H*d_h)
-        zeros = a.new_zeros(min(max(requests.values()), a.shape[-1] * (d - inner)) if inner < d else 0)
+        zeros = a.new_zeros(min(max(requests.values()), len(order) * (d - inner)) if inner < d else 0)
         best = {which: zeros.to(_complex(attn)) for which in requests}
 
         start, chunk = 0, 2  # two blocks first: they usually hold the answer, and set the bar for the rest
@@ -294,11 +379,15 @@ def _settled(best: dict[Which, Tensor], reach: dict[str, float], requests: dict[
 
 
 def _direct_first(
-    chosen: Method, attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, int]
+    chosen: Method, attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, int], deflate: bool = False
 ) -> dict[Which, Tensor]:
-    """The exact paths (kron, dense, causal): one decomposition serves every request ``{which: k}``."""
+    """The exact paths (kron, dense, causal): one decomposition serves every request ``{which: k}``.
+
+    ``attn`` is already the walk part's (``U^T A U``) on the kron and dense paths; the causal path takes the original
+    attention and ``deflate``.
+    """
     if chosen == "causal":
-        return _causal_first(attn, w_v, w_o, requests)
+        return _causal_first(attn, w_v, w_o, requests, deflate)
     if chosen == "kron":
         everything = _kron_eigenvalues(attn, w_v, w_o)
     else:
@@ -358,6 +447,7 @@ def connection_spectrum(
     k: int = 8,
     which: Which = "LM",
     *,
+    deflate: bool = True,
     method: Method = "auto",
     tol: float | None = None,
     ncv: int | None = None,
@@ -365,17 +455,20 @@ def connection_spectrum(
     seed: int = 0,
     return_info: bool = False,
 ) -> Tensor | SpectrumResult:
-    """The ``k`` eigenvalues of ``M / s`` of largest modulus (``"LM"``) or largest real part (``"LR"``).
+    """The ``k`` eigenvalues of the walk part of ``M / s`` of largest modulus (``"LM"``) or real part (``"LR"``).
 
-    Eigenvalues come in descending order of the chosen key; a complex-conjugate pair is ordered with the
-    positive imaginary part first. See the module docstring for the solver paths.
+    The walk part is ``Q M Q / s`` on the quotient by constant fields (see the module docstring): it excludes
+    ``eig(T_bar / s)``, which every layer has whatever its attention. ``deflate=False`` gives the eigenvalues of
+    ``M / s`` itself. Eigenvalues come in descending order of the chosen key; a complex-conjugate pair is ordered
+    with the positive imaginary part first. See the module docstring for the solver paths.
 
     Args:
         attn: ``(*, H, n, n)``.
         w_v: ``(*, H, d_h, d)``.
         w_o: ``(*, H, d, d_h)``.
-        k: number of eigenvalues.
+        k: number of eigenvalues; at most ``(n - 1) d`` for the walk part, ``n d`` for ``M``.
         which: ``"LM"`` or ``"LR"``.
+        deflate: the walk part (default) or, with False, the whole operator ``M / s``.
         method: ``"auto"``, ``"dense"``, ``"kron"`` (needs ``H = 1``), ``"causal"`` (needs causal attention; not
             checked) or ``"krylov"``.
         tol: Krylov relative residual tolerance; default 1e-5 in float32, 1e-10 in float64.
@@ -396,12 +489,15 @@ def connection_spectrum(
         >>> _ = torch.manual_seed(0)
         >>> attn = (3 * torch.randn(4, 32, 32)).softmax(-1)  # H=4, n=32
         >>> w_v, w_o = torch.randn(4, 8, 32) / 6, torch.randn(4, 32, 8) / 6  # d_h=8, d=32: n*d = 1024
-        >>> found = connection_spectrum(attn, w_v, w_o, k=4, return_info=True)
+        >>> found = connection_spectrum(attn, w_v, w_o, k=4, deflate=False, return_info=True)
         >>> found.method, bool(found.converged.all())
         ('krylov', True)
         >>> dense = torch.linalg.eigvals(connection_operator(attn, w_v, w_o).double()) / transport_scale(w_v, w_o)
         >>> top = dense[dense.abs().argsort(descending=True)][:4]
         >>> bool(torch.allclose(found.eigenvalues.abs().double(), top.abs(), rtol=1e-4))
+        True
+        >>> walk = connection_spectrum(attn, w_v, w_o, k=4)  # the walk part: below the constant-field part here
+        >>> bool(walk.abs()[0] <= found.eigenvalues.abs()[0])
         True
     """
     attn, w_v, w_o, (heads, n, _, d) = _layer(attn, w_v, w_o)
@@ -409,13 +505,37 @@ def connection_spectrum(
         raise ValueError(f"which must be 'LM' (largest modulus) or 'LR' (largest real part), got which={which!r}")
     if method not in ("auto", "dense", "kron", "causal", "krylov"):
         raise ValueError(f"method must be one of 'auto', 'dense', 'kron', 'causal', 'krylov', got method={method!r}")
-    if not 1 <= k <= n * d:
-        raise ValueError(f"k must satisfy 1 <= k <= n*d = {n * d}, got k={k}")
+    size = (n - 1) * d if deflate else n * d
+    if not 1 <= k <= size:
+        part = "(n-1)*d" if deflate else "n*d"
+        raise ValueError(f"k must satisfy 1 <= k <= {part} = {size}, got k={k}")
+    valid = _padded(attn) if deflate else None
+    if valid is not None:  # Q runs over each sequence's valid tokens
+        options = dict(which=which, method=method, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed)
+        methods = set()
+
+        def solve(a: Tensor, v: Tensor, o: Tensor, m: int) -> Tensor:
+            if (m - 1) * d < 1:
+                return a.new_full((k, 3), float("nan"), dtype=_complex(a))
+            found = connection_spectrum(a, v, o, k=min(k, (m - 1) * d), return_info=True, **options)
+            methods.add(found.method)
+            columns = torch.stack([found.eigenvalues, found.residuals.to(found.eigenvalues.dtype),
+                                   found.converged.to(found.eigenvalues.dtype)], dim=-1)  # fmt: skip
+            return _nan_padded(columns.mT, k).mT  # (k, 3)
+
+        found = _each_sequence(solve, attn, w_v, w_o, valid)  # (*, k, 3)
+        if not return_info:
+            return found[..., 0]
+        residuals, converged = found[..., 1].real, found[..., 2].real == 1
+        matvecs = torch.zeros(found.shape[:-2], dtype=torch.long, device=attn.device)
+        return SpectrumResult(found[..., 0], residuals, converged, matvecs, "/".join(sorted(methods)) or "none")
     chosen = _choose(method, attn, n, d)
+    if deflate and chosen != "causal":
+        attn, n = _walk_part(attn), n - 1
     if chosen == "kron" and heads != 1:
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={heads}")
     if chosen == "krylov" and k + 2 > n * d:
-        raise ValueError(f"method='krylov' needs k + 2 <= n*d = {n * d}, got k={k}; use method='dense'")
+        raise ValueError(f"method='krylov' needs k + 2 <= {n * d} (the operator's size), got k={k}; use 'dense'")
     inverse_scale = _inverse_scale(w_v, w_o).unsqueeze(-1)
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
     matvecs = torch.zeros(batch, dtype=torch.long, device=attn.device)
@@ -427,7 +547,7 @@ def connection_spectrum(
         residuals = residuals.to(attn.dtype) * inverse_scale
         values = values * inverse_scale
     else:
-        values = (_direct_first(chosen, attn, w_v, w_o, {which: k})[which] * inverse_scale).expand(*batch, k)
+        values = (_direct_first(chosen, attn, w_v, w_o, {which: k}, deflate)[which] * inverse_scale).expand(*batch, k)
         residuals = torch.zeros(*batch, k, dtype=attn.dtype, device=attn.device)
         converged = values.isfinite()
     if not return_info:
@@ -436,7 +556,7 @@ def connection_spectrum(
 
 
 class Spectra(NamedTuple):
-    """The two ends of the spectrum of ``M / s`` that the diagnostics read.
+    """The two ends of the spectrum (of the walk part, by default) of ``M / s`` that the diagnostics read.
 
     Attributes:
         largest: ``(*, k)`` the ``k`` eigenvalues of largest modulus, descending.
@@ -447,8 +567,10 @@ class Spectra(NamedTuple):
     rightmost: Tensor
 
 
-def connection_spectra(attn: Tensor, w_v: Tensor, w_o: Tensor, k: int = 8, **solver: object) -> Spectra:
-    """The ``k`` eigenvalues of ``M / s`` of largest modulus and the rightmost one, from one decomposition.
+def connection_spectra(
+    attn: Tensor, w_v: Tensor, w_o: Tensor, k: int = 8, *, deflate: bool = True, **solver: object
+) -> Spectra:
+    """The ``k`` eigenvalues of largest modulus and the rightmost one, of the walk part, from one decomposition.
 
     Equal to ``connection_spectrum(..., k, "LM")`` and ``connection_spectrum(..., 1, "LR")[..., 0]``, but the exact
     paths (one head, dense, causal) decompose once for both; the Krylov path runs twice. This is what the spectral
@@ -459,6 +581,7 @@ def connection_spectra(attn: Tensor, w_v: Tensor, w_o: Tensor, k: int = 8, **sol
         w_v: ``(*, H, d_h, d)``.
         w_o: ``(*, H, d, d_h)``.
         k: eigenvalues of largest modulus.
+        deflate: the walk part (default) or, with False, the whole operator ``M / s``.
         **solver: keyword options of :func:`connection_spectrum` (method, tol, ncv, max_restarts, seed).
 
     Returns:
@@ -481,18 +604,23 @@ def connection_spectra(attn: Tensor, w_v: Tensor, w_o: Tensor, k: int = 8, **sol
     """
     attn, w_v, w_o, (_, n, _, d) = _layer(attn, w_v, w_o)
     method = solver.get("method", "auto")
-    if method not in ("auto", "dense", "kron", "causal") or not 1 <= k <= n * d:
-        largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", **solver)
-        return Spectra(largest, connection_spectrum(attn, w_v, w_o, k=1, which="LR", **solver)[..., 0])
+    size = (n - 1) * d if deflate else n * d
+    valid = _padded(attn) if deflate else None
+    if method not in ("auto", "dense", "kron", "causal") or not 1 <= k <= size or valid is not None:
+        largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", deflate=deflate, **solver)
+        rightmost = connection_spectrum(attn, w_v, w_o, k=1, which="LR", deflate=deflate, **solver)
+        return Spectra(largest, rightmost[..., 0])
     chosen = _choose(method, attn, n, d)
     if chosen == "krylov":
-        largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", method="krylov", **_without(solver, "method"))
-        rightmost = connection_spectrum(attn, w_v, w_o, k=1, which="LR", method="krylov", **_without(solver, "method"))
+        options = dict(_without(solver, "method"), method="krylov", deflate=deflate)
+        largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", **options)
+        rightmost = connection_spectrum(attn, w_v, w_o, k=1, which="LR", **options)
         return Spectra(largest, rightmost[..., 0])
     if chosen == "kron" and attn.shape[-3] != 1:
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={attn.shape[-3]}")
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
-    found = _direct_first(chosen, attn, w_v, w_o, {"LM": k, "LR": 1})
+    part = _walk_part(attn) if deflate and chosen != "causal" else attn
+    found = _direct_first(chosen, part, w_v, w_o, {"LM": k, "LR": 1}, deflate)
     inverse_scale = _inverse_scale(w_v, w_o)
     largest = (found["LM"] * inverse_scale.unsqueeze(-1)).expand(*batch, k)
     return Spectra(largest, (found["LR"][..., 0] * inverse_scale).expand(batch))
@@ -503,13 +631,13 @@ def _without(options: dict, key: str) -> dict:
 
 
 def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: object) -> Tensor:
-    """Spectral radius ``|lambda_1(M / s)|``.
+    """Spectral radius ``|lambda_1|`` of the walk part of ``M / s`` (``deflate=False``: of ``M / s``).
 
     Args:
         attn: ``(*, H, n, n)``.
         w_v: ``(*, H, d_h, d)``.
         w_o: ``(*, H, d, d_h)``.
-        **solver: keyword options of :func:`connection_spectrum` (method, tol, ncv, max_restarts, seed).
+        **solver: keyword options of :func:`connection_spectrum` (deflate, method, tol, ncv, max_restarts, seed).
 
     Returns:
         ``(*,)``.
@@ -520,24 +648,26 @@ def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver:
     Example:
         >>> import torch
         >>> from connmon.functional import connection_spectral_radius
-        >>> attn = torch.full((1, 3, 3), 1 / 3)  # one head, uniform: eigenvalues 1, 0, 0
-        >>> w = torch.eye(2)[None]  # T = I, s = 1
-        >>> connection_spectral_radius(attn, w, w)
-        tensor(1.0000)
+        >>> attn = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.5, 0.5], [0.5, 0.0, 0.5]]])  # a lazy cycle on 3 tokens
+        >>> w = torch.eye(2)[None]  # T = I, s = 1: eigenvalues 1 (constant fields) and (1 + exp(+-2 pi i / 3)) / 2
+        >>> connection_spectral_radius(attn, w, w, deflate=False), connection_spectral_radius(attn, w, w)
+        (tensor(1.0000), tensor(0.5000))
     """
     return connection_spectrum(attn, w_v, w_o, k=1, which="LM", **solver)[..., 0].abs()
 
 
 def connection_laplacian_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: object) -> Tensor:
-    """Bottom of the connection Laplacian's spectrum: ``1 - max Re lambda(M / s)`` for ``L = I - M / s``.
+    """Bottom of the connection Laplacian's spectrum away from constant fields: ``1 - max Re lambda`` of the walk part.
 
-    0 when some vector field is transported consistently (``M X = s X``); larger when none is.
+    ``L = I - M / s``. As ``walk_spectral_gap`` drops the trivial eigenvalue 1, this drops the constant fields (whose
+    eigenvalues are ``T_bar``'s, ``deflate=False`` keeps them). 0 when some mean-zero vector field is transported
+    consistently (``M X = s X``); larger when none is.
 
     Args:
         attn: ``(*, H, n, n)``.
         w_v: ``(*, H, d_h, d)``.
         w_o: ``(*, H, d, d_h)``.
-        **solver: keyword options of :func:`connection_spectrum`.
+        **solver: keyword options of :func:`connection_spectrum` (deflate, ...).
 
     Returns:
         ``(*,)``.
@@ -548,7 +678,7 @@ def connection_laplacian_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: o
     Example:
         >>> import torch
         >>> from connmon.functional import connection_laplacian_gap
-        >>> attn = torch.full((1, 3, 3), 1 / 3)
+        >>> attn = torch.eye(3)[None]  # every token attends itself: each one's field stays put
         >>> rotation = torch.tensor([[0.0, -1.0], [1.0, 0.0]])[None]  # eigenvalues +-i: no consistent field
         >>> connection_laplacian_gap(attn, torch.eye(2)[None], torch.eye(2)[None]), connection_laplacian_gap(
         ...     attn, torch.eye(2)[None], rotation)
@@ -562,13 +692,17 @@ def connection_operator_norm(
     w_v: Tensor,
     w_o: Tensor,
     *,
+    deflate: bool = True,
     method: Literal["auto", "dense", "kron", "krylov"] = "auto",
     tol: float | None = None,
     ncv: int = 12,
     max_restarts: int = 100,
     seed: int = 0,
 ) -> Tensor:
-    """Operator 2-norm ``||M / s||_2``, the largest singular value.
+    """Operator 2-norm of the walk part ``||Q M Q / s||_2`` (``deflate=False``: ``||M / s||_2``).
+
+    The full operator's norm is at least ``||T_bar||_2 / s`` (constant fields) whatever the attention; the walk
+    part's is not.
 
     One head: ``||A||_2 ||T||_2 / s``; ``n d <= 512``: dense; otherwise Krylov-Schur (thick-restart Lanczos) on
     ``M^T M`` through the matvec and its adjoint ``M^T(Y) = sum_h (A^h)^T Y T_h``.
@@ -577,6 +711,7 @@ def connection_operator_norm(
         attn: ``(*, H, n, n)``.
         w_v: ``(*, H, d_h, d)``.
         w_o: ``(*, H, d, d_h)``.
+        deflate: the walk part (default) or, with False, the whole operator.
         method: ``"auto"``, ``"dense"``, ``"kron"`` or ``"krylov"``.
         tol: Krylov relative residual tolerance.
         ncv: Lanczos basis size; the largest eigenvalue of the symmetric ``M^T M`` converges in about 20 steps on
@@ -598,12 +733,28 @@ def connection_operator_norm(
         >>> attn = torch.randn(2, 5, 5).softmax(-1)
         >>> w_v, w_o = torch.randn(2, 3, 6), torch.randn(2, 6, 3)
         >>> dense = torch.linalg.matrix_norm(connection_operator(attn, w_v, w_o), ord=2) / transport_scale(w_v, w_o)
-        >>> bool(torch.allclose(connection_operator_norm(attn, w_v, w_o, method="krylov"), dense, rtol=1e-4))
+        >>> found = connection_operator_norm(attn, w_v, w_o, deflate=False, method="krylov")
+        >>> bool(torch.allclose(found, dense, rtol=1e-4))
         True
     """
     attn, w_v, w_o, (heads, n, _, d) = _layer(attn, w_v, w_o)
     if method not in ("auto", "dense", "kron", "krylov"):
         raise ValueError(f"method must be one of 'auto', 'dense', 'kron', 'krylov', got method={method!r}")
+    if deflate:
+        valid = _padded(attn)
+        if valid is not None:  # Q runs over each sequence's valid tokens
+            options = dict(method=method, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed)
+
+            def solve(a: Tensor, v: Tensor, o: Tensor, m: int) -> Tensor:
+                if m < 2:
+                    return a.new_tensor(float("nan"))
+                return connection_operator_norm(a, v, o, **options)
+
+            return _each_sequence(solve, attn, w_v, w_o, valid)
+        if n < 2:  # one token: no field but the constant ones
+            batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+            return attn.new_full(batch, float("nan"))
+        attn, n = _walk_part(attn), n - 1
     if method == "auto":
         method = "kron" if heads == 1 else "dense" if n * d <= DENSE_MAX_DIM else "krylov"
     if method == "kron" and heads != 1:
@@ -618,3 +769,35 @@ def connection_operator_norm(
         )
         norm = values[..., 0].real.clamp(min=0).sqrt().to(attn.dtype)
     return norm * _inverse_scale(w_v, w_o)
+
+
+def ov_spectral_radius(w_v: Tensor, w_o: Tensor) -> Tensor:
+    """``rho(T_bar) / s``: the constant-field part of the connection spectrum, weight-only and cheap.
+
+    ``eig(T_bar / s)`` is part of ``eig(M / s)`` for every attention (constant fields are invariant), so this is what
+    the full operator's spectral radius can never fall below. Computed on the ``H d_h``-dimensional core
+    ``V O`` when it is smaller than ``d`` (same nonzero eigenvalues as ``T_bar = O V``). Synchronizes the GPU
+    (eigenvalue solver).
+
+    Args:
+        w_v: ``(*, H, d_h, d)``.
+        w_o: ``(*, H, d, d_h)``.
+
+    Returns:
+        ``(*,)``.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional import connection_spectrum, ov_spectral_radius
+        >>> _ = torch.manual_seed(0)
+        >>> attn = (2 * torch.randn(2, 5, 5)).softmax(-1)
+        >>> w_v, w_o = torch.randn(2, 3, 4), torch.randn(2, 4, 3)
+        >>> full = connection_spectrum(attn, w_v, w_o, k=20, deflate=False)  # all n*d = 20 eigenvalues
+        >>> walk = connection_spectrum(attn, w_v, w_o, k=16)  # the (n - 1) d of the walk part
+        >>> bool(torch.isclose(full.abs()[0], torch.maximum(walk.abs()[0], ov_spectral_radius(w_v, w_o))))
+        True
+    """
+    w_v, w_o = promote(as_float(w_v, "w_v"), as_float(w_o, "w_o"))
+    v_cat, o_cat = _concat_heads(w_v, w_o)
+    core = v_cat @ o_cat if v_cat.shape[-2] < v_cat.shape[-1] else o_cat @ v_cat
+    return eigvals(core).abs().amax(dim=-1) * _inverse_scale(w_v, w_o)

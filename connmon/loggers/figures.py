@@ -10,8 +10,8 @@ from matplotlib.figure import Figure  # the object API: no pyplot state, no GUI 
 from torch import Tensor
 
 
-def spectra_figure(spectra: Mapping[int, Tensor], title: str = "connection spectra of M / s") -> Figure:
-    """Eigenvalues of ``M / s`` per layer in the complex plane, with the unit circle.
+def spectra_figure(spectra: Mapping[int, Tensor], title: str = "walk part of the connection spectra") -> Figure:
+    """Eigenvalues (of the walk part) of ``M / s`` per layer in the complex plane, with the unit circle.
 
     Args:
         spectra: layer index -> ``(B_s, k)`` complex eigenvalues.

@@ -3,7 +3,7 @@
 Example:
     >>> from connmon.metrics import SpectrumMetrics
     >>> SpectrumMetrics(num_layers=12).metrics
-    ('connection_spectral_radius', 'connection_operator_norm', 'connection_laplacian_gap')
+    ('connection_spectral_radius', 'connection_operator_norm', 'connection_laplacian_gap', 'ov_spectral_radius')
 """
 
 from connmon.metrics.diagnostics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics

@@ -54,11 +54,13 @@ class WalkMetrics(LayerwiseMean):
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
         P = F.walk_matrix(record.attn)
         batch = P.shape[0]
+        causal = (P.triu(1) == 0).all(dim=-1).all(dim=-1)  # the walk ends on the first token: 0 by the mask alone
+        reversibility = F.reversibility_gap(P).masked_fill(causal, float("nan"))  # left out, never logged as 0
         columns = [
             F.stochasticity_gap(P),
             F.attention_entropy(record.attn),
             F.attention_entropy(record.attn, normalized=True),
-            F.reversibility_gap(P),
+            reversibility,
             F.walk_spectral_gap(P),
             record.max_logit,
             per_sequence(record.reconstruction_error, batch),
@@ -121,10 +123,13 @@ class TransportMetrics(LayerwiseMean):
 
 
 class SpectrumMetrics(LayerwiseMean):
-    """Connection-operator diagnostics per layer: spectral radius, operator norm, Laplacian gap (of ``M / s``).
+    """Connection-operator diagnostics per layer, of the walk part of ``M / s`` and of its constant-field part.
 
-    The spectral radius comes from the ``k`` eigenvalues of largest modulus, which are kept per layer in
-    ``last_spectra`` (``(B_s, k)`` complex, the latest record of each layer) for histograms and figures.
+    Spectral radius, operator norm and Laplacian gap are the walk part's (the quotient by constant fields, see
+    :func:`connmon.functional.connection_spectrum`); ``ov_spectral_radius`` is ``rho(T_bar) / s``, the weight-only
+    part. The spectral radius comes from the ``k`` walk eigenvalues of largest modulus, which are kept per layer in
+    ``last_spectra`` (``(B_s, k)`` complex, the latest record of each layer) for histograms and figures. A
+    one-token sequence has no walk part (NaN, left out of the means).
 
     Args:
         num_layers: number of captured attention layers.
@@ -136,6 +141,7 @@ class SpectrumMetrics(LayerwiseMean):
         "connection_spectral_radius",
         "connection_operator_norm",
         "connection_laplacian_gap",
+        "ov_spectral_radius",
     )
 
     def __init__(self, num_layers: int, k: int = 8, **kwargs: object) -> None:
@@ -147,10 +153,20 @@ class SpectrumMetrics(LayerwiseMean):
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
         args = (record.attn, record.w_v, record.w_o)
-        n, d = record.attn.shape[-1], record.w_v.shape[-1]
-        spectra = F.connection_spectra(*args, k=min(self.k, n * d))  # one decomposition for both ends
+        batch, n, d = record.attn.shape[0], record.attn.shape[-1], record.w_v.shape[-1]
+        ov = per_sequence(F.ov_spectral_radius(record.w_v, record.w_o), batch)
+        if n < 2:
+            nan = torch.full((batch,), float("nan"), dtype=record.attn.dtype, device=record.attn.device)
+            self.last_spectra[record.index] = torch.full((batch, self.k), float("nan"), dtype=torch.complex64)
+            return torch.stack([nan, nan, nan, ov.to(nan.dtype)], dim=-1)
+        spectra = F.connection_spectra(*args, k=min(self.k, (n - 1) * d))  # one decomposition for both ends
         self.last_spectra[record.index] = spectra.largest  # (B_s, k)
-        columns = [spectra.largest.abs()[..., 0], F.connection_operator_norm(*args), 1 - spectra.rightmost.real]
+        columns = [
+            spectra.largest.abs()[..., 0],
+            F.connection_operator_norm(*args),
+            1 - spectra.rightmost.real,
+            ov,
+        ]
         return torch.stack([c.to(record.attn.dtype) for c in columns], dim=-1)
 
 

@@ -171,22 +171,51 @@ def connection_operator(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> n
     return sum(torch.kron(a[h], o[h] @ v[h]) for h in range(a.shape[0])).numpy()
 
 
-def spectrum(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
-    """All eigenvalues of M / s, descending modulus."""
-    values = np.linalg.eigvals(connection_operator(attn, w_v, w_o)) / transport_scale(w_v, w_o)
+def quotient_basis(attn: np.ndarray, d: int) -> np.ndarray:
+    """An orthonormal basis of range(Q), Q = (D_V - 1_V 1_V^T / m) kron I_d over the m valid tokens (attended keys)."""
+    valid = (attn != 0).any(axis=(0, 1)).astype(float)
+    projector = np.diag(valid) - np.outer(valid, valid) / valid.sum()
+    values, vectors = np.linalg.eigh(projector)
+    tokens = vectors[:, values > 0.5]  # eigenvalue 1: mean-zero fields on the valid tokens
+    return np.kron(tokens, np.eye(d))
+
+
+def walk_operator(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
+    """Q M Q on range(Q), in an orthonormal basis of range(Q) (DESIGN: the walk part)."""
+    basis = quotient_basis(attn, w_v.shape[-1])
+    return basis.T @ connection_operator(attn, w_v, w_o) @ basis
+
+
+def spectrum(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray, deflate: bool = False) -> np.ndarray:
+    """All eigenvalues of M / s (deflate: of its walk part), descending modulus."""
+    operator = walk_operator(attn, w_v, w_o) if deflate else connection_operator(attn, w_v, w_o)
+    values = np.linalg.eigvals(operator) / transport_scale(w_v, w_o)
     return values[np.argsort(-np.abs(values), kind="stable")]
 
 
-def causal_spectrum(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
-    """Block lower-triangular M: the union over tokens of eig(sum_h A^h_ii T_h), / s; descending modulus."""
+def ov_spectrum(w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
+    """eig(T_bar / s): the constant-field part of the spectrum."""
+    return np.linalg.eigvals(ov_map(w_v, w_o)) / transport_scale(w_v, w_o)
+
+
+def causal_spectrum(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray, deflate: bool = False) -> np.ndarray:
+    """Block lower-triangular M: the union over tokens of eig(sum_h A^h_ii T_h), / s; descending modulus.
+
+    deflate: the first valid token (its block is T_bar) and the tokens nobody attends are left out.
+    """
     maps = head_maps(w_v, w_o)
-    blocks = [sum(attn[h, i, i] * maps[h] for h in range(len(maps))) for i in range(attn.shape[1])]
+    tokens = range(attn.shape[1])
+    if deflate:
+        valid = np.flatnonzero((attn != 0).any(axis=(0, 1)))
+        tokens = valid[1:]
+    blocks = [sum(attn[h, i, i] * maps[h] for h in range(len(maps))) for i in tokens]
     values = np.concatenate([np.linalg.eigvals(block) for block in blocks]) / transport_scale(w_v, w_o)
     return values[np.argsort(-np.abs(values), kind="stable")]
 
 
-def operator_norm(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> float:
-    return float(np.linalg.norm(connection_operator(attn, w_v, w_o), 2) / transport_scale(w_v, w_o))
+def operator_norm(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray, deflate: bool = False) -> float:
+    operator = walk_operator(attn, w_v, w_o) if deflate else connection_operator(attn, w_v, w_o)
+    return float(np.linalg.norm(operator, 2) / transport_scale(w_v, w_o))
 
 
 def relative_change(current: np.ndarray, previous: np.ndarray) -> float:

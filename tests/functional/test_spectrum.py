@@ -55,21 +55,27 @@ def test_connection_matvec_reconstructs_multihead_attention(causal):
     assert torch.linalg.norm(out[0] - walk) / torch.linalg.norm(out[0]) < 1e-13
 
 
-def test_connection_spectrum_auto_and_dense(layer):
-    expected = ref.spectrum(*layer.np)
+@pytest.mark.parametrize("deflate", [False, True])
+def test_connection_spectrum_auto_and_dense(layer, deflate):
+    expected = ref.spectrum(*layer.np, deflate=deflate)
     for which in ("LM", "LR"):
-        found = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=5, which=which, return_info=True)
+        found = F.connection_spectrum(
+            layer.attn, layer.w_v, layer.w_o, k=5, which=which, return_info=True, deflate=deflate
+        )
         assert found.method == ("kron" if layer.attn.shape[0] == 1 else "dense")
         assert_same_eigenvalues(found.eigenvalues, expected, which)
-        dense = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=5, which=which, method="dense")
+        dense = F.connection_spectrum(
+            layer.attn, layer.w_v, layer.w_o, k=5, which=which, method="dense", deflate=deflate
+        )
         assert_same_eigenvalues(dense, expected, which)
 
 
-def test_connection_spectrum_krylov_small(layer):
-    expected = ref.spectrum(*layer.np)
+@pytest.mark.parametrize("deflate", [False, True])
+def test_connection_spectrum_krylov_small(layer, deflate):
+    expected = ref.spectrum(*layer.np, deflate=deflate)
     for which in ("LM", "LR"):
         found = F.connection_spectrum(
-            layer.attn, layer.w_v, layer.w_o, k=4, which=which, method="krylov", return_info=True
+            layer.attn, layer.w_v, layer.w_o, k=4, which=which, method="krylov", return_info=True, deflate=deflate
         )
         if not bool(found.converged.all()):  # causal operators are non-normal: Krylov may stall (hence "causal")
             assert layer.attn.triu(1).eq(0).all()
@@ -77,163 +83,194 @@ def test_connection_spectrum_krylov_small(layer):
         assert_same_eigenvalues(found.eigenvalues, expected, which, atol=1e-7)
 
 
-def test_connection_spectrum_causal_path_is_exact():
+@pytest.mark.parametrize("deflate", [False, True])
+def test_connection_spectrum_causal_path_is_exact(deflate):
     layer = ref.make_layer(heads=3, n=9, d_h=2, d=5, mask="padded", seed=4)  # H d_h > d: the d x d blocks
     narrow = ref.make_layer(heads=2, n=9, d_h=2, d=6, mask="causal", seed=5)  # H d_h < d: the small core
     for case in (layer, narrow):
-        expected = ref.spectrum(*case.np)
+        expected = ref.spectrum(*case.np, deflate=deflate)
         for which in ("LM", "LR"):
-            got = F.connection_spectrum(case.attn, case.w_v, case.w_o, k=6, which=which, method="causal")
+            got = F.connection_spectrum(
+                case.attn, case.w_v, case.w_o, k=6, which=which, method="causal", deflate=deflate
+            )
             assert_same_eigenvalues(got, expected, which)
 
 
 @pytest.mark.parametrize("heads", [2, 3])  # H d_h = 4 < d (the core) and H d_h = d (the d x d blocks)
-def test_causal_path_skips_blocks_that_cannot_enter_the_answer(heads, monkeypatch):
+@pytest.mark.parametrize("deflate", [False, True])
+def test_causal_path_skips_blocks_that_cannot_enter_the_answer(heads, monkeypatch, deflate):
     layer = ref.make_layer(heads=heads, n=100, d_h=2, d=6, mask="causal", sharpness=3.0, seed=heads)
-    blockwise, dense = ref.causal_spectrum(*layer.np), ref.spectrum(*layer.np)
+    blockwise, dense = ref.causal_spectrum(*layer.np, deflate=deflate), ref.spectrum(*layer.np, deflate=deflate)
     solved = []
     monkeypatch.setattr(F.spectrum, "eigvals", lambda m: solved.append(m.shape[0]) or torch.linalg.eigvals(m))
     for which in ("LM", "LR"):
-        got = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=8, which=which, method="causal")
+        got = F.connection_spectrum(
+            layer.attn, layer.w_v, layer.w_o, k=8, which=which, method="causal", deflate=deflate
+        )
         assert_same_eigenvalues(got, blockwise, which)
         assert_same_eigenvalues(got, dense, which, atol=1e-6)  # dense eig of a non-normal 600 x 600 M: ~1e-8
     assert sum(solved) < 50  # of 2 x 100 blocks (34 for H = 3; 60 before the Cauchy-Schwarz bounds)
 
 
-def test_connection_spectrum_kron_path_is_exact():
+@pytest.mark.parametrize("deflate", [False, True])
+def test_connection_spectrum_kron_path_is_exact(deflate):
     layer = ref.make_layer(heads=1, n=7, d_h=3, d=5, mask="causal", seed=2)
-    expected = ref.spectrum(*layer.np)
-    got = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=7, method="kron")
+    expected = ref.spectrum(*layer.np, deflate=deflate)
+    got = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=7, method="kron", deflate=deflate)
     assert_same_eigenvalues(got, expected)
 
 
-def scipy_eigs(layer, k, which, tol):
+def scipy_eigs(layer, k, which, tol, deflate=False):
     attn, w_v, w_o = layer.np
-    n, d = attn.shape[-1], w_v.shape[-1]
-    dense = ref.connection_operator(attn, w_v, w_o)
-    operator = spla.LinearOperator((n * d, n * d), matvec=lambda v: dense @ v, dtype=np.float64)
-    values = spla.eigs(operator, k=k, which=which, tol=tol, v0=np.random.default_rng(0).standard_normal(n * d))[0]
+    dense = ref.walk_operator(attn, w_v, w_o) if deflate else ref.connection_operator(attn, w_v, w_o)
+    size = dense.shape[0]
+    operator = spla.LinearOperator((size, size), matvec=lambda v: dense @ v, dtype=np.float64)
+    values = spla.eigs(operator, k=k, which=which, tol=tol, v0=np.random.default_rng(0).standard_normal(size))[0]
     return values / ref.transport_scale(w_v, w_o)
 
 
 @pytest.mark.parametrize("which", ["LM", "LR"])
 @pytest.mark.parametrize("case", ["mha", "gqa", "one_hot"])
-def test_krylov_matches_scipy_arpack_above_dense_size(which, case):
+@pytest.mark.parametrize("deflate", [False, True])
+def test_krylov_matches_scipy_arpack_above_dense_size(which, case, deflate):
     options = {"mha": dict(), "gqa": dict(kv_heads=2), "one_hot": dict(sharpness=20.0)}[case]
     layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, seed=9, **options)  # n d = 768 > 512
     restarts = 100 if which == "LM" else 1000  # the rightmost 8 of a non-normal operator take ARPACK ~3000 matvecs
     found = F.connection_spectrum(
-        layer.attn, layer.w_v, layer.w_o, k=8, which=which, max_restarts=restarts, return_info=True
+        layer.attn, layer.w_v, layer.w_o, k=8, which=which, max_restarts=restarts, return_info=True, deflate=deflate
     )
     assert found.method == "krylov"
     assert bool(found.converged.all())
     assert (found.residuals <= 1e-10 * found.eigenvalues.abs()).all()
     assert 0 < found.num_matvecs.item() <= 30 + restarts * 30
-    assert_same_eigenvalues(found.eigenvalues, scipy_eigs(layer, 8, which, tol=1e-12), which, atol=1e-8)
+    assert_same_eigenvalues(
+        found.eigenvalues, scipy_eigs(layer, 8, which, tol=1e-12, deflate=deflate), which, atol=1e-8
+    )
 
 
 @pytest.mark.parametrize("sharpness", [1.0, 10.0, 40.0])
-def test_krylov_finds_the_top_eigenvalues_of_non_normal_layers(sharpness):
+@pytest.mark.parametrize("deflate", [False, True])
+def test_krylov_finds_the_top_eigenvalues_of_non_normal_layers(sharpness, deflate):
     """Sharp attention makes M strongly non-normal, where Krylov methods can miss eigenvalues near the k-th."""
     for seed in range(6):
         layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, kv_heads=[4, 2][seed % 2], sharpness=sharpness, seed=seed)
-        got = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=8, method="krylov")
-        want = np.sort(np.abs(ref.spectrum(*layer.np)))[::-1][:8]
+        got = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=8, method="krylov", deflate=deflate)
+        want = np.sort(np.abs(ref.spectrum(*layer.np, deflate=deflate)))[::-1][:8]
         np.testing.assert_allclose(np.sort(got.abs().numpy())[::-1], want, rtol=1e-7)
 
 
-def test_krylov_float32_and_determinism():
+@pytest.mark.parametrize("deflate", [False, True])
+def test_krylov_float32_and_determinism(deflate):
     layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, seed=1)
-    expected = ref.spectrum(*layer.np)
+    expected = ref.spectrum(*layer.np, deflate=deflate)
     attn, w_v, w_o = (t.float() for t in (layer.attn, layer.w_v, layer.w_o))
-    first = F.connection_spectrum(attn, w_v, w_o, k=8, return_info=True)
+    first = F.connection_spectrum(attn, w_v, w_o, k=8, return_info=True, deflate=deflate)
     assert first.eigenvalues.dtype == torch.complex64 and bool(first.converged.all())
     np.testing.assert_allclose(np.abs(first.eigenvalues.numpy()), np.sort(np.abs(expected))[::-1][:8], rtol=5e-5)
-    again = F.connection_spectrum(attn, w_v, w_o, k=8)
+    again = F.connection_spectrum(attn, w_v, w_o, k=8, deflate=deflate)
     assert torch.equal(first.eigenvalues, again)
-    other_seed = F.connection_spectrum(attn, w_v, w_o, k=8, seed=3)
+    other_seed = F.connection_spectrum(attn, w_v, w_o, k=8, seed=3, deflate=deflate)
     torch.testing.assert_close(other_seed.abs(), again.abs(), rtol=5e-5, atol=1e-6)
 
 
-def test_krylov_reports_unconverged_residuals_when_bounded():
+@pytest.mark.parametrize("deflate", [False, True])
+def test_krylov_reports_unconverged_residuals_when_bounded(deflate):
     layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, seed=1)
     found = F.connection_spectrum(
-        layer.attn, layer.w_v, layer.w_o, k=8, method="krylov", max_restarts=0, ncv=10, return_info=True
+        layer.attn,
+        layer.w_v,
+        layer.w_o,
+        k=8,
+        method="krylov",
+        max_restarts=0,
+        ncv=10,
+        return_info=True,
+        deflate=deflate,
     )
     assert found.num_matvecs.item() == 10
     assert not bool(found.converged.all())
     assert (found.residuals > 0).any() and found.eigenvalues.isfinite().all()
 
 
-def test_krylov_low_rank_operator_breakdown():
+@pytest.mark.parametrize("deflate", [False, True])
+def test_krylov_low_rank_operator_breakdown(deflate):
     layer = ref.make_layer(heads=2, n=5, d_h=1, d=8, seed=2)  # rank M <= n H d_h = 10 of n d = 40
-    found = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=4, method="krylov", return_info=True)
+    found = F.connection_spectrum(
+        layer.attn, layer.w_v, layer.w_o, k=4, method="krylov", return_info=True, deflate=deflate
+    )
     assert bool(found.converged.all())
-    assert_same_eigenvalues(found.eigenvalues, ref.spectrum(*layer.np), atol=1e-8)
+    assert_same_eigenvalues(found.eigenvalues, ref.spectrum(*layer.np, deflate=deflate), atol=1e-8)
 
 
-def test_auto_picks_causal_above_dense_size():
-    layer = ref.make_layer(heads=4, n=24, d_h=6, d=24, mask="padded", seed=3)
-    found = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=8, return_info=True)
+@pytest.mark.parametrize("deflate", [False, True])
+def test_auto_picks_causal_above_dense_size(deflate):
+    layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, mask="padded", seed=3)  # 22 valid tokens: 528 > 512
+    found = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=8, return_info=True, deflate=deflate)
     assert found.method == "causal"
-    assert_same_eigenvalues(found.eigenvalues, ref.spectrum(*layer.np))
+    assert_same_eigenvalues(found.eigenvalues, ref.spectrum(*layer.np, deflate=deflate))
 
 
-def test_spectrum_batched_with_shared_weights():
+@pytest.mark.parametrize("deflate", [False, True])
+def test_spectrum_batched_with_shared_weights(deflate):
     layers = [ref.make_layer(heads=2, n=6, d_h=2, d=4, seed=s) for s in range(3)]
     attn = torch.stack([layer.attn for layer in layers])
     w_v, w_o = layers[0].w_v, layers[0].w_o
     for method in ("dense", "krylov"):
-        batched = F.connection_spectrum(attn, w_v, w_o, k=3, method=method)
+        batched = F.connection_spectrum(attn, w_v, w_o, k=3, method=method, deflate=deflate)
         assert batched.shape == (3, 3)
         for b in range(3):
-            expected = ref.spectrum(attn[b].numpy(), w_v.numpy(), w_o.numpy())
+            expected = ref.spectrum(attn[b].numpy(), w_v.numpy(), w_o.numpy(), deflate=deflate)
             assert_same_eigenvalues(batched[b], expected, atol=1e-8)
 
 
 @pytest.mark.parametrize("method", ["auto", "dense", "causal", "krylov"])
-def test_connection_spectra_equal_the_two_separate_solves(method):
+@pytest.mark.parametrize("deflate", [False, True])
+def test_connection_spectra_equal_the_two_separate_solves(method, deflate):
     for case in (ref.make_layer(heads=3, n=9, d_h=2, d=6, mask="causal", seed=4), ref.make_layer(heads=1, n=5, d=4)):
         args = (case.attn, case.w_v, case.w_o)
-        both = F.connection_spectra(*args, k=4, method=method)
-        torch.testing.assert_close(both.largest, F.connection_spectrum(*args, k=4, method=method))
-        rightmost = F.connection_spectrum(*args, k=1, which="LR", method=method)[..., 0]
+        both = F.connection_spectra(*args, k=4, method=method, deflate=deflate)
+        torch.testing.assert_close(both.largest, F.connection_spectrum(*args, k=4, method=method, deflate=deflate))
+        rightmost = F.connection_spectrum(*args, k=1, which="LR", method=method, deflate=deflate)[..., 0]
         torch.testing.assert_close(both.rightmost, rightmost)
     large = ref.make_layer(heads=4, n=40, d_h=4, d=16, mask="causal", seed=7)  # auto: the causal path, pruned
-    both = F.connection_spectra(large.attn, large.w_v, large.w_o, k=8)
-    expected = ref.causal_spectrum(*large.np)
+    both = F.connection_spectra(large.attn, large.w_v, large.w_o, k=8, deflate=deflate)
+    expected = ref.causal_spectrum(*large.np, deflate=deflate)
     assert_same_eigenvalues(both.largest, expected)
     assert both.rightmost.real.item() == pytest.approx(expected.real.max(), abs=1e-10)
 
 
-def test_spectral_radius_and_laplacian_gap(layer):
-    expected = ref.spectrum(*layer.np)
-    radius = F.connection_spectral_radius(layer.attn, layer.w_v, layer.w_o)
+@pytest.mark.parametrize("deflate", [False, True])
+def test_spectral_radius_and_laplacian_gap(layer, deflate):
+    expected = ref.spectrum(*layer.np, deflate=deflate)
+    radius = F.connection_spectral_radius(layer.attn, layer.w_v, layer.w_o, deflate=deflate)
     assert radius.item() == pytest.approx(np.abs(expected).max(), rel=1e-10)
-    gap = F.connection_laplacian_gap(layer.attn, layer.w_v, layer.w_o)
+    gap = F.connection_laplacian_gap(layer.attn, layer.w_v, layer.w_o, deflate=deflate)
     assert gap.item() == pytest.approx(1 - expected.real.max(), abs=1e-10)
 
 
-def test_operator_norm_all_methods(layer):
-    expected = ref.operator_norm(*layer.np)
+@pytest.mark.parametrize("deflate", [False, True])
+def test_operator_norm_all_methods(layer, deflate):
+    expected = ref.operator_norm(*layer.np, deflate=deflate)
     methods = ["auto", "dense", "krylov"] + (["kron"] if layer.attn.shape[0] == 1 else [])
     for method in methods:
-        got = F.connection_operator_norm(layer.attn, layer.w_v, layer.w_o, method=method)
+        got = F.connection_operator_norm(layer.attn, layer.w_v, layer.w_o, method=method, deflate=deflate)
         assert got.item() == pytest.approx(expected, rel=1e-8), method
 
 
-def test_operator_norm_krylov_above_dense_size():
+@pytest.mark.parametrize("deflate", [False, True])
+def test_operator_norm_krylov_above_dense_size(deflate):
     layer = ref.make_layer(heads=4, n=32, d_h=6, d=24, seed=5)
-    got = F.connection_operator_norm(layer.attn, layer.w_v, layer.w_o)
-    assert got.item() == pytest.approx(ref.operator_norm(*layer.np), rel=1e-8)
+    got = F.connection_operator_norm(layer.attn, layer.w_v, layer.w_o, deflate=deflate)
+    assert got.item() == pytest.approx(ref.operator_norm(*layer.np, deflate=deflate), rel=1e-8)
 
 
-def test_zero_transport_has_zero_normalized_operator():
+@pytest.mark.parametrize("deflate", [False, True])
+def test_zero_transport_has_zero_normalized_operator(deflate):
     attn = torch.full((2, 3, 3), 1 / 3)
     w_v, w_o = torch.randn(2, 2, 4), torch.zeros(2, 4, 2)
-    assert F.connection_spectral_radius(attn, w_v, w_o).item() == 0
-    assert F.connection_laplacian_gap(attn, w_v, w_o).item() == 1
-    assert F.connection_operator_norm(attn, w_v, w_o).item() == 0
+    assert F.connection_spectral_radius(attn, w_v, w_o, deflate=deflate).item() == 0
+    assert F.connection_laplacian_gap(attn, w_v, w_o, deflate=deflate).item() == 1
+    assert F.connection_operator_norm(attn, w_v, w_o, deflate=deflate).item() == 0
 
 
 @pytest.mark.parametrize(("heads", "d_h", "d"), [(2, 2, 6), (3, 2, 6), (4, 4, 8), (1, 3, 5)])
@@ -251,3 +288,46 @@ def test_causal_block_bounds_hold_for_every_token(heads, d_h, d):
         for i in range(12):  # the block D_i = sum_h A^h_ii T_h, from the weights directly
             block = sum(attn[h, i, i] * w_o[h] @ w_v[h] for h in range(heads))
             assert np.abs(np.linalg.eigvals(block)).max() <= bounds[i] * (1 + 1e-10) + 1e-12
+
+
+def test_walk_part_and_constant_fields_make_up_the_whole_spectrum(layer):
+    attn, w_v, w_o = layer.np
+    n, d = attn.shape[-1], w_v.shape[-1]
+    valid = int((attn != 0).any(axis=(0, 1)).sum())
+    full = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=n * d, deflate=False).numpy()
+    walk = F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=(n - 1) * d).numpy()
+    assert np.isnan(walk[(valid - 1) * d :]).all()  # a padded sequence's walk part has (m - 1) d eigenvalues
+    union = np.concatenate([walk[: (valid - 1) * d], ref.ov_spectrum(w_v, w_o), np.zeros((n - valid) * d)])
+    np.testing.assert_allclose(np.sort_complex(np.round(full, 8)), np.sort_complex(np.round(union, 8)), atol=1e-7)
+    radius = F.ov_spectral_radius(layer.w_v, layer.w_o).item()
+    assert radius == pytest.approx(np.abs(ref.ov_spectrum(w_v, w_o)).max(), rel=1e-10)
+    assert np.abs(full).max() == pytest.approx(max(np.abs(walk[: (valid - 1) * d]).max(), radius), rel=1e-10)
+
+
+def test_the_walk_part_moves_with_the_attention_and_the_constant_fields_do_not():
+    first, second = (ref.make_layer(heads=4, n=8, d_h=2, d=8, seed=s) for s in (0, 1))
+    w_v, w_o = first.w_v, first.w_o  # the same weights, two inputs
+    walks = [F.connection_spectrum(layer.attn, w_v, w_o, k=4) for layer in (first, second)]
+    fulls = [F.connection_spectrum(layer.attn, w_v, w_o, k=4, deflate=False) for layer in (first, second)]
+    assert not torch.allclose(walks[0].abs(), walks[1].abs(), rtol=1e-3)
+    rho = F.ov_spectral_radius(w_v, w_o)
+    for full in fulls:  # these weights put the constant-field part on top: the full radius ignores the input
+        assert full.abs()[0].item() == pytest.approx(rho.item(), rel=1e-10)
+
+
+def test_walk_basis_is_orthonormal_mean_zero_and_off_padding():
+    layer = ref.make_layer(heads=2, n=9, d_h=2, d=4, mask="padded", seed=0)
+    basis = F.walk_basis(layer.attn)
+    valid = (layer.attn != 0).any(0).any(0)
+    m = int(valid.sum())
+    used, unused = basis[:, : m - 1], basis[:, m - 1 :]
+    torch.testing.assert_close(used.mT @ used, torch.eye(m - 1, dtype=used.dtype))
+    assert unused.abs().max() == 0 and used[~valid].abs().max() == 0
+    torch.testing.assert_close(used.sum(0), torch.zeros(m - 1, dtype=used.dtype), atol=1e-12, rtol=0)
+
+
+def test_one_token_has_no_walk_part():
+    attn, w_v, w_o = torch.ones(2, 1, 1), torch.randn(2, 3, 6), torch.randn(2, 6, 3)
+    with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= \(n-1\)\*d = 0, got k=1"):
+        F.connection_spectrum(attn, w_v, w_o, k=1)
+    assert F.connection_operator_norm(attn, w_v, w_o).isnan()

@@ -48,6 +48,9 @@ def direct(records):
             "ov_isometry_gap": F.ov_isometry_gap(r.w_v, r.w_o).expand(2),
             "edge_isometry_gap": F.edge_isometry_gap(r.attn, r.w_v, r.w_o),
             "connection_operator_norm": F.connection_operator_norm(r.attn, r.w_v, r.w_o),
+            "connection_spectral_radius": F.connection_spectral_radius(r.attn, r.w_v, r.w_o),
+            "connection_laplacian_gap": F.connection_laplacian_gap(r.attn, r.w_v, r.w_o),
+            "ov_spectral_radius": F.ov_spectral_radius(r.w_v, r.w_o).expand(2),
         }
         for name, value in rows.items():
             values.setdefault(name, {}).setdefault(r.index, []).append(value.double())
@@ -175,3 +178,16 @@ def test_ddp_two_processes_equal_one_process_over_the_same_sequences(tmp_path):
     assert set(synced) == set(expected)
     for name in expected:
         torch.testing.assert_close(synced[name], expected[name], rtol=1e-6, atol=1e-9)
+
+
+def test_reversibility_is_left_out_on_causal_layers_where_the_mask_alone_sets_it():
+    from tests.capture.models import TinyGPT
+
+    walk = WalkMetrics(2)
+    for record in connmon.capture(TinyGPT().eval(), torch.randint(0, 50, (2, 9))):
+        assert F.reversibility_gap(F.walk_matrix(record.attn)).abs().max() < 1e-6  # 0 whatever the attention
+        walk.update(record)
+    values = walk.compute()
+    assert values["reversibility_gap"].isnan().all() and values["reversibility_gap/all"].isnan()
+    assert not values["nonfinite_layers"].any()  # not measured, which is not a non-finite forward
+    assert values["walk_spectral_gap"].isfinite().all()
