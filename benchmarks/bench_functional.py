@@ -1,8 +1,9 @@
 """Speed of connmon.functional's solvers against their baselines, measured in the same run. Prints markdown tables.
 
-1. ``connection_spectrum(k=8, deflate=False)`` (the solver on the whole operator) against scipy's ARPACK (``scipy.sparse.linalg.eigs``) driving the same
-   ``connection_matvec`` with the same tolerance, basis size and restart bound, and against dense
-   ``torch.linalg.eigvals`` of the ``n d x n d`` operator where it fits (``n d <= --dense-max``). The matvec
+1. ``connection_spectrum(k=8, deflate=False)`` (the solvers on the whole operator) against scipy's ARPACK
+   (``scipy.sparse.linalg.eigs``) driving the same ``connection_matvec`` with the same tolerance, basis size and
+   restart bound, and against dense ``torch.linalg.eigvals`` of the ``n d x n d`` operator where it fits
+   (``n d <= --dense-max``). The matvec
    bound is (matvecs connmon used) x (median time of one matvec): no matvec-based solver can beat it.
 2. ``transport_singular_values`` against a naive SVD of each ``d x d`` head map ``T_h`` (d = 768, H = 12).
 

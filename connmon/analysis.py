@@ -30,7 +30,8 @@ class Report:
     ``layers[i]`` holds ``name``, ``index``, every metric of :data:`LAYER_METRICS` (the mean over the sampled
     sequences of the values ``connmon.metrics`` computes in training; a metric with no finite value, such as
     ``depth_drift`` on the first layer, is absent) and ``connection_spectrum`` (per sequence, the k
-    eigenvalues of the walk part of ``M / s`` as ``[real, imag]`` pairs; NaN where a sequence has fewer). ``model`` holds the mean of each metric over layers.
+    eigenvalues of the walk part of ``M / s`` as ``[real, imag]`` pairs; NaN where a sequence has fewer).
+    ``model`` holds the mean of each metric over layers.
     """
 
     layers: list[dict[str, Any]] = field(default_factory=list)
