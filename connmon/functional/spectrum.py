@@ -626,6 +626,16 @@ def connection_spectra(
     return Spectra(largest, (found["LR"][..., 0] * inverse_scale).expand(batch))
 
 
+def _no_walk_part(attn: Tensor, solver: dict) -> bool:
+    """One token and the walk part asked for: nothing but constant fields, so no value (NaN)."""
+    return solver.get("deflate", True) and attn.shape[-1] < 2
+
+
+def _nan_batch(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
+    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+    return torch.full(batch, float("nan"), dtype=as_float(attn, "attn").dtype, device=attn.device)
+
+
 def _without(options: dict, key: str) -> dict:
     return {name: value for name, value in options.items() if name != key}
 
@@ -653,6 +663,8 @@ def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver:
         >>> connection_spectral_radius(attn, w, w, deflate=False), connection_spectral_radius(attn, w, w)
         (tensor(1.0000), tensor(0.5000))
     """
+    if _no_walk_part(attn, solver):
+        return _nan_batch(attn, w_v, w_o)
     return connection_spectrum(attn, w_v, w_o, k=1, which="LM", **solver)[..., 0].abs()
 
 
@@ -684,6 +696,8 @@ def connection_laplacian_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: o
         ...     attn, torch.eye(2)[None], rotation)
         (tensor(0.), tensor(1.))
     """
+    if _no_walk_part(attn, solver):
+        return _nan_batch(attn, w_v, w_o)
     return 1 - connection_spectrum(attn, w_v, w_o, k=1, which="LR", **solver)[..., 0].real
 
 
@@ -752,8 +766,7 @@ def connection_operator_norm(
 
             return _each_sequence(solve, attn, w_v, w_o, valid)
         if n < 2:  # one token: no field but the constant ones
-            batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
-            return attn.new_full(batch, float("nan"))
+            return _nan_batch(attn, w_v, w_o)
         attn, n = _walk_part(attn), n - 1
     if method == "auto":
         method = "kron" if heads == 1 else "dense" if n * d <= DENSE_MAX_DIM else "krylov"

@@ -42,8 +42,10 @@ def test_transport_shape_errors_name_the_shapes():
 def test_option_errors_echo_the_value():
     layer = ref.make_layer()
     args = (layer.attn, layer.w_v, layer.w_o)
-    with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= n\*d = 48, got k=0"):
+    with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= \(n-1\)\*d = 40, got k=0"):
         F.connection_spectrum(*args, k=0)
+    with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= n\*d = 48, got k=49"):
+        F.connection_spectrum(*args, k=49, deflate=False)
     with pytest.raises(ValueError, match=r"which must be 'LM'.*got which='SM'"):
         F.connection_spectrum(*args, which="SM")
     with pytest.raises(ValueError, match=r"method='kron' needs a single head"):
@@ -150,10 +152,15 @@ def test_single_token():
     assert F.edge_isometry_gap(attn, w_v, w_o).item() == pytest.approx(F.ov_isometry_gap(w_v, w_o).item(), rel=1e-5)
     T_bar = (w_o @ w_v).sum(0)
     expected = torch.linalg.eigvals(T_bar) / F.transport_scale(w_v, w_o)  # n = 1: M = T_bar
-    got = F.connection_spectrum(attn, w_v, w_o, k=6)
+    got = F.connection_spectrum(attn, w_v, w_o, k=6, deflate=False)
     torch.testing.assert_close(got.abs(), expected.abs().sort(descending=True).values, rtol=1e-5, atol=1e-6)
-    assert F.connection_spectral_radius(attn, w_v, w_o).item() == pytest.approx(got.abs().max().item())
-    assert F.connection_operator_norm(attn, w_v, w_o).item() > 0
+    radius = F.connection_spectral_radius(attn, w_v, w_o, deflate=False)
+    assert radius.item() == pytest.approx(got.abs().max().item())
+    assert radius.item() == pytest.approx(F.ov_spectral_radius(w_v, w_o).item())  # M = T_bar
+    # no walk part: only constant fields
+    assert F.connection_spectral_radius(attn, w_v, w_o).isnan() and F.connection_laplacian_gap(attn, w_v, w_o).isnan()
+    assert F.connection_operator_norm(attn, w_v, w_o, deflate=False).item() > 0
+    assert F.connection_operator_norm(attn, w_v, w_o).isnan()  # no walk part
 
 
 def test_fully_masked_input_is_finite():
