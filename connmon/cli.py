@@ -266,13 +266,14 @@ def _report(args: argparse.Namespace) -> int:
     out = args.out or args.run_dir / "connmon_report"
     out.mkdir(parents=True, exist_ok=True)
     last = _last_per_layer(series)
-    gaps = {m: last[m] for m in GAPS if m in last}
+    gaps = {f"{m} (step {last[m][0]})": last[m][1] for m in GAPS if m in last}  # each metric's own last sample
     figures = {
         "over_training": series_figure({k: v for k, v in series.items() if k.endswith("/all")}),
-        "gaps_by_depth": depth_figure(gaps, "isometry gaps across depth (last sample)"),
+        "gaps_by_depth": depth_figure(gaps, "isometry gaps across depth (each at its last sample)"),
     }
     if "depth_drift" in last:
-        figures["depth_drift"] = depth_figure({"depth_drift": last["depth_drift"]}, "depth drift (last sample)")
+        step, values = last["depth_drift"]
+        figures["depth_drift"] = depth_figure({"depth_drift": values}, f"depth drift (step {step})")
     for name, figure in figures.items():
         figure.savefig(out / f"{name}.png", dpi=110)
     logged = _logged_figures(args.run_dir, out)
@@ -346,8 +347,8 @@ def _read_run(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
     return series
 
 
-def _last_per_layer(series: dict[str, tuple[list[int], list[float]]]) -> dict[str, torch.Tensor]:
-    """``{metric: (L,) values at the last step that logged it}`` (NaN for layers missing there)."""
+def _last_per_layer(series: dict[str, tuple[list[int], list[float]]]) -> dict[str, tuple[int, torch.Tensor]]:
+    """``{metric: (step, (L,) values)}`` at the last step that logged the metric (NaN for layers missing there)."""
     per_metric: dict[str, dict[int, tuple[int, float]]] = {}
     for key, (steps, values) in series.items():
         parts = key.split("/")
@@ -357,7 +358,7 @@ def _last_per_layer(series: dict[str, tuple[list[int], list[float]]]) -> dict[st
     for metric, layers in per_metric.items():
         last = max(step for step, _ in layers.values())
         values = [layers[i][1] if i in layers and layers[i][0] == last else math.nan for i in range(max(layers) + 1)]
-        out[metric] = torch.tensor(values, dtype=torch.float64)
+        out[metric] = (last, torch.tensor(values, dtype=torch.float64))
     return out
 
 

@@ -140,7 +140,8 @@ def main() -> None:
     mode = "online" if online else "offline"  # passed to wandb.init: the reliable switch across wandb versions
     wandb_logger = WandbLogger(project="connmon-tiny-gpt", save_dir=str(args.out), mode=mode)
     csv_logger = CSVLogger(args.out, name="csv")
-    monitor = ConnectionMonitor(every_n_steps=25, probe=probe, figures_every_n_samples=4)
+    # every sample is a full one here, so the spectral-radius panel covers the whole run (13 samples)
+    monitor = ConnectionMonitor(every_n_steps=25, probe=probe, figures_every_n_samples=4, full_every_n_samples=1)
     trainer = L.Trainer(
         max_steps=args.steps, accelerator="cpu", devices=1, callbacks=[monitor], logger=[wandb_logger, csv_logger],
         log_every_n_steps=5, enable_checkpointing=False, enable_model_summary=False,

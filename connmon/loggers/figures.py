@@ -6,7 +6,9 @@ from collections.abc import Mapping
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure  # the object API: no pyplot state, no GUI backend, nothing to close
+from matplotlib.ticker import MaxNLocator
 from torch import Tensor
 
 
@@ -35,8 +37,9 @@ def spectra_figure(spectra: Mapping[int, Tensor], title: str = "walk part of the
     for color, (index, values) in zip(colors, sorted(spectra.items()), strict=False):
         points = values.detach().cpu().numpy().ravel()
         ax.scatter(points.real, points.imag, s=14, color=color, label=f"L{index:02d}")
-    ax.set(xlabel="Re", ylabel="Im", title=title, aspect="equal")
-    ax.legend(fontsize="small", ncols=2)
+    ax.set(xlabel="Re lambda", ylabel="Im lambda", title=title, aspect="equal")
+    if spectra:
+        ax.legend(fontsize="small", ncols=2)
     return fig
 
 
@@ -61,14 +64,20 @@ def depth_figure(values: Mapping[str, Tensor], title: str = "gaps across depth")
     ax = fig.subplots()
     for name, per_layer in values.items():
         y = per_layer.detach().cpu().double().reshape(-1).numpy()  # a one-layer model: 0-dim from torchmetrics
-        ax.plot(np.arange(len(y)), y, marker="o", label=name)
+        if np.isfinite(y).any():  # an empty series stays out of the plot and its legend
+            ax.plot(np.arange(len(y)), y, marker="o", label=name)
     ax.set(xlabel="layer", ylabel="value", title=title)
-    ax.legend(fontsize="small")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ax.lines:
+        ax.legend(fontsize="small")
     return fig
 
 
 def walks_figure(walks: Mapping[int, Tensor], title: str = "walk matrices P (first sequence)") -> Figure:
-    """One heatmap per layer of a walk matrix ``P`` (rows: queries, columns: keys).
+    """One heatmap per layer of a walk matrix ``P`` (rows: queries, columns: keys), on a power scale.
+
+    Attention mass is heavy-tailed: on a linear scale a few large entries hide the rest, so the colours follow
+    ``P_ij ** 0.3`` (the colour bar reads in ``P_ij``).
 
     Args:
         walks: layer index -> ``(n, n)`` walk matrix.
@@ -91,18 +100,22 @@ def walks_figure(walks: Mapping[int, Tensor], title: str = "walk matrices P (fir
     axes = np.atleast_1d(fig.subplots(rows, columns)).ravel()
     image = None
     for ax, (index, walk) in zip(axes, sorted(walks.items()), strict=False):
-        image = ax.imshow(walk.detach().cpu().double().numpy(), cmap="magma", vmin=0.0, vmax=1.0)
+        norm = PowerNorm(gamma=0.3, vmin=0.0, vmax=1.0)
+        image = ax.imshow(walk.detach().cpu().double().numpy(), cmap="magma", norm=norm)
         ax.set(title=f"L{index:02d}", xlabel="key", ylabel="query")
     for ax in axes[len(walks) :]:
         ax.set_axis_off()
     if image is not None:
-        fig.colorbar(image, ax=axes.tolist(), shrink=0.8)
+        fig.colorbar(image, ax=axes.tolist(), shrink=0.8, label="P_ij (power scale)")
     fig.suptitle(title)
     return fig
 
 
 def series_figure(series: Mapping[str, tuple[list[int], list[float]]], title: str = "connmon over training") -> Figure:
     """One panel per logged key: its values against the trainer step.
+
+    A key with a single value is drawn as one marker and its title says so (``1 sample, step N``): a lone point is
+    never passed off as a trend.
 
     Args:
         series: key -> (steps, values).
@@ -123,9 +136,9 @@ def series_figure(series: Mapping[str, tuple[list[int], list[float]]], title: st
     fig = Figure(figsize=(4.5 * columns, 2.8 * rows), layout="constrained")
     axes = np.atleast_1d(fig.subplots(rows, columns)).ravel()
     for ax, (key, (steps, values)) in zip(axes, sorted(series.items()), strict=False):
-        ax.plot(steps, values, marker=".", lw=1)
-        ax.set_title(key, fontsize="small")
-        ax.set_xlabel("step")
+        ax.plot(steps, values, marker="o" if len(steps) == 1 else ".", lw=1)
+        ax.set_title(key if len(steps) != 1 else f"{key} (1 sample, step {steps[0]})", fontsize="small")
+        ax.set(xlabel="step", ylabel=key.split("/")[1] if key.count("/") >= 1 else key)
     for ax in axes[len(series) :]:
         ax.set_axis_off()
     fig.suptitle(title)

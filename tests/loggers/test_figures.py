@@ -1,0 +1,37 @@
+"""Figures say true things: labelled axes, integer layers, no empty legend entry, no lone point shown as a trend."""
+
+import torch
+
+from connmon.loggers import depth_figure, series_figure, spectra_figure, walks_figure
+
+
+def test_depth_figure_has_integer_layer_ticks_and_leaves_empty_series_out():
+    fig = depth_figure(
+        {"ov_isometry_gap": torch.tensor([0.5, 0.6, 0.55]), "depth_drift": torch.full((3,), float("nan"))}
+    )
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.lines] == ["ov_isometry_gap"]
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["ov_isometry_gap"]
+    ticks = [t for t in ax.get_xticks() if 0 <= t <= 2]
+    assert all(float(t).is_integer() for t in ticks)
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("layer", "value")
+
+
+def test_a_single_sample_is_labelled_as_one():
+    fig = series_figure(
+        {
+            "connmon/connection_spectral_radius/all": ([25], [0.8]),
+            "connmon/attention_entropy/all": ([0, 25], [3.0, 2.5]),
+        }
+    )
+    titles = sorted(ax.get_title() for ax in fig.axes if ax.get_title())
+    assert titles == ["connmon/attention_entropy/all", "connmon/connection_spectral_radius/all (1 sample, step 25)"]
+    assert {ax.get_ylabel() for ax in fig.axes if ax.get_title()} == {"attention_entropy", "connection_spectral_radius"}
+
+
+def test_walk_heatmaps_use_a_power_scale_and_spectra_label_their_axes():
+    fig = walks_figure({0: torch.eye(4), 1: torch.full((4, 4), 0.25)})
+    image = fig.axes[0].get_images()[0]
+    assert type(image.norm).__name__ == "PowerNorm" and image.norm.gamma == 0.3
+    spectra = spectra_figure({0: torch.tensor([[0.5 + 0.1j, float("nan") + 0j]])})
+    assert (spectra.axes[0].get_xlabel(), spectra.axes[0].get_ylabel()) == ("Re lambda", "Im lambda")
