@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# For a session lent a CUDA machine: connmon's correctness on the GPU (benchmarks/cuda_check.py) and the benchmarks
+# with --device cuda, in one file of tables ($OUT/gpu_figures.md when the device tool's $OUT is set, else
+# benchmarks/gpu_figures.md). About 6 minutes on an H200; record the figures in benchmarks/README.md.
+#
+# The machine has no network: it uses the Python that holds PyTorch there (with lightning, torchmetrics,
+# transformers, scipy, matplotlib) and connmon from this checkout on PYTHONPATH; W&B is not needed for these runs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks}/gpu_figures.md"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+{
+  echo "# connmon on the GPU ($(date -u +%Y-%m-%d))"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  echo
+  echo "## Correctness: benchmarks/cuda_check.py --device cuda"
+  timeout 240 python3 benchmarks/cuda_check.py --device cuda || status=1
+  echo
+  echo "## bench_functional.py --device cuda --quick"
+  timeout 180 python3 benchmarks/bench_functional.py --device cuda --quick || status=1
+  echo
+  echo "## bench_capture.py --device cuda --no-memory (memory tables are CPU resident memory: not run here)"
+  timeout 120 python3 benchmarks/bench_capture.py --device cuda --no-memory || status=1
+} 2>&1 | tee "$out"
+exit "$status"
