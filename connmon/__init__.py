@@ -7,10 +7,34 @@ Example:
     '0.1.0'
 """
 
-from connmon import callbacks, capture, functional
-from connmon.analysis import Report, analyze
-from connmon.capture import AttentionRecord
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
 __all__ = ["AttentionRecord", "Report", "__version__", "analyze", "callbacks", "capture", "functional"]
+
+# Imported on first use: torch, torchmetrics and Lightning take seconds to import, and `connmon --help` or a plain
+# `import connmon` should not pay for the parts it does not touch.
+_LAZY = {
+    "callbacks": ("connmon.callbacks", None),
+    "capture": ("connmon.capture", None),
+    "functional": ("connmon.functional", None),
+    "analyze": ("connmon.analysis", "analyze"),
+    "Report": ("connmon.analysis", "Report"),
+    "AttentionRecord": ("connmon.capture", "AttentionRecord"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'connmon' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -27,10 +27,11 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported by the commands that use it: `connmon --help` stays fast
+    import torch
+    from torch import nn
 
 __all__ = ["main"]
 
@@ -84,6 +85,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _analyze(args: argparse.Namespace) -> int:
+    import torch
     from tqdm.auto import tqdm
 
     import connmon
@@ -184,6 +186,8 @@ def _inputs(
     args: argparse.Namespace, tokenizer: Any, vocab_size: int | None, device: torch.device
 ) -> tuple[tuple, dict]:
     """Forward arguments: tokenized text, token ids from a file, or random tokens."""
+    import torch
+
     if args.text is not None:
         if tokenizer is None:
             raise InputError("--text needs the model's tokenizer files (a Hugging Face model directory has them)")
@@ -220,6 +224,8 @@ def _read(path: Path) -> str:
 
 
 def _analysis_figures(layers: list[dict[str, Any]], walks: dict[int, torch.Tensor]) -> dict[str, Any]:
+    import torch
+
     from connmon.loggers.figures import depth_figure, spectra_figure, walks_figure
 
     def per_layer(metric: str) -> torch.Tensor:
@@ -349,6 +355,8 @@ def _read_run(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
 
 def _last_per_layer(series: dict[str, tuple[list[int], list[float]]]) -> dict[str, tuple[int, torch.Tensor]]:
     """``{metric: (step, (L,) values)}`` at the last step that logged the metric (NaN for layers missing there)."""
+    import torch
+
     per_metric: dict[str, dict[int, tuple[int, float]]] = {}
     for key, (steps, values) in series.items():
         parts = key.split("/")

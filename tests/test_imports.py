@@ -1,0 +1,24 @@
+"""`import connmon` and `connmon --help` pay only for what they use: no torch, torchmetrics or Lightning up front."""
+
+import subprocess
+import sys
+
+
+def loaded_after(code: str) -> set[str]:
+    probe = f"{code}\nimport sys\nprint(' '.join(sorted(m.split('.')[0] for m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=120)
+    return set(out.stdout.split())
+
+
+def test_import_connmon_loads_no_heavy_dependency():
+    assert not loaded_after("import connmon") & {"torch", "torchmetrics", "lightning", "transformers", "wandb"}
+
+
+def test_the_command_line_help_loads_no_torch():
+    code = "from connmon.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass"
+    assert "torch" not in loaded_after(code)
+
+
+def test_attributes_still_resolve_on_first_use():
+    loaded = loaded_after("import connmon\nconnmon.functional.walk_matrix\nconnmon.capture.armed\nconnmon.analyze")
+    assert {"torch", "torchmetrics"} <= loaded and "lightning" not in loaded
