@@ -304,8 +304,7 @@ def _causal_first(
     largest_chunk = max(1, _CHUNK_ELEMENTS // (size * size))
     values = {which: attn.new_zeros(*batch, k, dtype=_complex(attn)) for which, k in requests.items()}
     if "LR" in requests:  # numerical abscissa of each head map, omega(T) = lambda_max((T + T^T) / 2)
-        maps = w_o @ w_v  # (*, H, d, d)
-        abscissa = eigvalsh((maps + maps.mT) / 2)[..., -1].expand(*batch, heads)  # (*, H)
+        abscissa = _numerical_abscissa(w_v, w_o).expand(*batch, heads)  # (*, H)
     for index, a, v_cat, o_cat in _layers(attn, w_v, w_o):
         self_weight = a.diagonal(dim1=-2, dim2=-1).mT  # (n, H): A^h_ii
         bound = _block_radius_bounds(self_weight, head_norms[index], v_cat, o_cat)
@@ -337,6 +336,22 @@ def _causal_first(
         for which in requests:
             values[which][index] = best[which]
     return values
+
+
+def _numerical_abscissa(w_v: Tensor, w_o: Tensor) -> Tensor:
+    """``omega(T_h) = lambda_max((T_h + T_h^T) / 2)`` of each head map: ``(*, H)``.
+
+    ``(T + T^T) / 2 = B J B^T`` with ``B = [O_h, V_h^T]`` (``d x 2 d_h``) and ``J = [[0, I], [I, 0]] / 2``; with
+    ``B = Q R`` its nonzero eigenvalues are those of the ``2 d_h x 2 d_h`` symmetric ``R J R^T`` (and 0 when
+    ``2 d_h < d``), so no ``d x d`` decomposition is needed.
+    """
+    d_h, d = w_v.shape[-2:]
+    if 2 * d_h >= d:
+        maps = w_o @ w_v
+        return eigvalsh((maps + maps.mT) / 2)[..., -1]
+    r = torch.linalg.qr(torch.cat([w_o, w_v.mT], dim=-1), mode="r").R  # (*, H, 2 d_h, 2 d_h)
+    left, right = r[..., :d_h], r[..., d_h:]
+    return eigvalsh((left @ right.mT + right @ left.mT) / 2)[..., -1].clamp(min=0)
 
 
 def _block_radius_bounds(self_weight: Tensor, head_norms: Tensor, v_cat: Tensor, o_cat: Tensor) -> Tensor:

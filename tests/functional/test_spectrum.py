@@ -331,3 +331,14 @@ def test_one_token_has_no_walk_part():
     with pytest.raises(ValueError, match=r"k must satisfy 1 <= k <= \(n-1\)\*d = 0, got k=1"):
         F.connection_spectrum(attn, w_v, w_o, k=1)
     assert F.connection_operator_norm(attn, w_v, w_o).isnan()
+
+
+@pytest.mark.parametrize("d_h, d", [(4, 16), (8, 16), (3, 5)])
+def test_numerical_abscissa_of_head_maps_matches_their_symmetric_part(d_h, d):
+    from connmon.functional.spectrum import _numerical_abscissa
+
+    gen = torch.Generator().manual_seed(d_h * d)
+    w_v, w_o = torch.randn(2, 3, d_h, d, generator=gen).double(), torch.randn(2, 3, d, d_h, generator=gen).double()
+    maps = w_o @ w_v
+    expected = np.linalg.eigvalsh(((maps + maps.mT) / 2).numpy())[..., -1]
+    np.testing.assert_allclose(_numerical_abscissa(w_v, w_o).numpy(), expected, rtol=1e-10, atol=1e-12)
