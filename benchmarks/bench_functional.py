@@ -6,6 +6,10 @@
    (``n d <= --dense-max``). The matvec
    bound is (matvecs connmon used) x (median time of one matvec): no matvec-based solver can beat it.
 2. ``transport_singular_values`` against a naive SVD of each ``d x d`` head map ``T_h`` (d = 768, H = 12).
+3. A full sample of one layer and one sequence at GPT-2-small shape (n = 256, d = 768, H = 12, causal and
+   bidirectional), per diagnostic: the spectrum group (``connection_spectra``, ``connection_operator_norm``,
+   ``ov_spectral_radius``), the edge gap at the monitor's defaults by Lanczos quadrature against one decomposition
+   per edge (the previous default), the weight-only transport gaps and the walk group.
 
 Usage:
     python benchmarks/bench_functional.py            # the full grid (about 7 minutes on 2 CPU cores)
@@ -148,16 +152,52 @@ def singular_values_table(device: torch.device, repeats: int) -> None:
     print(f"| connmon: thin QR + d_h x d_h SVD | {fast_s * 1e3:.2f} | {naive_s / fast_s:.0f}x | {diff:.1e} |")
 
 
+def full_sample_row(causal: bool, device: torch.device, repeats: int) -> str:
+    n, d, heads = 256, 768, 12
+    attn, w_v, w_o = make_layer(n, d, heads, causal, device)
+    attn = attn.unsqueeze(0)
+    edges = dict(num_samples=1, num_queries=16)
+    parts = {
+        "spectra": lambda: F.connection_spectra(attn, w_v, w_o, k=K),
+        "norm": lambda: (F.connection_operator_norm(attn, w_v, w_o), F.ov_spectral_radius(w_v, w_o)),
+        "lanczos": lambda: F.edge_isometry_gap(attn, w_v, w_o, **edges, lanczos_steps=32),
+        "eigh": lambda: F.edge_isometry_gap(attn, w_v, w_o, **edges),
+        "transport": lambda: (
+            F.head_isometry_gap(w_v, w_o),
+            F.ov_singular_values(w_v, w_o),
+            F.transport_symmetry_gap(w_v, w_o),
+        ),
+        "walk": lambda: (F.attention_entropy(attn), F.walk_spectral_gap(F.walk_matrix(attn))),
+    }
+    times = {name: clock(part, device, repeats)[0] for name, part in parts.items()}
+    total = sum(seconds for name, seconds in times.items() if name != "eigh")
+    cells = " | ".join(f"{times[name]:.3f}" for name in parts)
+    return f"| {'causal' if causal else 'full'} | {cells} | {total:.3f} |"
+
+
+def full_sample_table(device: torch.device, repeats: int) -> None:
+    print("\n### One full sample of one layer and sequence, n=256, d=768, H=12 (GPT-2 small), float32, seconds\n")
+    print("| mask | spectra (k=8) | operator norm + ov radius | edge gap, Lanczos | edge gap, per-edge eigh | "
+          "transport | walk | full sample (Lanczos edges) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for causal in (True, False):
+        print(full_sample_row(causal, device, repeats), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="n, d in {64, 128} only")
+    parser.add_argument("--full-sample", action="store_true", help="only the GPT-2-small full-sample table")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dense-max", type=int, default=4096, help="largest n*d for the dense eigvals baseline")
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"torch {torch.__version__}, device {device} ({name}), {torch.get_num_threads()} CPU threads")
+    full_sample_table(device, args.repeats)
+    if args.full_sample:
+        return
     singular_values_table(device, args.repeats)
     sizes = [64, 128] if args.quick else [64, 128, 256]
     spectrum_table(sizes, [4, 8], device, args.repeats, args.dense_max)

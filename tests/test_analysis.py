@@ -14,7 +14,7 @@ def test_analyze_reports_every_metric_per_layer_and_model_means():
     torch.manual_seed(0)
     model = TinyGPT(n_layer=3).eval()
     idx = torch.randint(0, 50, (3, 10))
-    report = connmon.analyze(model, idx, spectrum_k=4, edge_samples=None)
+    report = connmon.analyze(model, idx, spectrum_k=4, edge_samples=None, edge_queries=None, edge_lanczos_steps=None)
     records = connmon.capture(model, idx)
     layers = report.to_dict()["layers"]
     assert [layer["name"] for layer in layers] == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]

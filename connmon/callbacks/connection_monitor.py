@@ -52,6 +52,8 @@ class ConnectionMonitor(Callback):
         figures_every_n_samples: log W&B figures every this many samples; None for never.
         edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
         edge_queries: query rows for ``edge_isometry_gap`` (None: every row; both None: exact, costly).
+        edge_lanczos_steps: Lanczos steps per sampled edge for its gap (None: one ``d x d`` decomposition per edge);
+            see :func:`connmon.functional.edge_isometry_gap`.
         full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample
             (1: on every sample). With the defaults they are logged every 2500 steps, the rest every 100: a full sample
             costs about 11x a light one (benchmarks/README.md).
@@ -81,6 +83,7 @@ class ConnectionMonitor(Callback):
         edge_samples: int | None = 1,
         edge_queries: int | None = 16,
         full_every_n_samples: int = 25,
+        edge_lanczos_steps: int | None = 32,
     ) -> None:
         _check_int("every_n_steps", every_n_steps)
         _check_int("num_sequences", num_sequences)
@@ -89,6 +92,7 @@ class ConnectionMonitor(Callback):
         _check_int("figures_every_n_samples", figures_every_n_samples, optional=True)
         _check_int("edge_samples", edge_samples, optional=True)
         _check_int("edge_queries", edge_queries, optional=True)
+        _check_int("edge_lanczos_steps", edge_lanczos_steps, optional=True)
         _check_int("full_every_n_samples", full_every_n_samples)
         diagnostics = (diagnostics,) if isinstance(diagnostics, str) else diagnostics
         if not isinstance(diagnostics, Sequence) or not diagnostics or any(d not in DIAGNOSTICS for d in diagnostics):
@@ -126,6 +130,7 @@ class ConnectionMonitor(Callback):
         self.figures_every_n_samples = figures_every_n_samples
         self.edge_samples = edge_samples
         self.edge_queries = edge_queries
+        self.edge_lanczos_steps = edge_lanczos_steps
         self.full_every_n_samples = full_every_n_samples
         self.samples = 0
         self.last_sampled_step = -1
@@ -172,7 +177,10 @@ class ConnectionMonitor(Callback):
         groups = {
             "walk": lambda: WalkMetrics(num_layers),
             "transport": lambda: TransportMetrics(
-                num_layers, edge_samples=self.edge_samples, edge_queries=self.edge_queries
+                num_layers,
+                edge_samples=self.edge_samples,
+                edge_queries=self.edge_queries,
+                edge_lanczos_steps=self.edge_lanczos_steps,
             ),
             "spectrum": lambda: SpectrumMetrics(num_layers, k=self.spectrum_k),
             "drift": lambda: DriftMetrics(num_layers),

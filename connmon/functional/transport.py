@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from connmon.functional._checks import as_float, check_layer, check_transport, promote
+from connmon.functional._lanczos import gauss_quadrature, lanczos
 from connmon.functional._linalg import frobenius, gram_svdvals, safe_divide, svdvals
 
 __all__ = [
@@ -295,6 +296,7 @@ def edge_isometry_gap(
     num_samples: int | None = None,
     seed: int = 0,
     num_queries: int | None = None,
+    lanczos_steps: int | None = None,
 ) -> Tensor:
     """Expected isometry gap (``r = d``) of the edge transport ``T_ij = sum_h a^h_ij T_h`` over the walk's edges.
 
@@ -311,6 +313,15 @@ def edge_isometry_gap(
     * ``num_queries=q``: average over ``q`` query rows drawn uniformly without replacement (seeded) instead of all
       ``n``: unbiased, ``O(q k r^3)``, standard error at most ``0.5 / sqrt(q k)`` (exact keys when
       ``num_samples=None``: ``O(q n r^3)``). This is what makes the diagnostic affordable inside a training run.
+    * ``lanczos_steps=m``: no decomposition per edge. ``sum s^2 = ||T_ij||_F^2 = a^T G a`` is exact from the heads'
+      Gram matrix ``G_hh' = <T_h, T_h'>_F``; ``sum s = tr sqrt(X)``, ``X = T_ij^T T_ij``, is
+      ``sqrt(r sum s^2) - tr R`` with ``R = (sqrt(X) - c)^2 / (2c)``, ``c^2`` the mean eigenvalue of ``X`` (the
+      tangent of ``sqrt`` at ``c^2`` is exact in trace), and ``tr R`` is estimated by ``m`` Lanczos steps on ``X``
+      from one Rademacher vector (Gauss quadrature, Hutchinson's estimator). The control variate leaves noise only
+      in ``R``, which is second order in the spread of the singular values, so near-isometric edges (small gaps)
+      are estimated best. ``O(m r H d_h)`` per edge. The estimate of ``tr R`` is unbiased up to the quadrature
+      error; through the square root of the gap it keeps a bias, measured below 0.01 on random and attention-shaped
+      layers (``tests/functional/test_transport.py``), and the standard-error bound above still holds.
 
     Args:
         attn: attention probabilities ``(*, H, n, n)``.
@@ -319,6 +330,8 @@ def edge_isometry_gap(
         num_samples: keys drawn per query, or None for the exact expectation.
         seed: seed of the sampler (a generator on ``attn``'s device).
         num_queries: query rows to average over (uniform, without replacement), or None for all ``n``.
+        lanczos_steps: estimate each edge's ``sum s`` with this many Lanczos steps instead of decomposing it (None:
+            exact per edge).
 
     Returns:
         ``(*,)``.
@@ -343,6 +356,8 @@ def edge_isometry_gap(
         raise ValueError(f"num_samples must be a positive int or None, got num_samples={num_samples}")
     if num_queries is not None and num_queries < 1:
         raise ValueError(f"num_queries must be a positive int or None, got num_queries={num_queries}")
+    if lanczos_steps is not None and lanczos_steps < 1:
+        raise ValueError(f"lanczos_steps must be a positive int or None, got lanczos_steps={lanczos_steps}")
     generator = torch.Generator(device=attn.device).manual_seed(seed)
     rows = n
     if num_queries is not None and num_queries < n:  # a uniform subset of query rows (the same for the batch)
@@ -362,7 +377,45 @@ def edge_isometry_gap(
         keys = torch.searchsorted(walk.cumsum(dim=-1).contiguous(), targets.contiguous(), right=True)
         gates = torch.take_along_dim(gates, keys.clamp(max=n - 1).unsqueeze(-1), dim=-2)  # (*, n, k, H)
         edge_weight = (row_mass / (rows * num_samples)).unsqueeze(-1).expand(keys.shape)  # (*, rows, k)
+    if lanczos_steps is not None:
+        gaps = _edge_gaps_by_lanczos(gates, r_v, r_o, d_h, d, lanczos_steps, generator)
+        return (edge_weight * gaps).flatten(-2).sum(dim=-1)
     scaled = r_o[..., None, None, :, :] * gates.repeat_interleave(d_h, dim=-1).unsqueeze(-2)  # (*, n, n|k, r, H*d_h)
     cores = scaled @ r_v.mT[..., None, None, :, :]  # (*, n, n|k, r, r)
     gaps = _gap(gram_svdvals(cores), d)
     return (edge_weight * gaps).flatten(-2).sum(dim=-1)
+
+
+def _edge_gaps_by_lanczos(
+    gates: Tensor, r_v: Tensor, r_o: Tensor, d_h: int, d: int, steps: int, generator: torch.Generator
+) -> Tensor:
+    """Isometry gap (``r = d``) of each edge core ``C = R_o diag(g) R_v^T`` from ``gates (*, q, k, H)``: ``(*, q, k)``.
+
+    See :func:`edge_isometry_gap` (``lanczos_steps``). Computed in float64.
+    """
+    wide, dtype = torch.float64, gates.dtype
+    lead = torch.broadcast_shapes(gates.shape[:-3], r_v.shape[:-2])
+    gates = gates.expand(*lead, *gates.shape[-3:]).to(wide)
+    r_v, r_o = r_v.expand(*lead, *r_v.shape[-2:]).to(wide), r_o.expand(*lead, *r_o.shape[-2:]).to(wide)
+    size = r_v.shape[-2]
+    g = gates.repeat_interleave(d_h, dim=-1).flatten(-3, -2)  # (*, E, H*d_h)
+    gram = (r_o.mT @ r_o) * (r_v.mT @ r_v)  # (*, H*d_h, H*d_h): <columns> of O times <rows> of V
+    squares = ((g @ gram) * g).sum(dim=-1).clamp(min=0)  # (*, E): sum s^2 = ||C||_F^2
+    edges = g.shape[-2]
+
+    def matvec(x: Tensor) -> Tensor:  # X = C^T C on each edge, x (N, r)
+        xs = x.view(*lead, edges, size)
+        y = ((xs @ r_v) * g) @ r_o.mT  # C x
+        return (((y @ r_o) * g) @ r_v.mT).reshape(-1, size)  # C^T C x
+
+    probe = torch.randint(0, 2, (*lead, edges, size), generator=generator, device=g.device).to(wide) * 2 - 1
+    c = (squares / size).sqrt().reshape(-1)  # sqrt of the mean eigenvalue of X
+    half_c = (2 * c).clamp(min=torch.finfo(wide).tiny).unsqueeze(-1)
+    rule = lanczos(matvec, probe.reshape(-1, size), min(steps, size))
+    residual = gauss_quadrature(
+        rule, torch.full_like(c, size), lambda x: (x.clamp(min=0).sqrt() - c[:, None]) ** 2 / half_c
+    )
+    correction = residual.view(squares.shape)
+    sums = ((size * squares).sqrt() - correction).clamp(min=0)
+    ratio = safe_divide(sums**2, d * squares)
+    return (1 - ratio).clamp(min=0).sqrt().to(dtype).view(*lead, *gates.shape[-3:-1])

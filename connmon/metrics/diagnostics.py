@@ -79,8 +79,10 @@ class TransportMetrics(LayerwiseMean):
         num_layers: number of captured attention layers.
         edge_samples: keys drawn per query for ``edge_isometry_gap`` (None: every key).
         edge_queries: query rows drawn for it (None: every row); with both None it is exact, ``O(n^2 d^3)``. The
-            defaults (1 key for each of 16 queries: 16 SVDs of ``d x d`` per sequence) keep it affordable in
-            training; the estimate is unbiased with standard error at most 0.125.
+            defaults (1 key for each of 16 queries) keep it affordable in training, with standard error at most
+            0.125.
+        edge_lanczos_steps: Lanczos steps per edge for its ``sum s`` (None: one decomposition of ``d x d`` per
+            edge); see :func:`connmon.functional.edge_isometry_gap`.
         **kwargs: passed to ``torchmetrics.Metric``.
     """
 
@@ -93,10 +95,16 @@ class TransportMetrics(LayerwiseMean):
     )
 
     def __init__(
-        self, num_layers: int, edge_samples: int | None = 1, edge_queries: int | None = 16, **kwargs: object
+        self,
+        num_layers: int,
+        edge_samples: int | None = 1,
+        edge_queries: int | None = 16,
+        edge_lanczos_steps: int | None = 32,
+        **kwargs: object,
     ) -> None:
         super().__init__(num_layers, **kwargs)
         self.edge_samples, self.edge_queries = edge_samples, edge_queries
+        self.edge_lanczos_steps = edge_lanczos_steps
         self.measure_edges = True
         self.last_head_gaps: dict[int, Tensor] = {}  # (H,) per layer, the latest record, for histograms
 
@@ -107,7 +115,12 @@ class TransportMetrics(LayerwiseMean):
         self.last_head_gaps[record.index] = head_gaps
         if self.measure_edges:
             edges = F.edge_isometry_gap(
-                record.attn, w_v, w_o, num_samples=self.edge_samples, num_queries=self.edge_queries
+                record.attn,
+                w_v,
+                w_o,
+                num_samples=self.edge_samples,
+                num_queries=self.edge_queries,
+                lanczos_steps=self.edge_lanczos_steps,
             )
         else:
             edges = torch.full((batch,), float("nan"), dtype=head_gaps.dtype, device=head_gaps.device)

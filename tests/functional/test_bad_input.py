@@ -56,6 +56,8 @@ def test_option_errors_echo_the_value():
         F.head_isometry_gap(layer.w_v, layer.w_o, reduction="sum")
     with pytest.raises(ValueError, match=r"num_samples must be a positive int or None, got num_samples=0"):
         F.edge_isometry_gap(*args, num_samples=0)
+    with pytest.raises(ValueError, match="lanczos_steps"):
+        F.edge_isometry_gap(*args, lanczos_steps=0)
     with pytest.raises(ValueError, match=r"above max_dim=10"):
         F.connection_operator(*args, max_dim=10)
     with pytest.raises(ValueError, match=r"num_squarings must be >= 0"):
@@ -83,6 +85,9 @@ def test_dtype_rule():
         assert F.connection_spectrum(attn, w_v, w_o, k=2).dtype == torch.complex64
     assert F.connection_spectrum(layer.attn, layer.w_v, layer.w_o, k=2).dtype == torch.complex128
     assert F.edge_isometry_gap(layer.attn.float(), layer.w_v, layer.w_o.float()).dtype == torch.float64  # promoted
+    assert F.edge_isometry_gap(layer.attn.float(), layer.w_v.float(), layer.w_o.float(), lanczos_steps=4).dtype == (
+        torch.float32
+    )
 
 
 def poisoned(value: float):
@@ -104,6 +109,7 @@ def test_non_finite_attention_gives_nan_never_a_crash(value):
         F.walk_spectral_gap(P),
         F.edge_isometry_gap(attn, w_v, w_o),
         F.edge_isometry_gap(attn, w_v, w_o, num_samples=2),
+        F.edge_isometry_gap(attn, w_v, w_o, num_samples=2, lanczos_steps=8),
         F.depth_drift(P, P),
     ]
     for method in ("krylov", "dense", "causal"):

@@ -135,3 +135,57 @@ def test_gram_singular_values_match_svdvals_and_keep_nan():
     bad[2, 0, 0] = float("nan")
     values = gram_svdvals(bad)
     assert values[2].isnan().all() and values[[0, 1, 3, 4, 5]].isfinite().all()
+
+
+@pytest.mark.parametrize(
+    "heads, n, d_h, d, mask",
+    [(4, 24, 16, 64, "causal"), (8, 16, 8, 64, "none"), (4, 16, 8, 64, "padded"), (1, 12, 24, 24, "none")],
+)
+def test_edge_isometry_gap_by_lanczos_has_a_small_bias_on_the_same_edges(heads, n, d_h, d, mask):
+    """Same seed, same edges: the Lanczos estimate against each edge's exact gap, over 20 seeds (probes)."""
+    layer = ref.make_layer(heads=heads, n=n, d_h=d_h, d=d, mask=mask, seed=heads + n)
+    args = (layer.attn, layer.w_v, layer.w_o)
+    differences = torch.stack(
+        [
+            F.edge_isometry_gap(*args, num_samples=1, num_queries=8, seed=s, lanczos_steps=32)
+            - F.edge_isometry_gap(*args, num_samples=1, num_queries=8, seed=s)
+            for s in range(20)
+        ]
+    )
+    assert differences.abs().max().item() <= 0.05
+    assert abs(differences.mean().item()) <= 0.01  # the documented bias bound
+
+
+def test_edge_isometry_gap_by_lanczos_is_exact_on_isometric_edges():
+    """Heads that are scaled isometries onto orthogonal subspaces, equally gated: every edge map is c Q, gap 0."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.linalg.qr(torch.randn(32, 32, generator=gen, dtype=torch.float64)).Q
+    w_v = q.T.reshape(4, 8, 32)  # orthonormal rows, head h on its own 8-dim subspace
+    w_o = 3 * w_v.mT
+    attn = torch.full((4, 10, 10), 0.1, dtype=torch.float64)  # equal gates: T_ij = (3/4) Q Q^T = (3/4) I
+    got = F.edge_isometry_gap(attn, w_v, w_o, num_samples=2, lanczos_steps=16)
+    assert got.item() == pytest.approx(0.0, abs=1e-6)
+    assert F.edge_isometry_gap(attn, w_v, w_o, num_samples=2).item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_edge_isometry_gap_by_lanczos_with_a_full_krylov_space_is_hutchinson_unbiased_in_sum_s():
+    """With m >= r the quadrature is exact: over many probes the mean of sum s matches the exact nuclear norm."""
+    from connmon.functional.transport import _concat_heads, _edge_gaps_by_lanczos, _qr_cores
+
+    layer = ref.make_layer(heads=2, n=4, d_h=3, d=6, mask="none", seed=1)
+    r_v, r_o = _qr_cores(*_concat_heads(layer.w_v, layer.w_o))
+    gates = torch.rand(1, 1, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    gates = gates / gates.sum(-1, keepdim=True)
+    core = (r_o * gates.repeat_interleave(3, dim=-1)[0, 0]) @ r_v.mT
+    s = torch.linalg.svdvals(core)
+    exact_gap = F.isometry_gap(s, rank=6).item()
+    gaps = torch.stack(
+        [
+            _edge_gaps_by_lanczos(gates, r_v, r_o, 3, 6, 6, torch.Generator().manual_seed(seed)).squeeze()
+            for seed in range(1000)
+        ]
+    )
+    sums = (1 - gaps**2).sqrt() * (6 * (s**2).sum()).sqrt()  # back from the gap to sum s
+    standard_error = sums.std().item() / 1000**0.5
+    assert sums.mean().item() == pytest.approx(s.sum().item(), abs=4 * standard_error)
+    assert gaps.mean().item() == pytest.approx(exact_gap, abs=0.02)  # through the square root: -0.011 at r = 6

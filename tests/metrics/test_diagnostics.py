@@ -25,7 +25,7 @@ def make_model(seed=0):
 def groups():
     return [
         WalkMetrics(LAYERS),
-        TransportMetrics(LAYERS, edge_samples=None, edge_queries=None),
+        TransportMetrics(LAYERS, edge_samples=None, edge_queries=None, edge_lanczos_steps=None),
         SpectrumMetrics(LAYERS),
     ]
 
@@ -61,7 +61,7 @@ def test_groups_equal_direct_functional_means_over_steps():
     model = make_model()
     metrics = [
         WalkMetrics(LAYERS),
-        TransportMetrics(LAYERS, edge_samples=None, edge_queries=None),
+        TransportMetrics(LAYERS, edge_samples=None, edge_queries=None, edge_lanczos_steps=None),
         SpectrumMetrics(LAYERS),
     ]
     seen = []
@@ -141,7 +141,7 @@ def _ddp_worker(rank, world_size, port, results):
         model = make_model()
         metrics = [
             WalkMetrics(LAYERS),
-            TransportMetrics(LAYERS, edge_samples=None, edge_queries=None),
+            TransportMetrics(LAYERS, edge_samples=None, edge_queries=None, edge_lanczos_steps=None),
             SpectrumMetrics(LAYERS),
         ]
         for batch in batches(seed=100 + rank):  # each rank captures its own share
@@ -164,7 +164,7 @@ def test_ddp_two_processes_equal_one_process_over_the_same_sequences(tmp_path):
     model = make_model()
     single = [
         WalkMetrics(LAYERS),
-        TransportMetrics(LAYERS, edge_samples=None, edge_queries=None),
+        TransportMetrics(LAYERS, edge_samples=None, edge_queries=None, edge_lanczos_steps=None),
         SpectrumMetrics(LAYERS),
     ]
     for rank in range(2):
