@@ -6,14 +6,16 @@
    (``n d <= --dense-max``). The matvec
    bound is (matvecs connmon used) x (median time of one matvec): no matvec-based solver can beat it.
 2. ``transport_singular_values`` against a naive SVD of each ``d x d`` head map ``T_h`` (d = 768, H = 12).
-3. A full sample of one layer and one sequence at GPT-2-small shape (n = 256, d = 768, H = 12, causal and
-   bidirectional), per diagnostic: the spectrum group (``connection_spectra``, ``connection_operator_norm``,
-   ``ov_spectral_radius``), the edge gap at the monitor's defaults by Lanczos quadrature against one decomposition
-   per edge (the previous default), the weight-only transport gaps and the walk group.
+3. With ``--full-sample`` (instead of 1 and 2): a full sample of one layer and one sequence at GPT-2-small shape
+   (n = 256, d = 768, H = 12, causal and bidirectional), per diagnostic: the spectrum group
+   (``connection_spectra``, ``connection_operator_norm``, ``ov_spectral_radius``), the edge gap at the monitor's
+   defaults by Lanczos quadrature against one decomposition per edge (the previous default), the weight-only
+   transport gaps and the walk group.
 
 Usage:
     python benchmarks/bench_functional.py            # the full grid (about 7 minutes on 2 CPU cores)
     python benchmarks/bench_functional.py --quick    # n, d in {64, 128}
+    python benchmarks/bench_functional.py --full-sample  # the GPT-2-small table (about 4 minutes)
     python benchmarks/bench_functional.py --device cuda
 """
 
@@ -188,15 +190,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="n, d in {64, 128} only")
-    parser.add_argument("--full-sample", action="store_true", help="only the GPT-2-small full-sample table")
+    parser.add_argument("--full-sample", action="store_true", help="the GPT-2-small full-sample table instead")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dense-max", type=int, default=4096, help="largest n*d for the dense eigvals baseline")
     args = parser.parse_args()
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
     print(f"torch {torch.__version__}, device {device} ({name}), {torch.get_num_threads()} CPU threads")
-    full_sample_table(device, args.repeats)
     if args.full_sample:
+        full_sample_table(device, args.repeats)
         return
     singular_values_table(device, args.repeats)
     sizes = [64, 128] if args.quick else [64, 128, 256]

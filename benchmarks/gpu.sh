@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # For a session lent a CUDA machine: connmon's correctness on the GPU (benchmarks/cuda_check.py) and the benchmarks
 # with --device cuda, in one file of tables ($OUT/gpu_figures.md when the device tool's $OUT is set, else
-# benchmarks/gpu_figures.md). About 6 minutes on an H200; record the figures in benchmarks/README.md.
+# benchmarks/gpu_figures.md). About 7 minutes on an H200; record the figures in benchmarks/README.md.
 #
 # The machine has no network: it uses the Python that holds PyTorch there (with lightning, torchmetrics,
 # transformers, scipy, matplotlib) and connmon from this checkout on PYTHONPATH; W&B is not needed for these runs.
@@ -19,6 +19,8 @@ status=0
   echo
   echo "## bench_functional.py --device cuda --quick"
   timeout 180 python3 benchmarks/bench_functional.py --device cuda --quick || status=1
+  echo "## bench_functional.py --device cuda --full-sample --repeats 1 (GPT-2-small shape)"
+  timeout 90 python3 benchmarks/bench_functional.py --device cuda --full-sample --repeats 1 || status=1
   echo
   echo "## bench_capture.py --device cuda --no-memory (memory tables are CPU resident memory: not run here)"
   timeout 120 python3 benchmarks/bench_capture.py --device cuda --no-memory || status=1
