@@ -51,7 +51,8 @@ class ConnectionMonitor(Callback):
         log_histograms: log W&B histograms (with a ``WandbLogger``).
         figures_every_n_samples: log W&B figures every this many samples; None for never.
         edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
-        edge_queries: query rows for ``edge_isometry_gap`` (None: every row; both None: exact, costly).
+        edge_queries: query rows for ``edge_isometry_gap`` (None: every row; both None and
+            ``edge_lanczos_steps=None``: exact, costly).
         edge_lanczos_steps: Lanczos steps per sampled edge for its gap (None: one ``d x d`` decomposition per edge);
             see :func:`connmon.functional.edge_isometry_gap`.
         full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample

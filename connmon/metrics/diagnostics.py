@@ -78,9 +78,9 @@ class TransportMetrics(LayerwiseMean):
     Args:
         num_layers: number of captured attention layers.
         edge_samples: keys drawn per query for ``edge_isometry_gap`` (None: every key).
-        edge_queries: query rows drawn for it (None: every row); with both None it is exact, ``O(n^2 d^3)``. The
-            defaults (1 key for each of 16 queries) keep it affordable in training, with standard error at most
-            0.125.
+        edge_queries: query rows drawn for it (None: every row); with both None and ``edge_lanczos_steps=None`` it
+            is exact, ``O(n^2 d^3)``. The defaults (1 key for each of 16 queries) keep it affordable in training,
+            with standard error at most 0.125.
         edge_lanczos_steps: Lanczos steps per edge for its ``sum s`` (None: one decomposition of ``d x d`` per
             edge); see :func:`connmon.functional.edge_isometry_gap`.
         **kwargs: passed to ``torchmetrics.Metric``.
