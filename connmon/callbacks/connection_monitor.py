@@ -57,7 +57,7 @@ class ConnectionMonitor(Callback):
             see :func:`connmon.functional.edge_isometry_gap`.
         full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample
             (1: on every sample). With the defaults they are logged every 2500 steps, the rest every 100: a full sample
-            costs about 11x a light one (benchmarks/README.md).
+            costs about 9x a light one (benchmarks/README.md).
 
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
