@@ -12,7 +12,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionRecord", "Report", "__version__", "analyze", "callbacks", "capture", "functional"]
+__all__ = ["AttentionRecord", "Monitor", "Report", "__version__", "analyze", "callbacks", "capture", "functional"]
 
 # Imported on first use: torch, torchmetrics and Lightning take seconds to import, and `connmon --help` or a plain
 # `import connmon` should not pay for the parts it does not touch.
@@ -21,6 +21,7 @@ _LAZY = {
     "capture": ("connmon.capture", None),
     "functional": ("connmon.functional", None),
     "analyze": ("connmon.analysis", "analyze"),
+    "Monitor": ("connmon.integrations.monitor", "Monitor"),
     "Report": ("connmon.analysis", "Report"),
     "AttentionRecord": ("connmon.capture", "AttentionRecord"),
 }

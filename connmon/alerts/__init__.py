@@ -1,6 +1,7 @@
 """Alerts on logged series: online detectors (threshold, EWMA z-score, CUSUM, non-finite) and rules over keys.
 
-The pure core that :class:`connmon.callbacks.DriftAlert` adapts to Lightning; usable on its own in a plain loop.
+The pure core (:class:`AlertRunner`) that :class:`connmon.callbacks.DriftAlert`, the Hugging Face callback and
+:class:`connmon.Monitor` share; usable on its own in a plain loop.
 
 Example:
     >>> from connmon.alerts import EWMAZScore, Rule, RuleSet
@@ -23,11 +24,15 @@ from connmon.alerts.detectors import (
     Threshold,
 )
 from connmon.alerts.rules import LEVELS, Alert, Level, Rule, RuleSet, default_rules
+from connmon.alerts.runner import ACTIONS, Action, AlertRunner
 
 __all__ = [
+    "ACTIONS",
     "CUSUM",
     "LEVELS",
+    "Action",
     "Alert",
+    "AlertRunner",
     "Detection",
     "Detector",
     "Direction",

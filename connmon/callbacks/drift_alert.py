@@ -4,17 +4,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 
-from connmon.alerts import LEVELS, Alert, Level, Rule, RuleSet, default_rules
+from connmon.alerts import ACTIONS, Action, Alert, AlertRunner, Level, Rule, RuleSet
 from connmon.callbacks.connection_monitor import ConnectionMonitor
-
-Action = Literal["log", "wandb", "stop"]
-ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")
 
 
 class DriftAlert(Callback):
@@ -64,22 +61,24 @@ class DriftAlert(Callback):
         wait_duration: float = 300.0,
         history: int = 100,
     ) -> None:
-        unknown = [a for a in actions if a not in ACTIONS]
-        if unknown:
-            raise ValueError(f"actions must be a subset of {ACTIONS}, got {tuple(actions)}")
-        if stop_level not in LEVELS:
-            raise ValueError(f"stop_level must be one of {LEVELS}, got stop_level={stop_level!r}")
-        if history < 0:
-            raise ValueError(f"history must be >= 0, got history={history}")
-        self.rules = RuleSet(default_rules() if rules is None else rules)
-        self.actions = tuple(actions)
-        self.stop_level = stop_level
-        self.on_alert = on_alert
-        self.wait_duration = wait_duration
-        self.alerts: deque[Alert] = deque(maxlen=history)
-        self.total = 0
+        self.runner = AlertRunner(rules, actions, stop_level, on_alert, wait_duration, history)
         self._listening: ConnectionMonitor | None = None
         self._wandb: Any = None
+
+    @property
+    def rules(self) -> RuleSet:
+        """The rules and their state."""
+        return self.runner.rules
+
+    @property
+    def alerts(self) -> deque[Alert]:
+        """The most recent alerts."""
+        return self.runner.alerts
+
+    @property
+    def total(self) -> int:
+        """Alerts raised so far in this run (a resumed run included)."""
+        return self.runner.total
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Listen to the trainer's ConnectionMonitor (warn if there is none) and find a WandbLogger."""
@@ -90,7 +89,7 @@ class DriftAlert(Callback):
             monitors[0].add_listener(self._on_sample)
             self._listening = monitors[0]
         self._wandb = None
-        if "wandb" in self.actions:
+        if "wandb" in self.runner.actions:
             for logger in trainer.loggers:
                 if isinstance(logger, WandbLogger):
                     from connmon.loggers.wandb import WandbSink
@@ -100,36 +99,17 @@ class DriftAlert(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """The rules' state and the alert count."""
-        return {"rules": self.rules.state_dict(), "total": self.total}
+        return self.runner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self.rules.load_state_dict(state_dict.get("rules", {}))
-        self.total = state_dict.get("total", 0)
+        self.runner.load_state_dict(state_dict)
 
     def _on_sample(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
-        alerts = self.rules.update(values, step)
-        self.total += len(alerts)
-        self.alerts.extend(alerts)
-        self._report(trainer, step, alerts)
-        for alert in alerts:
-            if self.on_alert is not None:
-                try:
-                    self.on_alert(alert)
-                except Exception as error:  # a user's handler must not end the training run
-                    rank_zero_warn(f"DriftAlert: on_alert raised {type(error).__name__}: {error}; the run goes on")
-        if "stop" in self.actions:
-            stop = any(LEVELS.index(a.level) >= LEVELS.index(self.stop_level) for a in alerts)
-            if trainer.strategy.reduce_boolean_decision(stop, all=False):
-                trainer.should_stop = True
-                rank_zero_warn(f"DriftAlert stops the run at step {step} (an alert at level >= {self.stop_level})")
-
-    @rank_zero_only
-    def _report(self, trainer: Trainer, step: int, alerts: list[Alert]) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics({"connmon/alerts/count": len(alerts), "connmon/alerts/total": self.total}, step=step)
-        for alert in alerts:
-            if "log" in self.actions:
-                rank_zero_warn(f"{alert.title} [{alert.level}]: {alert.text}")
-            if self._wandb is not None:
-                self._wandb.alert(alert.title, alert.text, alert.level, self.wait_duration)
+        alerts, stop = self.runner.run(values, step, wandb=self._wandb)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.runner.counts(alerts), step=step)
+        if "stop" in self.runner.actions and trainer.strategy.reduce_boolean_decision(stop, all=False):
+            trainer.should_stop = True
+            rank_zero_warn(f"DriftAlert stops the run at step {step} (an alert at level >= {self.runner.stop_level})")

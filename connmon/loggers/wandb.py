@@ -16,30 +16,45 @@ STEP = "trainer/global_step"  # the step key Lightning's WandbLogger logs with
 
 
 class WandbSink:
-    """Writes connmon's W&B-only panels to the run of a Lightning ``WandbLogger`` (rank zero only).
+    """Writes connmon's W&B-only panels (rank zero only) to a run, or to the run of a Lightning ``WandbLogger``.
 
     Args:
-        logger: a ``lightning.pytorch.loggers.WandbLogger``.
+        run: a ``wandb`` run, or anything with the run as ``.experiment`` (Lightning's ``WandbLogger``), read lazily.
+        step_key: the step metric the run's charts use (Lightning: ``trainer/global_step``; the Hugging Face
+            Trainer: ``train/global_step``): it is defined for ``<prefix>connmon/*`` and logged in every row.
+            None: rows are logged with ``run.log(..., step=step)`` (a plain loop logging with ``step=`` itself).
+        prefix: prepended to every key (the Hugging Face Trainer writes ``train/<key>``).
 
     Example:
-        >>> from lightning.pytorch.loggers import WandbLogger
+        >>> import wandb
         >>> from connmon.loggers.wandb import WandbSink
-        >>> sink = WandbSink(WandbLogger(mode="disabled"))  # a doctest writes no run
+        >>> run = wandb.init(mode="disabled")  # a doctest writes no run
+        >>> sink = WandbSink(run)
         >>> sink.histograms(0, {"connmon/head_isometry_gap_hist/L00": [0.1, 0.2]})
+        >>> run.finish()  # else the next WandbLogger would reuse this run
     """
 
-    def __init__(self, logger: Any) -> None:
-        self.logger = logger
+    def __init__(self, run: Any, step_key: str | None = STEP, prefix: str = "") -> None:
+        self.source = run
+        self.step_key = step_key
+        self.prefix = prefix
         self._warned = False
         self._defined = False
 
     def _run(self) -> Any:
-        run = self.logger.experiment
-        if not self._defined:
-            run.define_metric(STEP)
-            run.define_metric("connmon/*", step_metric=STEP)
-            self._defined = True
+        run = getattr(self.source, "experiment", self.source)
+        if not self._defined and self.step_key is not None:
+            run.define_metric(self.step_key)
+            run.define_metric(f"{self.prefix}connmon/*", step_metric=self.step_key)
+        self._defined = True
         return run
+
+    def _log(self, step: int, payload: Mapping[str, Any]) -> None:
+        row = {f"{self.prefix}{key}": value for key, value in payload.items()}
+        if self.step_key is None:
+            self._run().log(row, step=step)
+        else:
+            self._run().log({**row, self.step_key: step})
 
     def _guard(self, what: str, fn: Any) -> None:
         try:
@@ -49,24 +64,21 @@ class WandbSink:
                 warnings.warn(f"connmon: could not write {what} to W&B ({type(error).__name__}: {error})", stacklevel=3)
                 self._warned = True
 
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Log scalar values at ``step``."""
+        self._guard("scalars", lambda: self._log(step, values))
+
     def histograms(self, step: int, values: Mapping[str, Tensor | list[float]]) -> None:
         """Log one ``wandb.Histogram`` per key at ``step``."""
         import wandb
 
-        def log() -> None:
-            payload = {key: wandb.Histogram(_numbers(v)) for key, v in values.items()}
-            self._run().log({**payload, STEP: step})
-
-        self._guard("histograms", log)
+        self._guard("histograms", lambda: self._log(step, {k: wandb.Histogram(_numbers(v)) for k, v in values.items()}))
 
     def figures(self, step: int, figures: Mapping[str, Any]) -> None:
         """Log matplotlib figures as images at ``step``."""
         import wandb
 
-        def log() -> None:
-            self._run().log({**{key: wandb.Image(fig) for key, fig in figures.items()}, STEP: step})
-
-        self._guard("figures", log)
+        self._guard("figures", lambda: self._log(step, {key: wandb.Image(fig) for key, fig in figures.items()}))
 
     def alert(self, title: str, text: str, level: str, wait_duration: float) -> None:
         """``run.alert(title, text, level, wait_duration)``; level is ``"INFO"``, ``"WARN"`` or ``"ERROR"``."""

@@ -1,0 +1,112 @@
+"""The trainer-agnostic alert loop: rules over each sample's values, then warn, W&B alert, stop, user handler.
+
+Lightning's :class:`connmon.callbacks.DriftAlert`, the Hugging Face callback and the plain-loop
+:class:`connmon.Monitor` all run their rules through one :class:`AlertRunner`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+from connmon._ranks import is_rank_zero, warn_rank_zero
+from connmon.alerts.rules import LEVELS, Alert, Level, Rule, RuleSet, default_rules
+
+Action = Literal["log", "wandb", "stop"]
+ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")
+
+
+class AlertRunner:
+    """Runs rules on every sample and acts on the alerts they raise.
+
+    Each alert is, by ``actions``: ``"log"``, a warning with the evidence (rank zero); ``"wandb"``, a W&B
+    ``run.alert`` when a W&B sink is given (rank zero); ``"stop"``, a stop request when its level is at least
+    ``stop_level`` (the values are synced, so every process decides the same). ``on_alert(alert)`` is called on
+    every process; an exception there is reported, never raised.
+
+    Args:
+        rules: the rules; None for :func:`connmon.alerts.default_rules`.
+        actions: any of ``"log"``, ``"wandb"``, ``"stop"``.
+        stop_level: the lowest level that requests a stop.
+        on_alert: called with every :class:`connmon.alerts.Alert`.
+        wait_duration: seconds W&B waits before sending another alert with the same title.
+        history: how many recent alerts ``alerts`` keeps.
+
+    Raises:
+        ValueError: for an unknown action or level, a negative history, or duplicate rule names.
+
+    Example:
+        >>> from connmon.alerts import AlertRunner, Rule, Threshold
+        >>> runner = AlertRunner([Rule("big", "x", Threshold(1.0))], actions=("stop",))
+        >>> runner.run({"x": 0.5}, step=0)
+        ([], False)
+        >>> alerts, stop = runner.run({"x": 2.0}, step=1)
+        >>> [a.rule for a in alerts], stop, runner.total
+        (['big'], False, 1)
+    """
+
+    def __init__(
+        self,
+        rules: Sequence[Rule] | None = None,
+        actions: Sequence[Action] = ACTIONS,
+        stop_level: Level = "ERROR",
+        on_alert: Callable[[Alert], Any] | None = None,
+        wait_duration: float = 300.0,
+        history: int = 100,
+    ) -> None:
+        if isinstance(actions, str) or any(a not in ACTIONS for a in actions):
+            raise ValueError(f"actions must be a subset of {ACTIONS}, got {actions!r}")
+        if stop_level not in LEVELS:
+            raise ValueError(f"stop_level must be one of {LEVELS}, got stop_level={stop_level!r}")
+        if history < 0:
+            raise ValueError(f"history must be >= 0, got history={history}")
+        if on_alert is not None and not callable(on_alert):
+            raise ValueError(f"on_alert must be callable, got on_alert={on_alert!r}")
+        self.rules = RuleSet(default_rules() if rules is None else rules)
+        self.actions = tuple(actions)
+        self.stop_level = stop_level
+        self.on_alert = on_alert
+        self.wait_duration = wait_duration
+        self.alerts: deque[Alert] = deque(maxlen=history)
+        self.total = 0
+
+    def run(self, values: Mapping[str, float], step: int, wandb: Any = None) -> tuple[list[Alert], bool]:
+        """Feed one sample's values; returns the alerts raised and whether they ask the run to stop.
+
+        Args:
+            values: every logged key of the sample and its value.
+            step: the sample's step.
+            wandb: a :class:`connmon.loggers.wandb.WandbSink`, or None.
+        """
+        alerts = self.rules.update(values, step)
+        self.total += len(alerts)
+        self.alerts.extend(alerts)
+        if is_rank_zero():
+            for alert in alerts:
+                if "log" in self.actions:
+                    warn_rank_zero(f"{alert.title} [{alert.level}]: {alert.text}")
+                if "wandb" in self.actions and wandb is not None:
+                    wandb.alert(alert.title, alert.text, alert.level, self.wait_duration)
+        for alert in alerts:
+            if self.on_alert is not None:
+                try:
+                    self.on_alert(alert)
+                except Exception as error:  # a user's handler must not end the training run
+                    warn_rank_zero(f"connmon: on_alert raised {type(error).__name__}: {error}; the run goes on")
+        threshold = LEVELS.index(self.stop_level)
+        stop = "stop" in self.actions and any(LEVELS.index(a.level) >= threshold for a in alerts)
+        return alerts, stop
+
+    def counts(self, alerts: Sequence[Alert]) -> dict[str, float]:
+        """The alert counts to log beside a sample: ``connmon/alerts/count`` (this sample) and ``/total``."""
+        return {"connmon/alerts/count": float(len(alerts)), "connmon/alerts/total": float(self.total)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """The rules' state and the alert count."""
+        return {"rules": self.rules.state_dict(), "total": self.total}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.rules.load_state_dict(state_dict.get("rules", {}))
+        self.total = state_dict.get("total", 0)

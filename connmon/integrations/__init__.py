@@ -1,0 +1,15 @@
+"""Entry points for trainers other than Lightning, on the same capture, metrics and alerts.
+
+* :class:`connmon.integrations.monitor.Monitor` (also ``connmon.Monitor``): plain PyTorch and Accelerate loops, and
+  the sampler every other entry point drives.
+* :class:`connmon.integrations.transformers.ConnectionMonitorCallback`: the Hugging Face ``Trainer``.
+
+Example:
+    >>> from connmon.integrations import Monitor
+    >>> Monitor(every_n_steps=10).every_n_steps
+    10
+"""
+
+from connmon.integrations.monitor import DIAGNOSTICS, Diagnostic, Monitor
+
+__all__ = ["DIAGNOSTICS", "Diagnostic", "Monitor"]

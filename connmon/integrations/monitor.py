@@ -1,0 +1,437 @@
+"""Monitor: the trainer-agnostic sampler behind every entry point, and the plain-PyTorch-loop API.
+
+Lightning's :class:`connmon.callbacks.ConnectionMonitor`, the Hugging Face
+:class:`connmon.integrations.transformers.ConnectionMonitorCallback` and plain loops all sample through one
+:class:`Monitor`: it finds the attention layers, arms the capture on a sampled step, streams the records into the
+torchmetrics accumulators, syncs them across processes, logs ``connmon/<metric>/L<ll>`` and ``/all``, writes the
+W&B histograms and figures, and runs the alert rules. No diagnostic is defined anywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from connmon._ranks import is_rank_zero, warn_rank_zero
+from connmon.alerts.runner import AlertRunner
+from connmon.capture import AttentionRecord, armed, attention_layers
+from connmon.capture.session import Layer
+from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
+
+Diagnostic = Literal["walk", "transport", "spectrum", "drift"]
+DIAGNOSTICS: tuple[Diagnostic, ...] = ("walk", "transport", "spectrum", "drift")
+LogFn = Callable[..., Any]  # called as log(values, step=step)
+
+
+class Monitor:
+    """Reads every self-attention layer of ``model`` as a connection walk on every ``every_n_steps``-th step.
+
+    In a plain PyTorch (or Accelerate) loop, wrap the forward of each step in :meth:`step`; on a sampled step the
+    capture is armed for that forward only (no hook exists on other steps), the first ``num_sequences`` sequences of
+    each layer are measured, and when the block ends the values are synced across processes (``torch.distributed``,
+    if initialized; every process must call :meth:`step` with the same steps) and logged as
+    ``connmon/<metric>/L<ll>`` and ``connmon/<metric>/all`` through ``log(values, step=step)`` on rank zero. The
+    eigen- and SVD-bound diagnostics (the spectrum group and the edge isometry gap) run on every
+    ``full_every_n_samples``-th sample, the first included. Pass the same ``step`` for every micro-batch of a
+    gradient-accumulation step: only its first forward is sampled.
+
+    Nothing the monitor does can end the run: a model without readable attention turns it off with one warning,
+    a layer it cannot record exactly is skipped with one warning, W&B errors are reported once.
+
+    Args:
+        model: the model whose attention is read (None: call :meth:`attach` later).
+        every_n_steps: sample every this many steps.
+        num_sequences: sequences recorded per sampled step (per process).
+        max_tokens: tokens recorded per sequence (see :func:`connmon.capture`); None for all.
+        layers: which attention layers: None for all, a regex on module names, or a list of names or indices.
+        diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
+        spectrum_k: eigenvalues of ``M / s`` per layer (histograms, figures, spectral radius).
+        log_histograms: write W&B histograms (with ``wandb``).
+        figures_every_n_samples: write W&B figures every this many samples (with ``wandb``); None for never.
+        edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
+        edge_queries: query rows for ``edge_isometry_gap`` (None: every row).
+        full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample.
+        edge_lanczos_steps: Lanczos steps per sampled edge (None: one ``d x d`` decomposition per edge).
+        log: called as ``log(values, step=step)`` with a dict of floats on rank zero after each sample, e.g.
+            ``wandb.log`` or ``accelerator.log``; None to log the scalars to ``wandb`` (or nowhere).
+        wandb: a W&B run (``wandb.init(...)``) for histograms, figures and alerts, logged with ``step=step``.
+        alerts: an :class:`connmon.alerts.AlertRunner` run on every sample; its stop requests set
+            :attr:`should_stop`.
+
+    Raises:
+        ValueError: for an invalid option (the message names the valid ones).
+
+    Example:
+        >>> import torch
+        >>> import connmon
+        >>> layer = torch.nn.TransformerEncoderLayer(16, 2, dropout=0.0, batch_first=True)
+        >>> model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        >>> logged = {}
+        >>> log = lambda values, step: logged.update(values)
+        >>> monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=log)
+        >>> for step in range(3):
+        ...     with monitor.step(step):
+        ...         loss = model(torch.randn(4, 6, 16)).pow(2).mean()
+        ...     loss.backward()
+        >>> monitor.samples, round(logged["connmon/stochasticity_gap/L00"], 6)
+        (2, 0.0)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        every_n_steps: int = 100,
+        num_sequences: int = 2,
+        max_tokens: int | None = 256,
+        layers: str | Sequence[str | int] | None = None,
+        diagnostics: Sequence[Diagnostic] = DIAGNOSTICS,
+        spectrum_k: int = 8,
+        log_histograms: bool = True,
+        figures_every_n_samples: int | None = 10,
+        edge_samples: int | None = 1,
+        edge_queries: int | None = 16,
+        full_every_n_samples: int = 25,
+        edge_lanczos_steps: int | None = 32,
+        log: LogFn | None = None,
+        wandb: Any = None,
+        alerts: AlertRunner | None = None,
+    ) -> None:
+        _check_int("every_n_steps", every_n_steps)
+        _check_int("num_sequences", num_sequences)
+        _check_int("max_tokens", max_tokens, optional=True)
+        _check_int("spectrum_k", spectrum_k)
+        _check_int("figures_every_n_samples", figures_every_n_samples, optional=True)
+        _check_int("edge_samples", edge_samples, optional=True)
+        _check_int("edge_queries", edge_queries, optional=True)
+        _check_int("edge_lanczos_steps", edge_lanczos_steps, optional=True)
+        _check_int("full_every_n_samples", full_every_n_samples)
+        diagnostics = (diagnostics,) if isinstance(diagnostics, str) else diagnostics
+        if not isinstance(diagnostics, Sequence) or not diagnostics or any(d not in DIAGNOSTICS for d in diagnostics):
+            raise ValueError(
+                f"diagnostics must be a non-empty subset of {DIAGNOSTICS}, got diagnostics={diagnostics!r}"
+            )
+        if isinstance(layers, str):
+            try:
+                re.compile(layers)
+            except re.error as error:
+                raise ValueError(f"layers={layers!r} is not a valid regular expression: {error}") from None
+        elif layers is not None and (
+            not isinstance(layers, Sequence)
+            or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in layers)
+        ):
+            raise ValueError(
+                "layers must be None (all), a regular expression on module names, or a list of names and indices, "
+                f"got layers={layers!r}"
+            )
+        if not isinstance(log_histograms, bool):
+            raise ValueError(f"log_histograms must be True or False, got log_histograms={log_histograms!r}")
+        if log is not None and not callable(log):
+            raise ValueError(f"log must be callable as log(values, step=step), got log={log!r}")
+        if alerts is not None and not isinstance(alerts, AlertRunner):
+            raise ValueError(f"alerts must be a connmon.alerts.AlertRunner or None, got {type(alerts).__name__}")
+        self.every_n_steps = every_n_steps
+        self.num_sequences = num_sequences
+        self.max_tokens = max_tokens
+        self.layers = layers if layers is None or isinstance(layers, str) else list(layers)
+        self.diagnostics = tuple(diagnostics)
+        self.spectrum_k = spectrum_k
+        self.log_histograms = log_histograms
+        self.figures_every_n_samples = figures_every_n_samples
+        self.edge_samples = edge_samples
+        self.edge_queries = edge_queries
+        self.edge_lanczos_steps = edge_lanczos_steps
+        self.full_every_n_samples = full_every_n_samples
+        self.log = log
+        self.alerts = alerts
+        self.log_on_every_rank = False  # an integration whose logger filters ranks itself sets this
+        self.owner = "connmon.Monitor"  # the entry point named in warnings
+        self.sink: Any = None  # connmon.loggers.wandb.WandbSink for histograms, figures and W&B alerts
+        if wandb is not None:
+            from connmon.loggers.wandb import WandbSink
+
+            self.sink = WandbSink(wandb, step_key=None)
+        self.samples = 0
+        self.last_sampled_step = -1
+        self.last_values: dict[str, float] = {}
+        self.should_stop = False
+        self.selected: list[Layer] = []
+        self.metrics: dict[str, LayerwiseMean] = {}
+        self._armed: contextlib.ExitStack | None = None
+        self._pending_drift_state: dict | None = None
+        self._listeners: list[Callable[[int, dict[str, float]], None]] = []
+        if model is not None:
+            self.attach(model)
+
+    # --- the plain-loop API ---------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[bool]:
+        """Wrap the forward of optimizer step ``step``; yields whether this step is sampled.
+
+        On a sampled step the capture is armed for the block and the sample is measured and logged when it ends.
+        If the block raises, every hook is removed and nothing is logged.
+        """
+        model = self._model
+        sampled = model is not None and self.due(step)
+        if not sampled:
+            yield False
+            return
+        self.arm(model)
+        try:
+            yield True
+        except BaseException:
+            self.disarm()
+            raise
+        self.disarm()
+        self.finish(step)
+
+    def attach(self, model: nn.Module) -> bool:
+        """Find ``model``'s attention layers and build the accumulators on its device; False (and one warning) if none.
+
+        Called by the constructor with a model. Calling it again builds fresh accumulators (the cadence is kept; the
+        time-drift references restart unless :meth:`load_state_dict` gave some).
+        """
+        self.disarm()
+        self._model: nn.Module | None = None
+        try:
+            found = attention_layers(model)
+        except ValueError as error:
+            warn_rank_zero(f"{self.owner} is off for this run: {error}")
+            self.selected, self.metrics = [], {}
+            return False
+        self._model = model
+        self.selected = self._select(found)
+        num_layers = len(found)
+        groups = {
+            "walk": lambda: WalkMetrics(num_layers),
+            "transport": lambda: TransportMetrics(
+                num_layers,
+                edge_samples=self.edge_samples,
+                edge_queries=self.edge_queries,
+                edge_lanczos_steps=self.edge_lanczos_steps,
+            ),
+            "spectrum": lambda: SpectrumMetrics(num_layers, k=self.spectrum_k),
+            "drift": lambda: DriftMetrics(num_layers),
+        }
+        self.metrics = {name: groups[name]() for name in self.diagnostics}
+        self.to(_device_of(model))
+        if self._pending_drift_state is not None and "drift" in self.metrics:
+            self.metrics["drift"].set_extra_state(self._pending_drift_state)
+            self._pending_drift_state = None
+        return True
+
+    def to(self, device: torch.device | str) -> Monitor:
+        """Move the accumulators to ``device`` (where the model lives)."""
+        for metric in self.metrics.values():
+            metric.to(device)
+        return self
+
+    def close(self) -> None:
+        """Remove every hook (a no-op unless a sample is armed)."""
+        self.disarm()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampling cadence, each layer's previous sample (time drift) and the alert rules' state."""
+        drift = self.metrics.get("drift")
+        return {
+            "samples": self.samples,
+            "last_sampled_step": self.last_sampled_step,
+            "drift": drift.get_extra_state() if drift is not None else self._pending_drift_state,
+            "alerts": self.alerts.state_dict() if self.alerts is not None else None,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (before or after :meth:`attach`)."""
+        self.samples = state_dict.get("samples", 0)
+        self.last_sampled_step = state_dict.get("last_sampled_step", -1)
+        drift_state = state_dict.get("drift")
+        if drift_state is not None:
+            if "drift" in self.metrics:
+                self.metrics["drift"].set_extra_state(drift_state)
+            else:
+                self._pending_drift_state = drift_state
+        if self.alerts is not None and state_dict.get("alerts") is not None:
+            self.alerts.load_state_dict(state_dict["alerts"])
+
+    def reset(self) -> None:
+        """Start the cadence and the time-drift references afresh (a new run)."""
+        self.samples, self.last_sampled_step, self._pending_drift_state = 0, -1, None
+        self.should_stop = False
+        if self._model is not None:
+            self.attach(self._model)  # fresh accumulators: no drift reference
+
+    def add_listener(self, listener: Callable[[int, dict[str, float]], None]) -> None:
+        """Call ``listener(step, values)`` on every process after each sample is logged (values as logged)."""
+        self._listeners.append(listener)
+
+    # --- the pieces the integrations drive ------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is sampled (a step is sampled once, however many micro-batches it has)."""
+        return bool(self.selected) and step % self.every_n_steps == 0 and step != self.last_sampled_step
+
+    @property
+    def is_armed(self) -> bool:
+        """Whether a capture is armed now."""
+        return self._armed is not None
+
+    def arm(self, model: nn.Module) -> None:
+        """Arm the capture on ``model`` until :meth:`disarm` (each layer is recorded once per arming)."""
+        self.disarm()
+        stack = contextlib.ExitStack()
+        stack.enter_context(
+            armed(
+                model,
+                num_sequences=self.num_sequences,
+                max_tokens=self.max_tokens,
+                layers=self.selected,
+                on_record=self._consume,
+            )
+        )
+        self._armed = stack
+
+    def disarm(self) -> None:
+        """Remove the capture's hooks (a no-op when not armed)."""
+        if self._armed is not None:
+            stack, self._armed = self._armed, None
+            stack.close()
+
+    def finish(self, step: int) -> dict[str, float]:
+        """Sync, log and reset the sample just recorded, run the alert rules; returns the values logged.
+
+        Every process must call it on the same steps (the accumulators sync across processes).
+        """
+        full = self._is_full()
+        values: dict[str, Tensor] = {}
+        broken: set[int] = set()
+        for metric in self._active():
+            values.update(metric.compute())  # syncs across processes
+            counts = values.pop("nonfinite_layers").reshape(-1).tolist()  # torchmetrics squeezes a (1,) state
+            broken |= {index for index, count in enumerate(counts) if count > 0}
+        broken_layers = {layer.index for layer in self.selected if layer.index in broken}
+        scalars = self._scalars(values, broken_layers)
+        if self.alerts is not None:
+            alerts, stop = self.alerts.run(scalars, step, wandb=self.sink)
+            self.should_stop = self.should_stop or stop
+            scalars.update(self.alerts.counts(alerts))
+        self._emit(step, scalars, values, full, broken_layers)
+        for metric in self.metrics.values():
+            metric.reset()
+        self.last_sampled_step = step
+        self.samples += 1
+        self.last_values = scalars
+        for listener in self._listeners:
+            listener(step, scalars)
+        return scalars
+
+    # --- workers --------------------------------------------------------------------------------------------------
+
+    _model: nn.Module | None = None
+
+    def _select(self, found: list[Layer]) -> list[Layer]:
+        if self.layers is None:
+            return found
+        if isinstance(self.layers, str):
+            chosen = [layer for layer in found if re.search(self.layers, layer.name)]
+        else:
+            wanted = set(self.layers)
+            chosen = [layer for layer in found if layer.name in wanted or layer.index in wanted]
+        if not chosen:
+            warn_rank_zero(
+                f"{self.owner}: layers={self.layers!r} matches none of {[layer.name for layer in found]}; "
+                "the monitor records nothing"
+            )
+        return chosen
+
+    def _is_full(self) -> bool:
+        """Whether the current sample (number ``self.samples``, from 0) computes the costly diagnostics too."""
+        return self.samples % self.full_every_n_samples == 0
+
+    def _active(self) -> list[LayerwiseMean]:
+        full = self._is_full()
+        if "transport" in self.metrics:
+            self.metrics["transport"].measure_edges = full
+        return [metric for name, metric in self.metrics.items() if full or name != "spectrum"]
+
+    def _consume(self, record: AttentionRecord) -> None:
+        for metric in self._active():
+            metric.update(record)
+
+    def _scalars(self, values: dict[str, Tensor], broken_layers: set[int]) -> dict[str, float]:
+        """The values to log: finite ones, and NaN where a layer's forward went non-finite (never a missing value)."""
+        scalars = {}
+        for name, value in values.items():
+            if name.endswith("/all"):
+                scalars[f"connmon/{name}"] = value.item()
+                continue
+            per_layer = value.reshape(-1).tolist()  # one host copy per metric; a one-layer model's value is 0-dim
+            for layer in self.selected:
+                if math.isfinite(per_layer[layer.index]) or layer.index in broken_layers:
+                    scalars[f"connmon/{name}/L{layer.index:02d}"] = per_layer[layer.index]
+        return {k: v for k, v in scalars.items() if math.isfinite(v) or broken_layers}
+
+    def _emit(
+        self, step: int, scalars: dict[str, float], values: dict[str, Tensor], full: bool, broken_layers: set[int]
+    ) -> None:
+        rank_zero = is_rank_zero()
+        if broken_layers and rank_zero:
+            names = sorted(layer.name for layer in self.selected if layer.index in broken_layers)
+            warn_rank_zero(
+                f"{self.owner}: step {step}: non-finite attention, input or output in {', '.join(names)}; their "
+                "values and every connmon/<metric>/all are logged as NaN (W&B, CSV and TensorBoard keep NaN; a logger "
+                "that rejects NaN drops them)"
+            )
+        if self.log is not None and (rank_zero or self.log_on_every_rank):
+            try:
+                self.log(dict(scalars), step=step)
+            except Exception as error:  # a logger must not end the training run
+                warn_rank_zero(f"connmon: log(values, step={step}) raised {type(error).__name__}: {error}")
+        if self.sink is not None and rank_zero:
+            if self.log is None:
+                self.sink.scalars(step, scalars)
+            self._write_wandb(step, values, full)
+
+    def _write_wandb(self, step: int, values: dict[str, Tensor], full: bool) -> None:
+        from connmon.loggers.figures import depth_figure, spectra_figure
+
+        transport = self.metrics.get("transport")
+        spectrum = self.metrics.get("spectrum") if full else None  # its spectra are from an earlier sample
+        if self.log_histograms:
+            histograms = {}
+            for index, gaps in getattr(transport, "last_head_gaps", {}).items():
+                histograms[f"connmon/head_isometry_gap_hist/L{index:02d}"] = gaps
+            for index, eigenvalues in getattr(spectrum, "last_spectra", {}).items():
+                histograms[f"connmon/spectrum_modulus_hist/L{index:02d}"] = eigenvalues.abs()
+            if histograms:
+                self.sink.histograms(step, histograms)
+        if self.figures_every_n_samples is not None and self.samples % self.figures_every_n_samples == 0:
+            figures = {}
+            if spectrum is not None and spectrum.last_spectra:
+                figures["connmon/figures/spectra"] = spectra_figure(spectrum.last_spectra, f"step {step}")
+            depth = {k: v for k, v in values.items() if k.endswith("isometry_gap") and not k.endswith("/all")}
+            if depth:
+                figures["connmon/figures/gaps_by_depth"] = depth_figure(depth, f"step {step}")
+            if figures:
+                self.sink.figures(step, figures)
+
+
+def _check_int(name: str, value: object, *, optional: bool = False) -> None:
+    """An integer option >= 1 (or None where ``optional``); the error names the valid values and the one seen."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        valid = "an integer >= 1" + (" or None" if optional else "")
+        raise ValueError(f"{name} must be {valid}, got {name}={value!r}")
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")

@@ -1,0 +1,175 @@
+"""ConnectionMonitorCallback: the monitor for the Hugging Face ``Trainer`` (``pip install "connmon[transformers]"``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from connmon._ranks import is_rank_zero, warn_rank_zero
+from connmon.alerts.runner import AlertRunner
+from connmon.integrations.monitor import DIAGNOSTICS, Diagnostic, Monitor
+
+STATE_FILE = "connmon_monitor.pt"  # written into each checkpoint-<step> folder
+STEP_KEY = "train/global_step"  # the step metric the Trainer's W&B integration defines
+PREFIX = "train/"  # the Trainer's W&B integration writes training logs as train/<key>
+
+
+class ConnectionMonitorCallback(TrainerCallback):
+    """Reads every self-attention layer as a connection walk every ``every_n_steps`` optimizer steps of a ``Trainer``.
+
+    The same sampler as Lightning's :class:`connmon.callbacks.ConnectionMonitor` (:class:`connmon.Monitor`, the same
+    options and metrics): on optimizer steps ``every_n_steps``, ``2 * every_n_steps``, ... (the Trainer's own step
+    count, so with ``logging_steps`` equal to ``every_n_steps`` the values sit beside the loss) the capture is armed
+    for the first micro-batch's forward, and the synced values are logged through ``trainer.log``, so every
+    ``report_to`` backend receives ``connmon/<metric>/L<ll>`` and ``/all`` (W&B shows them as ``train/connmon/...``)
+    and ``trainer.state.log_history`` keeps them. With W&B in ``report_to`` the histograms and figures go to the
+    same run. With ``alerts`` the rules run on every sample and an alert at or above their ``stop_level`` sets
+    ``control.should_training_stop``. The monitor's state (cadence, drift references, alert baselines) is saved
+    as ``connmon_monitor.pt`` in every checkpoint folder and read back when training resumes from one.
+
+    The Trainer's progress callback prints every logged row, connmon's keys included; ``disable_tqdm=True`` with
+    ``log_level="warning"`` keeps the console quiet.
+
+    Args:
+        trainer: the Trainer whose ``log`` carries the values (the callback is added with ``trainer.add_callback``).
+        every_n_steps: sample every this many optimizer steps.
+        num_sequences: sequences recorded per sampled step (per process).
+        max_tokens: tokens recorded per sequence; None for all.
+        layers: which attention layers: None for all, a regex on module names, or a list of names or indices.
+        diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
+        spectrum_k: eigenvalues of ``M / s`` per layer.
+        log_histograms: write W&B histograms (with W&B in ``report_to``).
+        figures_every_n_samples: write W&B figures every this many samples; None for never.
+        edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
+        edge_queries: query rows for ``edge_isometry_gap`` (None: every row).
+        full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample.
+        edge_lanczos_steps: Lanczos steps per sampled edge (None: one ``d x d`` decomposition per edge).
+        alerts: an :class:`connmon.alerts.AlertRunner` (e.g. ``AlertRunner()`` for the default rules), or None.
+
+    Raises:
+        ValueError: for an invalid option (the message names the valid ones).
+
+    Example:
+        >>> import tempfile
+        >>> import transformers
+        >>> from connmon.integrations.transformers import ConnectionMonitorCallback
+        >>> config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+        >>> args = transformers.TrainingArguments(tempfile.mkdtemp(), report_to=[], use_cpu=True, max_steps=4)
+        >>> trainer = transformers.Trainer(model=transformers.GPT2LMHeadModel(config), args=args)
+        >>> trainer.add_callback(ConnectionMonitorCallback(trainer, every_n_steps=2))
+    """
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        *,
+        every_n_steps: int = 100,
+        num_sequences: int = 2,
+        max_tokens: int | None = 256,
+        layers: str | Sequence[str | int] | None = None,
+        diagnostics: Sequence[Diagnostic] = DIAGNOSTICS,
+        spectrum_k: int = 8,
+        log_histograms: bool = True,
+        figures_every_n_samples: int | None = 10,
+        edge_samples: int | None = 1,
+        edge_queries: int | None = 16,
+        full_every_n_samples: int = 25,
+        edge_lanczos_steps: int | None = 32,
+        alerts: AlertRunner | None = None,
+    ) -> None:
+        if not isinstance(trainer, Trainer):
+            raise ValueError(
+                f"trainer must be the transformers.Trainer whose log carries the values, got {type(trainer).__name__}"
+            )
+        self.trainer = trainer
+        self.monitor = Monitor(
+            every_n_steps=every_n_steps,
+            num_sequences=num_sequences,
+            max_tokens=max_tokens,
+            layers=layers,
+            diagnostics=diagnostics,
+            spectrum_k=spectrum_k,
+            log_histograms=log_histograms,
+            figures_every_n_samples=figures_every_n_samples,
+            edge_samples=edge_samples,
+            edge_queries=edge_queries,
+            full_every_n_samples=full_every_n_samples,
+            edge_lanczos_steps=edge_lanczos_steps,
+            alerts=alerts,
+        )
+        self.monitor.owner = "ConnectionMonitorCallback"
+        self.monitor.log = self._log
+        self.monitor.log_on_every_rank = True  # Trainer.log runs on every process; its reporters pick rank zero
+        self._pending = -1  # the step whose forward is armed
+
+    def on_train_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
+    ) -> None:
+        """Find the attention layers, the W&B run, and the state saved in the checkpoint training resumes from."""
+        self.monitor.reset()
+        if model is None or not self.monitor.attach(model):
+            return
+        self.monitor.sink = _wandb_sink(args)
+        saved = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE
+        if state.global_step > 0 and saved.is_file():
+            self.monitor.load_state_dict(torch.load(saved, map_location="cpu", weights_only=True))
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
+    ) -> None:
+        """Arm the capture for the first micro-batch of a sampled optimizer step."""
+        step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
+        if model is not None and self.monitor.due(step):
+            self._pending = step
+            self.monitor.arm(model)
+
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        """The first micro-batch of an accumulation is done: stop recording."""
+        self.monitor.disarm()
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        """Log the sample of this optimizer step and act on its alerts."""
+        self.monitor.disarm()
+        if self._pending < 0:
+            return None
+        step, self._pending = self._pending, -1
+        self.monitor.finish(step)
+        if self.monitor.should_stop:
+            control.should_training_stop = True
+            warn_rank_zero(f"ConnectionMonitorCallback stops training at step {step} (an alert at its stop level)")
+        return control
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        """Save the monitor's state beside the checkpoint (rank zero)."""
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if is_rank_zero() and folder.is_dir():
+            torch.save(self.monitor.state_dict(), folder / STATE_FILE)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+        """Remove every hook."""
+        self.monitor.disarm()
+
+    def _log(self, values: dict[str, float], step: int) -> None:
+        control = self.trainer.control
+        due = control.should_log  # Trainer.log clears it, which would cancel the loss row of this step
+        self.trainer.log(values)
+        self.trainer.control.should_log = due
+
+
+def _wandb_sink(args: TrainingArguments) -> Any:
+    """A sink for histograms and figures on the run the Trainer's W&B integration opened, if any."""
+    if "wandb" not in (args.report_to or []):
+        return None
+    import wandb
+
+    from connmon.loggers.wandb import WandbSink
+
+    return WandbSink(wandb.run, step_key=STEP_KEY, prefix=PREFIX) if wandb.run is not None else None
+
+
+__all__ = ["DIAGNOSTICS", "ConnectionMonitorCallback"]

@@ -1,0 +1,179 @@
+"""connmon.Monitor in a plain PyTorch loop: exact values, unchanged training, hooks removed, never a crash."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import connmon
+from connmon.alerts import AlertRunner, Rule, Threshold
+from connmon.metrics import TransportMetrics, WalkMetrics
+from tests.capture.models import TinyGPT
+from tests.integrations.wandb_read import read_run
+
+
+def batches(n: int = 6, seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 50, (4, 10), generator=generator) for _ in range(n)]
+
+
+def train(model, data, monitor=None, accumulate: int = 1) -> list[float]:
+    """A plain loop: the monitor wraps each forward with the optimizer step it belongs to."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for i, ids in enumerate(data):
+        step = i // accumulate
+        with monitor.step(step) if monitor is not None else torch.enable_grad():
+            loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses
+
+
+def no_hooks(model) -> bool:
+    return not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_plain_loop_trains_exactly_as_without_it_and_logs_the_metrics_values():
+    torch.manual_seed(0)
+    plain = TinyGPT()
+    watched = TinyGPT()
+    watched.load_state_dict(plain.state_dict())
+    logged = {}
+    monitor = connmon.Monitor(watched, every_n_steps=2, log=lambda values, step: logged.update({step: values}))
+    data = batches()
+    assert train(watched, data, monitor) == train(plain, data)
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert sorted(logged) == [0, 2, 4] and monitor.samples == 3 and no_hooks(watched)
+    assert "connmon/connection_spectral_radius/L01" in logged[0]  # the first sample is a full one
+    assert "connmon/time_drift/L00" in logged[2] and "connmon/time_drift/L00" not in logged[0]
+
+
+def test_values_equal_the_metrics_on_a_direct_capture_of_the_same_forward():
+    torch.manual_seed(1)
+    model = TinyGPT().eval()
+    ids = batches(1)[0]
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk", "transport"), num_sequences=3)
+    with monitor.step(0), torch.no_grad():
+        model(ids)
+    walk = WalkMetrics(2)
+    for record in connmon.capture(model, ids, num_sequences=3):
+        walk.update(record)
+    expected = walk.compute()
+    for name in WalkMetrics.metrics:
+        for layer in (0, 1):
+            key, want = f"connmon/{name}/L{layer:02d}", expected[name][layer].item()
+            if not math.isfinite(want):  # not defined here (reversibility on a causal layer): not logged
+                assert key not in monitor.last_values
+                continue
+            assert monitor.last_values[key] == pytest.approx(want, rel=1e-6, abs=1e-9), (name, layer)
+    assert {f"connmon/{name}/all" for name in TransportMetrics.metrics} <= set(monitor.last_values)
+
+
+def test_gradient_accumulation_samples_the_first_micro_batch_once():
+    model = TinyGPT()
+    logged = []
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",), log=lambda v, step: logged.append(step))
+    train(model, batches(6), monitor, accumulate=3)
+    assert logged == [0, 1]
+
+
+def test_an_exception_in_the_block_removes_every_hook_and_logs_nothing():
+    model = TinyGPT()
+    logged = []
+    monitor = connmon.Monitor(model, every_n_steps=1, log=lambda v, step: logged.append(step))
+    with pytest.raises(RuntimeError, match="boom"), monitor.step(0):
+        assert not no_hooks(model)
+        raise RuntimeError("boom")
+    assert no_hooks(model) and logged == [] and not monitor.is_armed
+
+
+def test_a_model_without_attention_warns_once_and_the_loop_goes_on():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.warns(UserWarning, match="connmon.Monitor is off for this run"):
+        monitor = connmon.Monitor(model, every_n_steps=1)
+    with monitor.step(0) as sampled:
+        model(torch.randn(2, 4))
+    assert sampled is False and monitor.samples == 0
+
+
+def test_a_failing_log_function_is_reported_and_training_goes_on():
+    model = TinyGPT()
+
+    def log(values, step):
+        raise ConnectionError("tracker down")
+
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",), log=log)
+    with pytest.warns(UserWarning, match="raised ConnectionError: tracker down"):
+        train(model, batches(2), monitor)
+    assert monitor.samples == 2
+
+
+def test_alerts_run_on_every_sample_and_request_a_stop():
+    model = TinyGPT()
+    rule = Rule("entropy seen", "connmon/attention_entropy/L00", Threshold(-1.0), level="ERROR")
+    logged = {}
+    monitor = connmon.Monitor(
+        model,
+        every_n_steps=1,
+        diagnostics=("walk",),
+        alerts=AlertRunner([rule], actions=("stop",)),
+        log=lambda values, step: logged.update({step: values}),
+    )
+    train(model, batches(1), monitor)
+    assert monitor.should_stop and logged[0]["connmon/alerts/count"] == 1.0
+
+
+def test_state_dict_resumes_cadence_and_time_drift():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    options = {"every_n_steps": 1, "diagnostics": ("walk", "drift")}
+    first = connmon.Monitor(model, **options)
+    train(model, batches(1), first)
+    resumed = connmon.Monitor(model, **options)
+    resumed.load_state_dict(first.state_dict())
+    with resumed.step(0):
+        model(batches(1)[0])
+    assert resumed.samples == 1  # step 0 was sampled before: not again
+    with resumed.step(1):
+        model(batches(1)[0])
+    assert resumed.samples == 2 and math.isfinite(resumed.last_values["connmon/time_drift/L00"])
+
+
+def test_a_wandb_run_gets_scalars_histograms_and_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    run = wandb.init(project="connmon-test", mode="offline", dir=str(tmp_path))
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=2, full_every_n_samples=1, figures_every_n_samples=1, wandb=run)
+    train(model, batches(4), monitor)
+    files = run.dir
+    run.finish()
+    rows = [r["history"]["item"] for r in read_run(files) if r.get("type") == "history"]
+    scalar_steps = [row["_step"] for row in rows if "connmon/attention_entropy/L01" in row]
+    assert scalar_steps == [0, 2]
+    keys = set().union(*rows)
+    assert {"connmon/head_isometry_gap_hist/L00._type", "connmon/figures/spectra._type"} <= keys
+
+
+def test_accelerate_prepared_model_and_invalid_options():
+    accelerate = pytest.importorskip("accelerate")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = accelerator.prepare(TinyGPT())
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(model, batches(2), monitor)
+    assert monitor.samples == 2
+    with pytest.raises(ValueError, match="log must be callable"):
+        connmon.Monitor(log="wandb")
+    with pytest.raises(ValueError, match=r"alerts must be a connmon\.alerts\.AlertRunner"):
+        connmon.Monitor(alerts=[rule for rule in ()])

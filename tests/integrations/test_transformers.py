@@ -1,0 +1,140 @@
+"""The Hugging Face Trainer callback: a tiny GPT-2 trained by transformers.Trainer on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from connmon.alerts import AlertRunner, Rule, Threshold  # noqa: E402
+from connmon.integrations.transformers import STATE_FILE, ConnectionMonitorCallback  # noqa: E402
+from tests.callbacks.wandb_run import history  # noqa: E402
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int = 64, length: int = 12, vocab: int = 64) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, length), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_trainer(tmp_path, *, monitor: dict | None = None, report_to=(), **args) -> transformers.Trainer:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
+    options = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=6,
+        logging_steps=2,
+        learning_rate=1e-3,
+        report_to=list(report_to),
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        data_seed=0,
+    )
+    options.update(args)
+    trainer = transformers.Trainer(
+        model=transformers.GPT2LMHeadModel(config),
+        args=transformers.TrainingArguments(**options),
+        train_dataset=Tokens(),
+    )
+    if monitor is not None:
+        trainer.add_callback(ConnectionMonitorCallback(trainer, **monitor))
+    return trainer
+
+
+def rows(trainer, key: str = "connmon/attention_entropy/L00") -> dict[int, dict]:
+    return {row["step"]: row for row in trainer.state.log_history if key in row}
+
+
+def losses(trainer) -> dict[int, float]:
+    return {row["step"]: row["loss"] for row in trainer.state.log_history if "loss" in row}
+
+
+def test_trainer_logs_every_layer_on_sampled_steps_and_trains_exactly_as_without_it(tmp_path):
+    plain = make_trainer(tmp_path / "plain")
+    plain.train()
+    watched = make_trainer(tmp_path / "watched", monitor={"every_n_steps": 2, "full_every_n_samples": 1})
+    watched.train()
+    assert losses(watched) == losses(plain)  # same losses, and the loss rows at sampled steps were not swallowed
+    assert set(losses(watched)) == {2, 4, 6}
+    for a, b in zip(plain.model.parameters(), watched.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    sampled = rows(watched)
+    assert set(sampled) == {2, 4, 6}
+    row = sampled[4]
+    for name in ("attention_entropy", "head_isometry_gap", "connection_spectral_radius", "time_drift"):
+        for layer in ("L00", "L01", "all"):
+            assert math.isfinite(row[f"connmon/{name}/{layer}"]), (name, layer)
+    assert "connmon/time_drift/L00" not in sampled[2]  # nothing to compare with on the first sample
+    callback = next(cb for cb in watched.callback_handler.callbacks if isinstance(cb, ConnectionMonitorCallback))
+    assert callback.monitor.samples == 3 and not callback.monitor.is_armed
+
+
+def test_gradient_accumulation_samples_one_forward_per_optimizer_step(tmp_path):
+    seen = []
+    options = {"every_n_steps": 1, "diagnostics": ("walk",)}
+    trainer = make_trainer(tmp_path, monitor=options, gradient_accumulation_steps=3)
+    callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ConnectionMonitorCallback))
+    consume = callback.monitor._consume
+    callback.monitor._consume = lambda record: (seen.append(record.name), consume(record))
+    trainer.train()
+    assert set(rows(trainer)) == set(range(1, 7))
+    assert len(seen) == 6 * 2  # one forward (two layers) per optimizer step, not one per micro-batch
+
+
+def test_an_error_alert_stops_training_through_control(tmp_path):
+    rule = Rule("any entropy", "connmon/attention_entropy/L00", Threshold(-1.0), level="ERROR")
+    trainer = make_trainer(tmp_path, monitor={"every_n_steps": 2, "alerts": AlertRunner([rule], actions=("stop",))})
+    trainer.train()
+    assert trainer.state.global_step == 2
+    assert rows(trainer)[2]["connmon/alerts/count"] == 1
+
+
+def test_resume_from_a_checkpoint_restores_cadence_drift_and_alert_state(tmp_path):
+    options = {"every_n_steps": 2, "diagnostics": ("walk", "drift"), "alerts": AlertRunner([])}
+    first = make_trainer(tmp_path, monitor=options, save_strategy="steps", save_steps=4, max_steps=4)
+    first.train()
+    assert (tmp_path / "checkpoint-4" / STATE_FILE).is_file()
+    resumed = make_trainer(tmp_path, monitor=options, save_strategy="no", max_steps=6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    callback = next(cb for cb in resumed.callback_handler.callbacks if isinstance(cb, ConnectionMonitorCallback))
+    assert callback.monitor.samples == 3  # 2 before the checkpoint, 1 after
+    assert "connmon/time_drift/L00" in rows(resumed)[6]  # compared with the step-4 sample saved in the checkpoint
+
+
+def test_report_to_wandb_gets_the_keys_histograms_and_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_PROJECT", "connmon-test")
+    import wandb
+
+    wandb.teardown()  # W&B reads the environment once per process: make it read WANDB_MODE=offline again
+    options = {"every_n_steps": 2, "full_every_n_samples": 1, "figures_every_n_samples": 1}
+    trainer = make_trainer(tmp_path, monitor=options, report_to=["wandb"])
+    trainer.train()
+    run_dir = wandb.run.dir
+    wandb.finish()
+    from tests.integrations.wandb_read import read_run
+
+    logged = history(read_run(run_dir))
+    scalars = [row for row in logged if "train/connmon/attention_entropy/L01" in row]
+    assert [row["train/global_step"] for row in scalars] == [2, 4, 6]
+    keys = set().union(*logged)
+    assert "train/connmon/head_isometry_gap_hist/L00._type" in keys
+    assert "train/connmon/spectrum_modulus_hist/L01._type" in keys
+    assert "train/connmon/figures/spectra._type" in keys
+    assert "train/loss" in keys
