@@ -4,7 +4,8 @@
 module class, or ``demo``), runs one forward pass on a text file, token ids or random tokens, and writes the
 per-layer diagnostics (``report.json``), figures (isometry gaps and depth drift across depth, connection spectra in
 the complex plane, walk-matrix heatmaps) and ``summary.md``. ``connmon report RUN_DIR`` draws the figures that the
-logged scalars allow from a ConnectionMonitor run (Lightning CSV logs, or an offline W&B run).
+logged scalars allow from a ConnectionMonitor run (Lightning CSV logs, or an offline W&B run). ``connmon workspace``
+saves a W&B workspace of connmon's panels (or prints its JSON spec with ``--print``).
 
 Bad input (an unreadable path, a class path that does not import, a model without attention) prints one message
 and exits with status 2; nothing is downloaded.
@@ -78,6 +79,21 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", type=Path, help="a Lightning CSV log directory or a W&B offline run directory")
     report.add_argument("--out", type=Path, help="output directory (default RUN_DIR/connmon_report)")
     report.set_defaults(run=_report)
+    workspace = commands.add_parser(
+        "workspace", help="a W&B workspace of connmon's panels (pip install connmon[workspace])"
+    )
+    workspace.add_argument("--entity", required=True, help="W&B entity (user or team)")
+    workspace.add_argument("--project", required=True, help="W&B project")
+    workspace.add_argument("--name", default="connmon", help="workspace name (default connmon)")
+    workspace.add_argument("--layers", type=int, required=True, help="attention layers of the model")
+    workspace.add_argument(
+        "--trainer",
+        choices=("lightning", "transformers", "plain"),
+        default="lightning",
+        help="whose keys: ConnectionMonitor (lightning), the Hugging Face callback, or connmon.Monitor (plain)",
+    )
+    workspace.add_argument("--print", action="store_true", help="print the workspace's JSON spec instead of saving it")
+    workspace.set_defaults(run=_workspace)
     return parser
 
 
@@ -259,6 +275,26 @@ def _summary(layers: list[dict[str, Any]], model: dict[str, float], source: str,
 
 
 # --- connmon report -----------------------------------------------------------------------------------------------
+
+
+def _workspace(args: argparse.Namespace) -> int:
+    from connmon.loggers.workspace import build_workspace, workspace_spec
+
+    try:
+        workspace = build_workspace(args.entity, args.project, args.layers, name=args.name, trainer=args.trainer)
+    except (ValueError, ImportError) as error:
+        raise InputError(str(error)) from None
+    if args.print:
+        print(json.dumps(workspace_spec(workspace), indent=2))
+        return 0
+    try:
+        workspace.save()
+    except Exception as error:  # no login, no network, an unknown entity: one line, not a traceback
+        raise InputError(
+            f"could not save the workspace to W&B ({type(error).__name__}: {error}); run `wandb login`, or use --print"
+        ) from None
+    print(workspace.url)
+    return 0
 
 
 def _report(args: argparse.Namespace) -> int:
