@@ -1,6 +1,11 @@
 """Standalone DDP run for test_ddp.py: Lightning's "ddp" strategy re-launches this script for rank 1.
 
-Usage: python tests/callbacks/ddp_run.py OUT_DIR [alert]
+Usage: python tests/callbacks/ddp_run.py OUT_DIR [alert | fsdp | fsdp2]
+
+``fsdp2`` runs the same monitored fit under ModelParallelStrategy with FSDP2 ``fully_shard`` per Block (parameters
+sharded across the 2 CPU processes; each rank writes whether its Block parameters are sharded DTensors to
+OUT_DIR/sharded<r>.txt); ``fsdp`` under Lightning's FSDPStrategy (FSDP1, each Block a unit), which needs CUDA: on
+min(2, GPUs) devices.
 
 With ``alert``, a DriftAlert rule fires on rank 1 only, at its third sample, with level ERROR; each rank writes the
 step it stopped at to OUT_DIR/rank<r>.txt (both must stop together, or the run hangs).
@@ -42,15 +47,41 @@ def alert_run(out: Path) -> None:
     (out / f"rank{trainer.global_rank}.txt").write_text(str(trainer.global_step))
 
 
+def strategy(name: str):
+    """The strategy of a mode: DDP, FSDP (FSDPStrategy) or FSDP2 (ModelParallelStrategy, fully_shard per Block)."""
+    from tests.capture.models import Block
+
+    if name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        return FSDPStrategy(auto_wrap_policy={Block}, process_group_backend="gloo")
+    if name == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    return "ddp"
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     if sys.argv[2:] == ["alert"]:
         alert_run(out)
         sys.exit(0)
+    mode = sys.argv[2] if len(sys.argv) > 2 else "ddp"
     monitor = ConnectionMonitor(every_n_steps=2, edge_samples=None, edge_queries=None, figures_every_n_samples=None)
+    import torch
+
+    accelerator, devices = ("cuda", min(2, torch.cuda.device_count())) if mode == "fsdp" else ("cpu", 2)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy="ddp", max_steps=2, callbacks=[monitor],
-        logger=CSVLogger(out, name="ddp"), enable_progress_bar=False, enable_model_summary=False,
+        accelerator=accelerator, devices=devices, strategy=strategy(mode), max_steps=2, callbacks=[monitor],
+        logger=CSVLogger(out, name=mode), enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False,
     )  # fmt: skip
-    trainer.fit(LitGPT(), loader(batch_size=4))
+    module = LitGPT(sharded=mode == "fsdp2")
+    trainer.fit(module, loader(batch_size=4))
+    if mode == "fsdp2":
+        from torch.distributed.tensor import DTensor
+
+        params = list(module.model.blocks[0].parameters())
+        sharded = all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in params)
+        (out / f"sharded{trainer.global_rank}.txt").write_text(str(sharded))

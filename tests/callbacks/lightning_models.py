@@ -18,11 +18,12 @@ def corpus(n: int = 64, seed: int = 0) -> TensorDataset:
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, n_layer: int = 2, lr: float = 1e-2) -> None:
+    def __init__(self, n_layer: int = 2, lr: float = 1e-2, sharded: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.model = TinyGPT(vocab=VOCAB, n_layer=n_layer)
         self.lr = lr
+        self.sharded = sharded  # FSDP2: configure_model shards each Block with fully_shard
         self.modes: list[bool] = []  # train/eval mode seen by each training step
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -33,6 +34,16 @@ class LitGPT(L.LightningModule):
         idx, target = batch
         logits = self(idx)
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    def configure_model(self) -> None:
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)

@@ -1,4 +1,4 @@
-"""Two CPU processes under Lightning DDP log the same values as one process over the same sequences."""
+"""Two CPU processes under Lightning DDP or FSDP2 log the same values as one process over the same sequences."""
 
 import csv
 import os
@@ -17,9 +17,22 @@ from tests.callbacks.lightning_models import LitGPT, corpus
 SCRIPT = Path(__file__).with_name("ddp_run.py")
 
 
-def test_ddp_synced_values_equal_single_process(tmp_path):
+CUDA_ONLY = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="Lightning's FSDPStrategy needs CUDA: benchmarks/gpu.sh runs this test"
+)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", pytest.param("fsdp", marks=CUDA_ONLY)])
+def test_synced_values_equal_single_process(tmp_path, mode):
+    """DDP; FSDP2 (``ModelParallelStrategy``, ``fully_shard`` per Block, parameters sharded across the two CPU
+    processes); FSDP1 (``FSDPStrategy``, CUDA only). The transports are read from the unsharded weights inside each
+    Block's forward, so the values equal those of one process over the same sequences."""
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
-    subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], check=True, timeout=300, env=env)
+    subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), mode], check=True, timeout=300, env=env)
+    if mode == "fsdp2":
+        assert [(tmp_path / f"sharded{r}.txt").read_text() for r in range(2)] == ["True", "True"]
+    ranks = min(2, torch.cuda.device_count()) if mode == "fsdp" else 2
+    tolerance = {"rel": 1e-3, "abs": 1e-5} if mode == "fsdp" else {"rel": 1e-5, "abs": 1e-7}  # CUDA kernels
     rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).open()))
     logged = {k: float(v) for row in rows if row["step"] == "0" for k, v in row.items() if v and k != "step"}
 
@@ -28,7 +41,9 @@ def test_ddp_synced_values_equal_single_process(tmp_path):
     model = LitGPT()
     dataset = corpus()
     inputs = dataset.tensors[0]
-    shares = [list(DistributedSampler(dataset, num_replicas=2, rank=r, shuffle=True, seed=0))[:2] for r in range(2)]
+    shares = [
+        list(DistributedSampler(dataset, num_replicas=ranks, rank=r, shuffle=True, seed=0))[:2] for r in range(ranks)
+    ]
 
     def group():
         return [
@@ -46,8 +61,9 @@ def test_ddp_synced_values_equal_single_process(tmp_path):
                 metric.update(record)
         per_rank.append(metrics)
     expected = {}
-    for mine, theirs in zip(*per_rank, strict=True):
-        mine.merge_state(theirs)  # what the sum-reduction across ranks does
+    for mine, *theirs in zip(*per_rank, strict=True):
+        for other in theirs:
+            mine.merge_state(other)  # what the sum-reduction across ranks does
         expected.update(mine.compute())
     assert not expected.pop("nonfinite_layers").any()
     checked = 0
@@ -57,7 +73,7 @@ def test_ddp_synced_values_equal_single_process(tmp_path):
         }  # fmt: skip
         for key, want in keys.items():
             if torch.isfinite(want):
-                assert logged[key] == pytest.approx(want.item(), rel=1e-5, abs=1e-7), key
+                assert logged[key] == pytest.approx(want.item(), **tolerance), key
                 checked += 1
     assert checked >= 40
 
