@@ -262,3 +262,21 @@ def test_a_non_finite_layer_is_logged_as_nan_and_poisons_the_mean(tmp_path):
     (row,) = [row for row in read_csv(tmp_path) if any(k.startswith("connmon/") for k in row)]
     assert row["connmon/attention_entropy/L01"] == "nan" and row["connmon/attention_entropy/all"] == "nan"
     assert float(row["connmon/attention_entropy/L00"]) > 0
+
+
+def test_bf16_mixed_precision_trains_as_without_the_monitor(tmp_path):
+    runs = []
+    for callbacks in ([], [ConnectionMonitor(every_n_steps=2, figures_every_n_samples=None)]):
+        model = LitGPT()
+        t = L.Trainer(
+            max_steps=4, callbacks=callbacks, logger=CSVLogger(tmp_path / str(len(runs)), name="csv"),
+            precision="bf16-mixed", enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, accelerator="cpu", devices=1, log_every_n_steps=1,
+        )  # fmt: skip
+        t.fit(model, loader())
+        runs.append(model)
+    for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True):
+        assert torch.equal(a, b)
+    rows = [row for row in read_csv(tmp_path / "1") if "connmon/reconstruction_error/all" in row]
+    assert [int(row["step"]) for row in rows] == [0, 2]
+    assert all(float(row["connmon/reconstruction_error/all"]) < 5e-2 for row in rows)  # bf16 module arithmetic
