@@ -12,8 +12,9 @@ gradient clipping, one torch thread per run, two runs side by side):
   headed for a bad plateau from good ones?
 
 Every ``--every`` steps the attention of the first 2 sequences is captured and reduced exactly as ConnectionMonitor
-does it (walk, head/OV transport, drift groups: its light samples), giving ``connmon/<metric>/L<ll>`` series;
-loss and gradient norm are kept every step. Detectors are causal, so they are evaluated on the recorded series
+does it (walk, head/OV transport, drift groups, and with ``--spectrum`` the spectrum group too: the connection
+spectrum's walk part, operator norm, Laplacian gap and ``ov_spectral_radius``), giving ``connmon/<metric>/L<ll>``
+series; loss and gradient norm are kept every step. Detectors are causal, so they are evaluated on the recorded series
 afterwards, exactly as they would have run online; ``--load`` re-analyses a saved ``--save`` file without training.
 An alert counts as a *warning* if it comes at most ``WINDOW = 300`` steps before divergence; any earlier alert, and
 any alert on a run that never diverges, is a *false alarm* (an alert during healthy learning warns of nothing).
@@ -45,10 +46,11 @@ from torch import nn
 
 import connmon
 from connmon.alerts import CUSUM, EWMAZScore, Rule, RuleSet, Threshold, default_rules
-from connmon.metrics import DriftMetrics, TransportMetrics, WalkMetrics
+from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
 K, M, LEARNED, SMOOTH, WINDOW, REGIME = 1.5, 10, 0.9, 10, 300, 100
+FLOORS = (0.02, 0.05, 0.1, 0.2)  # min_std of the floored log z-score candidates
 
 
 def example_module():
@@ -139,7 +141,7 @@ def sample(model: nn.Module, idx: torch.Tensor, groups: list, names: list[str]) 
     return {k: v for k, v in out.items() if not any(k.startswith(f"connmon/{n}") for n in names)}
 
 
-def train(config: dict, steps: int, every: int) -> dict:
+def train(config: dict, steps: int, every: int, spectrum: bool = False) -> dict:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # saturated softmax otherwise slows the run about 2x
     example = example_module()
@@ -149,7 +151,7 @@ def train(config: dict, steps: int, every: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], weight_decay=0.0)
     transport = TransportMetrics(4)
     transport.measure_edges = False
-    groups = [WalkMetrics(4), transport, DriftMetrics(4)]
+    groups = [WalkMetrics(4), transport, DriftMetrics(4), *([SpectrumMetrics(4)] if spectrum else [])]
     gen = torch.Generator().manual_seed(config["seed"])
     losses, grad_norms, samples = [], [], {}
     start = time.perf_counter()
@@ -251,6 +253,11 @@ def candidates(run_keys: set[str]) -> dict[str, Callable[[], RuleSet]]:
                 out[f"{metric}{scale} cusum {direction}"] = one(
                     Rule("c", glob, CUSUM(8.0, direction=direction, log=log))
                 )
+            for floor in FLOORS:  # a floor on the baseline's spread (log scale: a relative change)
+                for z in (4.0, 6.0):
+                    out[f"{metric} log z>{z:g} {direction} floor {floor:g}"] = one(
+                        Rule("c", glob, EWMAZScore(z, direction, log=True, min_std=floor))
+                    )
     return out
 
 
@@ -281,7 +288,10 @@ def evaluate(runs: list[dict]) -> None:
     )
     diverged = [r for r in ramp if r["divergence"] is not None]
     keys = set().union(*(set(v) for r in ramp for v in r["samples"].values()))
-    print("### Candidate signals (every sampled metric; EWMA z > 4, z > 6, CUSUM h = 8; linear and log)\n")
+    print(
+        "### Candidate signals (every sampled metric; EWMA z > 4, z > 6, CUSUM h = 8; linear and log; log z-scores "
+        f"with a floor of {', '.join(map(str, FLOORS))} on the baseline's spread)\n"
+    )
     print("| signal | diverging runs warned | median lead (steps) | false alarms (all runs) |")
     print("|---|---|---|---|")
     scored = []
@@ -290,8 +300,16 @@ def evaluate(runs: list[dict]) -> None:
         leads = [lead for div, (lead, _) in results if div is not None and lead is not None]
         false = sum(f for _, (_, f) in results)
         scored.append((len(leads), statistics.median(leads) if leads else 0, false, name))
-    for warned, median, false, name in sorted(scored, key=lambda s: (s[2] > 0, -s[0], -s[1]))[:25]:
+    ranked = sorted(scored, key=lambda s: (s[2] > 0, -s[0], -s[1]))
+    for warned, median, false, name in ranked[:25]:
         print(f"| {name} | {warned}/{len(diverged)} | {median:g} | {false} |")
+    spectral = [s for s in ranked if s[3].split(" ")[0] in SpectrumMetrics.metrics]
+    if spectral:
+        print("\n### The spectrum group as an early warning (every candidate rule on its metrics)\n")
+        print("| signal | diverging runs warned | median lead (steps) | false alarms (all runs) |")
+        print("|---|---|---|---|")
+        for warned, median, false, name in spectral:
+            print(f"| {name} | {warned}/{len(diverged)} | {median:g} | {false} |")
     constant = [r for r in runs if r["arm"].startswith("const-")]
     if constant:
         regime(constant)
@@ -334,6 +352,7 @@ def main() -> None:
     parser.add_argument("--constant", type=float, nargs="*", default=[1e-3, 1e-2, 3e-2])
     parser.add_argument("--arms", nargs="*", help="only these arms (ramp, control, const-<lr>)")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--spectrum", action="store_true", help="sample the spectrum group too (slower)")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path)
     args = parser.parse_args()
@@ -341,7 +360,10 @@ def main() -> None:
         runs = json.loads(args.load.read_text())
     else:
         configs = [c for c in arms(args) if not args.arms or c["arm"] in args.arms]
-        jobs = [(c, args.const_steps if c["arm"].startswith("const-") else args.steps, args.every) for c in configs]
+        jobs = [
+            (c, args.const_steps if c["arm"].startswith("const-") else args.steps, args.every, args.spectrum)
+            for c in configs
+        ]
         with get_context("spawn").Pool(args.processes) as pool:
             runs = pool.starmap(train, jobs)
         for run in runs:

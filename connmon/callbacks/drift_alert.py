@@ -9,6 +9,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
 
 from connmon.alerts import ACTIONS, Action, Alert, AlertRunner, Level, Rule, RuleSet
 from connmon.callbacks.connection_monitor import ConnectionMonitor
@@ -25,7 +26,11 @@ class DriftAlert(Callback):
       same way on every process through ``strategy.reduce_boolean_decision``;
     * passed to ``on_alert(alert)`` if given (on every process; an exception there is reported, not raised).
 
-    Alerts are also logged to every logger as ``connmon/alerts/count`` (this sample) and ``connmon/alerts/total``.
+    Rules see the monitor's keys and the LightningModule's own logged scalars (``trainer.callback_metrics``, what
+    ``self.log`` wrote: ``"train_loss"``, a gradient norm, ...) at the monitor's sample, so one rule set can combine a
+    loss spike with a geometric signal. Under DDP, log those with ``sync_dist=True`` so every process sees the same
+    values. Alerts are also logged to every logger as ``connmon/alerts/count`` (this sample) and
+    ``connmon/alerts/total``.
     The rules' state (baselines, cooldowns, counts) is saved in checkpoints, so a resumed run neither re-learns
     nor re-alerts. The default rules and how they were chosen are in :func:`connmon.alerts.default_rules`.
 
@@ -106,10 +111,21 @@ class DriftAlert(Callback):
         self.runner.load_state_dict(state_dict)
 
     def _on_sample(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
-        alerts, stop = self.runner.run(values, step, wandb=self._wandb)
+        alerts, stop = self.runner.run({**_logged_scalars(trainer), **values}, step, wandb=self._wandb)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(self.runner.counts(alerts), step=step)
         if "stop" in self.runner.actions and trainer.strategy.reduce_boolean_decision(stop, all=False):
             trainer.should_stop = True
             rank_zero_warn(f"DriftAlert stops the run at step {step} (an alert at level >= {self.runner.stop_level})")
+
+
+def _logged_scalars(trainer: Trainer) -> dict[str, float]:
+    """The LightningModule's own logged scalars (``self.log``: loss, grad norm, ...) as floats, for the rules."""
+    scalars = {}
+    for key, value in trainer.callback_metrics.items():
+        if isinstance(value, Tensor) and value.numel() == 1:
+            scalars[key] = float(value.item())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            scalars[key] = float(value)
+    return scalars

@@ -127,3 +127,33 @@ def test_an_on_alert_handler_that_raises_does_not_end_the_run(tmp_path):
     with pytest.warns(UserWarning, match="on_alert raised RuntimeError: pager down"):
         trainer = fit(tmp_path, [monitor(), alert], max_steps=2)
     assert trainer.global_step == 2 and alert.total == 1
+
+
+class LoggingGPT(LitGPT):
+    """Logs its loss with self.log, as users do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        self.losses.append(loss.item())
+        return loss
+
+
+def test_rules_see_the_modules_own_logged_values_beside_connmons():
+    seen = []
+    rules = [Rule("loss seen", "train_loss", Threshold(-1.0), cooldown=1), Rule("logit", LOGIT, Threshold(-1.0))]
+    alert = DriftAlert(rules=rules, actions=(), on_alert=seen.append)
+    trainer = L.Trainer(
+        max_steps=3, callbacks=[monitor(), alert], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    module = LoggingGPT()
+    trainer.fit(module, loader())
+    losses = [(a.step, a.value) for a in seen if a.rule == "loss seen"]
+    assert [step for step, _ in losses] == [0, 1, 2]
+    assert [value for _, value in losses] == pytest.approx(module.losses)  # the loss of the sampled step itself
+    assert any(a.rule == "logit" for a in seen)
