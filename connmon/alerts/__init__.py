@@ -23,7 +23,7 @@ from connmon.alerts.detectors import (
     NonFinite,
     Threshold,
 )
-from connmon.alerts.rules import LEVELS, Alert, Level, Rule, RuleSet, default_rules
+from connmon.alerts.rules import LEVELS, Alert, Level, Rule, RuleSet, default_rules, logit_bound_rule
 from connmon.alerts.runner import ACTIONS, Action, AlertRunner
 
 __all__ = [
@@ -44,4 +44,5 @@ __all__ = [
     "RuleSet",
     "Threshold",
     "default_rules",
+    "logit_bound_rule",
 ]

