@@ -35,7 +35,7 @@ class DriftAlert(Callback):
     nor re-alerts. The default rules and how they were chosen are in :func:`connmon.alerts.default_rules`.
 
     An alert can come no sooner than the monitor's next sample. On the instability suite of benchmarks/README.md
-    the attention signals warned 30-50 steps before divergence, so alerting wants a dense, light monitor, such as
+    the default rules warned 2-32 steps before divergence, so alerting wants a dense, light monitor, such as
     ``ConnectionMonitor(every_n_steps=5, diagnostics=("walk",))`` (the walk group holds entropy and max logit).
 
     Args:
