@@ -106,6 +106,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         self.monitor.log = self._log
         self.monitor.log_on_every_rank = True  # Trainer.log runs on every process; its reporters pick rank zero
         self._pending = -1  # the step whose forward is armed
+        self._guard: Any = None  # the model's forward hook that disarms
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
@@ -127,14 +128,16 @@ class ConnectionMonitorCallback(TrainerCallback):
         if model is not None and self.monitor.due(step):
             self._pending = step
             self.monitor.arm(model)
+            # the Trainer has no exception hook: disarm when this forward ends, also when it raises
+            self._guard = model.register_forward_hook(self._forward_done, always_call=True)
 
     def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """The first micro-batch of an accumulation is done: stop recording."""
-        self.monitor.disarm()
+        self._forward_done()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Log the sample of this optimizer step and act on its alerts."""
-        self.monitor.disarm()
+        self._forward_done()
         if self._pending < 0:
             return None
         step, self._pending = self._pending, -1
@@ -152,7 +155,13 @@ class ConnectionMonitorCallback(TrainerCallback):
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Remove every hook."""
+        self._forward_done()
+
+    def _forward_done(self, *args: Any) -> None:
         self.monitor.disarm()
+        if self._guard is not None:
+            self._guard.remove()
+            self._guard = None
 
     def _log(self, values: dict[str, float], step: int) -> None:
         control = self.trainer.control

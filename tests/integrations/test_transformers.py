@@ -138,3 +138,18 @@ def test_report_to_wandb_gets_the_keys_histograms_and_figures(tmp_path, monkeypa
     assert "train/connmon/spectrum_modulus_hist/L01._type" in keys
     assert "train/connmon/figures/spectra._type" in keys
     assert "train/loss" in keys
+
+
+def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook(tmp_path):
+    trainer = make_trainer(tmp_path, monitor={"every_n_steps": 1, "diagnostics": ("walk",)})
+    model = trainer.model
+    original = model.lm_head.forward
+
+    def broken(hidden):
+        raise RuntimeError("out of memory, say")
+
+    model.lm_head.forward = broken  # raises after the attention layers ran, inside the armed forward
+    with pytest.raises(RuntimeError, match="out of memory"):
+        trainer.train()
+    model.lm_head.forward = original
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
