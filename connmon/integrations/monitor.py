@@ -172,11 +172,12 @@ class Monitor:
     # --- the plain-loop API ---------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def step(self, step: int) -> Iterator[bool]:
+    def step(self, step: int, rule_values: Mapping[str, float] | None = None) -> Iterator[bool]:
         """Wrap the forward of optimizer step ``step``; yields whether this step is sampled.
 
         On a sampled step the capture is armed for the block and the sample is measured and logged when it ends.
-        If the block raises, every hook is removed and nothing is logged.
+        If the block raises, every hook is removed and nothing is logged. ``rule_values`` (say, the previous
+        step's ``{"loss": ..., "grad_norm": ...}``) are shown to the alert rules beside the sample's keys.
         """
         model = self._model
         sampled = model is not None and self.due(step)
@@ -190,7 +191,7 @@ class Monitor:
             self.disarm()
             raise
         self.disarm()
-        self.finish(step)
+        self.finish(step, rule_values)
 
     def attach(self, model: nn.Module) -> bool:
         """Find ``model``'s attention layers and build the accumulators on its device; False (and one warning) if none.
@@ -303,10 +304,12 @@ class Monitor:
             stack, self._armed = self._armed, None
             stack.close()
 
-    def finish(self, step: int) -> dict[str, float]:
+    def finish(self, step: int, rule_values: Mapping[str, float] | None = None) -> dict[str, float]:
         """Sync, log and reset the sample just recorded, run the alert rules; returns the values logged.
 
-        Every process must call it on the same steps (the accumulators sync across processes).
+        Every process must call it on the same steps (the accumulators sync across processes). ``rule_values``
+        (the trainer's own loss, gradient norm, ...) are shown to the alert rules beside the sample's keys; they are
+        not logged here.
         """
         full = self._is_full()
         values: dict[str, Tensor] = {}
@@ -318,7 +321,7 @@ class Monitor:
         broken_layers = {layer.index for layer in self.selected if layer.index in broken}
         scalars = self._scalars(values, broken_layers)
         if self.alerts is not None:
-            alerts, stop = self.alerts.run(scalars, step, wandb=self.sink)
+            alerts, stop = self.alerts.run({**(rule_values or {}), **scalars}, step, wandb=self.sink)
             self.should_stop = self.should_stop or stop
             scalars.update(self.alerts.counts(alerts))
         self._emit(step, scalars, values, full, broken_layers)

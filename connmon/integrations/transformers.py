@@ -28,7 +28,8 @@ class ConnectionMonitorCallback(TrainerCallback):
     for the first micro-batch's forward, and the synced values are logged through ``trainer.log``, so every
     ``report_to`` backend receives ``connmon/<metric>/L<ll>`` and ``/all`` (W&B shows them as ``train/connmon/...``)
     and ``trainer.state.log_history`` keeps them. With W&B in ``report_to`` the histograms and figures go to the
-    same run. With ``alerts`` the rules run on every sample and an alert at or above their ``stop_level`` sets
+    same run. With ``alerts`` the rules run on every sample (on connmon's keys and on the Trainer's latest logged
+    ``loss``, ``grad_norm`` and ``learning_rate``) and an alert at or above their ``stop_level`` sets
     ``control.should_training_stop``. The monitor's state (cadence, drift references, alert baselines) is saved
     as ``connmon_monitor.pt`` in every checkpoint folder and read back when training resumes from one.
 
@@ -141,7 +142,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         if self._pending < 0:
             return None
         step, self._pending = self._pending, -1
-        self.monitor.finish(step)
+        self.monitor.finish(step, _latest_logged(state))
         if self.monitor.should_stop:
             control.should_training_stop = True
             warn_rank_zero(f"ConnectionMonitorCallback stops training at step {step} (an alert at its stop level)")
@@ -168,6 +169,14 @@ class ConnectionMonitorCallback(TrainerCallback):
         due = control.should_log  # Trainer.log clears it, which would cancel the loss row of this step
         self.trainer.log(values)
         self.trainer.control.should_log = due
+
+
+def _latest_logged(state: TrainerState) -> dict[str, float]:
+    """The Trainer's latest logged training values (``loss``, ``grad_norm``, ``learning_rate``), for the rules."""
+    for row in reversed(state.log_history):
+        if "loss" in row:
+            return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "epoch")}
+    return {}
 
 
 def _wandb_sink(args: TrainingArguments) -> Any:

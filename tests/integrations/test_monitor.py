@@ -200,3 +200,16 @@ def test_a_compiled_model_gives_the_same_loss_and_gradients_to_float32_round_off
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7)
     assert monitor.samples == 1 and no_hooks(watched)
     assert monitor.last_values["connmon/reconstruction_error/all"] < 1e-5
+
+
+def test_rules_see_the_loops_own_values():
+    model = TinyGPT()
+    seen = []
+    rule = Rule("loss seen", "loss", Threshold(-1.0), cooldown=1)
+    monitor = connmon.Monitor(
+        model, every_n_steps=1, diagnostics=("walk",), alerts=AlertRunner([rule], actions=(), on_alert=seen.append)
+    )
+    with monitor.step(0, rule_values={"loss": 2.5}):
+        model(batches(1)[0])
+    assert [(a.key, a.value) for a in seen] == [("loss", 2.5)]
+    assert "loss" not in monitor.last_values  # shown to the rules, not logged

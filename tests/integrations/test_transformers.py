@@ -153,3 +153,14 @@ def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook(tmp_path):
         trainer.train()
     model.lm_head.forward = original
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_rules_see_the_trainers_own_logged_loss(tmp_path):
+    seen = []
+    rule = Rule("loss seen", "loss", Threshold(-1.0), cooldown=1)
+    options = {"every_n_steps": 2, "diagnostics": ("walk",), "alerts": AlertRunner([rule], on_alert=seen.append)}
+    trainer = make_trainer(tmp_path, monitor=options, logging_steps=1)
+    trainer.train()
+    logged = losses(trainer)
+    # the sample of step s runs before the Trainer logs step s: the rule sees the loss logged at step s - 1
+    assert [(a.step, a.value) for a in seen] == [(s, pytest.approx(logged[s - 1])) for s in (2, 4, 6)]
