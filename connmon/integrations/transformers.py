@@ -119,7 +119,8 @@ class ConnectionMonitorCallback(TrainerCallback):
         self.monitor.sink = _wandb_sink(args)
         saved = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE
         if state.global_step > 0 and saved.is_file():
-            self.monitor.load_state_dict(torch.load(saved, map_location="cpu", weights_only=True))
+            device = next(model.parameters(), torch.empty(0)).device  # drift references live beside the model
+            self.monitor.load_state_dict(torch.load(saved, map_location=device, weights_only=True))
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
