@@ -222,10 +222,12 @@ class DriftMetrics(LayerwiseMean):
         if self._depth_walk is not None and self._depth_walk[0] == record.index - 1:
             if self._depth_walk[1].shape == P.shape:
                 depth = F.depth_drift(P, self._depth_walk[1])
-        old_walk = self.previous_walks.get(record.index)
-        time = F.time_drift(P, old_walk) if old_walk is not None and old_walk.shape == P.shape else nan
+        old_walk = self.previous_walks.get(record.index)  # may come from a checkpoint saved on another device
+        time = F.time_drift(P, old_walk.to(P.device)) if old_walk is not None and old_walk.shape == P.shape else nan
         old_transport = self.previous_transports.get(record.index)
-        transport = per_sequence(F.transport_drift(T, old_transport), batch) if old_transport is not None else nan
+        transport = nan
+        if old_transport is not None:
+            transport = per_sequence(F.transport_drift(T, old_transport.to(T.device)), batch)
         self._depth_walk = (record.index, P)
         self.previous_walks[record.index] = P
         self.previous_transports[record.index] = T
