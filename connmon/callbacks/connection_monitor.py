@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import WandbLogger  # imports wandb only when a r
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from connmon.integrations.monitor import DIAGNOSTICS, Diagnostic, Monitor
+from connmon.integrations.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
 
 
 class ConnectionMonitor(Callback):
@@ -81,20 +81,8 @@ class ConnectionMonitor(Callback):
             raise ValueError(f"probe_fn must be callable, got probe_fn={probe_fn!r}")
         if probe_fn is not None and probe is None:
             raise ValueError("probe_fn needs a probe batch: pass probe=... too")
-        self.monitor = Monitor(
-            every_n_steps=every_n_steps,
-            num_sequences=num_sequences,
-            max_tokens=max_tokens,
-            layers=layers,
-            diagnostics=diagnostics,
-            spectrum_k=spectrum_k,
-            log_histograms=log_histograms,
-            figures_every_n_samples=figures_every_n_samples,
-            edge_samples=edge_samples,
-            edge_queries=edge_queries,
-            full_every_n_samples=full_every_n_samples,
-            edge_lanczos_steps=edge_lanczos_steps,
-        )
+        arguments = locals()
+        self.monitor = Monitor(**{name: arguments[name] for name in SAMPLING_OPTIONS})
         self.monitor.owner = "ConnectionMonitor"
         self.monitor.add_listener(self._notify)
         self.probe = probe
@@ -240,24 +228,7 @@ class ConnectionMonitor(Callback):
         return None
 
 
-_DELEGATED = frozenset(
-    (
-        "every_n_steps",
-        "num_sequences",
-        "max_tokens",
-        "layers",
-        "diagnostics",
-        "spectrum_k",
-        "log_histograms",
-        "figures_every_n_samples",
-        "edge_samples",
-        "edge_queries",
-        "edge_lanczos_steps",
-        "full_every_n_samples",
-        "samples",
-        "last_sampled_step",
-    )
-)
+_DELEGATED = frozenset((*SAMPLING_OPTIONS, "samples", "last_sampled_step"))
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -27,6 +27,21 @@ from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, Transp
 Diagnostic = Literal["walk", "transport", "spectrum", "drift"]
 DIAGNOSTICS: tuple[Diagnostic, ...] = ("walk", "transport", "spectrum", "drift")
 LogFn = Callable[..., Any]  # called as log(values, step=step)
+# the sampling options every entry point takes with the same names and defaults (the adapters forward them)
+SAMPLING_OPTIONS = (
+    "every_n_steps",
+    "num_sequences",
+    "max_tokens",
+    "layers",
+    "diagnostics",
+    "spectrum_k",
+    "log_histograms",
+    "figures_every_n_samples",
+    "edge_samples",
+    "edge_queries",
+    "full_every_n_samples",
+    "edge_lanczos_steps",
+)
 
 
 class Monitor:
@@ -163,6 +178,7 @@ class Monitor:
         self.should_stop = False
         self.selected: list[Layer] = []
         self.metrics: dict[str, LayerwiseMean] = {}
+        self._model: nn.Module | None = None
         self._armed: contextlib.ExitStack | None = None
         self._pending_drift_state: dict | None = None
         self._listeners: list[Callable[[int, dict[str, float]], None]] = []
@@ -200,7 +216,7 @@ class Monitor:
         time-drift references restart unless :meth:`load_state_dict` gave some).
         """
         self.disarm()
-        self._model: nn.Module | None = None
+        self._model = None
         try:
             found = attention_layers(model)
         except ValueError as error:
@@ -335,8 +351,6 @@ class Monitor:
         return scalars
 
     # --- workers --------------------------------------------------------------------------------------------------
-
-    _model: nn.Module | None = None
 
     def _select(self, found: list[Layer]) -> list[Layer]:
         if self.layers is None:

@@ -12,7 +12,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
-from connmon.integrations.monitor import DIAGNOSTICS, Diagnostic, Monitor
+from connmon.integrations.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
 
 STATE_FILE = "connmon_monitor.pt"  # written into each checkpoint-<step> folder
 STEP_KEY = "train/global_step"  # the step metric the Trainer's W&B integration defines
@@ -88,21 +88,8 @@ class ConnectionMonitorCallback(TrainerCallback):
                 f"trainer must be the transformers.Trainer whose log carries the values, got {type(trainer).__name__}"
             )
         self.trainer = trainer
-        self.monitor = Monitor(
-            every_n_steps=every_n_steps,
-            num_sequences=num_sequences,
-            max_tokens=max_tokens,
-            layers=layers,
-            diagnostics=diagnostics,
-            spectrum_k=spectrum_k,
-            log_histograms=log_histograms,
-            figures_every_n_samples=figures_every_n_samples,
-            edge_samples=edge_samples,
-            edge_queries=edge_queries,
-            full_every_n_samples=full_every_n_samples,
-            edge_lanczos_steps=edge_lanczos_steps,
-            alerts=alerts,
-        )
+        arguments = locals()
+        self.monitor = Monitor(**{name: arguments[name] for name in SAMPLING_OPTIONS}, alerts=alerts)
         self.monitor.owner = "ConnectionMonitorCallback"
         self.monitor.log = self._log
         self.monitor.log_on_every_rank = True  # Trainer.log runs on every process; its reporters pick rank zero

@@ -213,3 +213,22 @@ def test_rules_see_the_loops_own_values():
         model(batches(1)[0])
     assert [(a.key, a.value) for a in seen] == [("loss", 2.5)]
     assert "loss" not in monitor.last_values  # shown to the rules, not logged
+
+
+def test_every_entry_point_takes_the_sampling_options_with_the_same_defaults():
+    import inspect
+
+    from connmon.callbacks import ConnectionMonitor
+    from connmon.integrations.monitor import SAMPLING_OPTIONS
+    from connmon.integrations.transformers import ConnectionMonitorCallback
+
+    def defaults(cls):
+        return {name: p.default for name, p in inspect.signature(cls).parameters.items() if name in SAMPLING_OPTIONS}
+
+    sinks = ("model", "log", "wandb", "alerts")
+    monitor_options = {name for name in inspect.signature(connmon.Monitor).parameters if name not in sinks}
+    assert monitor_options == set(SAMPLING_OPTIONS)
+    assert defaults(ConnectionMonitor) == defaults(ConnectionMonitorCallback) == defaults(connmon.Monitor)
+    assert len(defaults(ConnectionMonitor)) == len(SAMPLING_OPTIONS)
+    callback = ConnectionMonitor(every_n_steps=7, edge_queries=None, layers=[1])
+    assert (callback.monitor.every_n_steps, callback.monitor.edge_queries, callback.monitor.layers) == (7, None, [1])
