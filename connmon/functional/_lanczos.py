@@ -40,6 +40,43 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> Te
         >>> bool(torch.allclose(estimate, root))  # m = r steps: exact
         True
     """
+    alpha, beta = _recurrence(matvec, start, steps)
+    return _tridiagonal(alpha, beta[:, :-1])
+
+
+def largest_eigenvalue(
+    matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int, tol: float
+) -> tuple[Tensor, Tensor]:
+    """The largest eigenvalue of each of ``N`` symmetric operators after ``steps`` Lanczos steps; whether it converged.
+
+    The top Ritz value of the tridiagonal matrix never exceeds the operator's largest eigenvalue (up to round-off) and
+    its distance to an eigenvalue is at most the residual ``|beta_m u_m|`` of its Ritz vector (Parlett); converged
+    means that residual is within ``tol`` times the value (the Krylov-Schur solver's test). One host
+    synchronization is left to the caller (reading the flags).
+
+    Returns:
+        ``(values (N,), converged (N,) bool)``, float64.
+
+    Example:
+        >>> import torch
+        >>> from connmon.functional._lanczos import largest_eigenvalue
+        >>> gen = torch.Generator().manual_seed(0)
+        >>> a = torch.randn(3, 40, 40, dtype=torch.float64, generator=gen)
+        >>> x = a @ a.mT
+        >>> top, ok = largest_eigenvalue(lambda v: (x @ v.unsqueeze(-1)).squeeze(-1), torch.ones(3, 40), 40, 1e-10)
+        >>> bool(ok.all()), bool(torch.allclose(top, torch.linalg.eigvalsh(x)[:, -1]))
+        (True, True)
+    """
+    alpha, beta = _recurrence(matvec, start, steps)
+    nodes, vectors = torch.linalg.eigh(_finite_or_zero(_tridiagonal(alpha, beta[:, :-1])))
+    residual = (beta[:, -1] * vectors[:, -1, -1]).abs()
+    finite = torch.isfinite(alpha).all(-1) & torch.isfinite(beta).all(-1)
+    values = torch.where(finite, nodes[:, -1], float("nan"))
+    return values, finite & (residual <= tol * values.abs())
+
+
+def _recurrence(matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+    """The three-term recurrence: ``alpha (N, m)`` and ``beta (N, m)``, ``beta[:, -1]`` the next vector's norm."""
     start = start.to(torch.float64)
     count = start.shape[0]
     alpha = start.new_zeros(count, steps)
@@ -57,8 +94,15 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> Te
         alpha[:, j] = a
         beta[:, j] = torch.where(ended, 0, b)
         previous, q = q, torch.where(ended.unsqueeze(-1), 0, w / b.clamp(min=torch.finfo(w.dtype).tiny).unsqueeze(-1))
-    off = beta[:, :-1]
+    return alpha, beta
+
+
+def _tridiagonal(alpha: Tensor, off: Tensor) -> Tensor:
     return torch.diag_embed(alpha) + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
+
+
+def _finite_or_zero(matrix: Tensor) -> Tensor:
+    return torch.where(torch.isfinite(matrix).flatten(-2).all(-1)[:, None, None], matrix, 0)
 
 
 def gauss_quadrature(tridiagonal: Tensor, weight: Tensor, function: Callable[[Tensor], Tensor]) -> Tensor:

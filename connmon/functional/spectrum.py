@@ -29,7 +29,9 @@ except the matvec synchronize the GPU (eigenvalue solvers). Non-finite input giv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -38,6 +40,7 @@ from torch import Tensor
 
 from connmon.functional._checks import as_float, check_layer, promote, shape
 from connmon.functional._krylov import Which, krylov_schur
+from connmon.functional._lanczos import largest_eigenvalue
 from connmon.functional._linalg import eigvals, eigvalsh, spectral_norm
 from connmon.functional.transport import _concat_heads, transport_scale, transport_singular_values
 
@@ -57,7 +60,10 @@ __all__ = [
 
 Method = Literal["auto", "dense", "kron", "causal", "krylov"]
 DENSE_MAX_DIM = 512  # n * d up to which "auto" takes the dense eigensolver
+_NORM_LANCZOS_STEPS = 24  # batched Lanczos steps for the operator norm before the restarted solver
 _CHUNK_ELEMENTS = 2**24  # bound on the causal path's block tensor (64 MiB in float32)
+_SQUARINGS = 5  # the causal path's power bound ||B^32||_F^(1/32) (see _power_radius_bounds)
+_POWER_MARGIN = 1e-3  # relative slack on that bound for the round-off of its five GEMMs
 
 
 class SpectrumResult(NamedTuple):
@@ -297,9 +303,8 @@ def _causal_first(
     """
     heads, d_h, d = w_v.shape[-3:]
     inner = heads * d_h
-    head_norms = transport_singular_values(w_v, w_o)[..., 0]  # (*, H)
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
-    head_norms = head_norms.expand(*batch, heads)
+    norms = _block_norms(w_v, w_o).expand(*batch, 4, heads)  # weight-only: once, not per sequence
     size = min(inner, d)
     largest_chunk = max(1, _CHUNK_ELEMENTS // (size * size))
     values = {which: attn.new_zeros(*batch, k, dtype=_complex(attn)) for which, k in requests.items()}
@@ -307,7 +312,7 @@ def _causal_first(
         abscissa = _numerical_abscissa(w_v, w_o).expand(*batch, heads)  # (*, H)
     for index, a, v_cat, o_cat in _layers(attn, w_v, w_o):
         self_weight = a.diagonal(dim1=-2, dim2=-1).mT  # (n, H): A^h_ii
-        bound = _block_radius_bounds(self_weight, head_norms[index], v_cat, o_cat)
+        bound = _block_radius_bounds(self_weight, norms[index])
         order = bound.argsort(descending=True)
         if deflate:  # the first valid token (the first column some query reads) holds T_bar
             first = (a != 0).any(dim=-2).any(dim=-2).int().argmax()
@@ -324,18 +329,68 @@ def _causal_first(
         zeros = a.new_zeros(min(max(requests.values()), len(order) * (d - inner)) if inner < d else 0)
         best = {which: zeros.to(_complex(attn)) for which in requests}
 
-        start, chunk = 0, 2  # two blocks first: they usually hold the answer, and set the bar for the rest
-        while start < len(order) and not _settled(best, {w: float(r[start]) for w, r in reach.items()}, requests):
-            g = gates[order[start : start + chunk]]  # (c, H*d_h)
-            start += chunk
-            blocks = g.unsqueeze(-1) * core if core is not None else (o_cat * g.unsqueeze(-2)) @ v_cat  # (c, m, m)
-            found = eigvals(blocks).flatten()
-            best = {w: _first_by(torch.cat([best[w], found]), k, w) for w, k in requests.items()}
-            reaching = _still_reaching(best, reach, requests, start) - start  # blocks not yet ruled out
-            chunk = max(1, min(reaching, 2 * chunk, largest_chunk))  # doubling: new blocks often raise the bar
+        keys = {"LM": bound[order].cpu()}  # each block's own bounds, by position in the order
+        if "LR" in requests:
+            keys["LR"] = right.cpu()
+
+        blocks_at = partial(_causal_blocks, gates[order], core, v_cat, o_cat)
+        best = _first_over_blocks(blocks_at, reach, keys, requests, best, largest_chunk)
         for which in requests:
             values[which][index] = best[which]
     return values
+
+
+def _causal_blocks(gates: Tensor, core: Tensor | None, v_cat: Tensor, o_cat: Tensor, positions: Tensor) -> Tensor:
+    """The causal blocks ``diag(g) V O`` (the core) or ``O diag(g) V`` at ``positions``: ``(c, m, m)``."""
+    g = gates[positions]  # (c, H*d_h)
+    return g.unsqueeze(-1) * core if core is not None else (o_cat * g.unsqueeze(-2)) @ v_cat
+
+
+def _first_over_blocks(
+    blocks_at: Callable[[Tensor], Tensor],
+    reach: dict[str, Tensor],
+    keys: dict[str, Tensor],
+    requests: dict[Which, int],
+    best: dict[Which, Tensor],
+    largest_chunk: int,
+) -> dict[Which, Tensor]:
+    """The first ``k`` eigenvalues of the union of the blocks, for each request, decomposing as few blocks as it can.
+
+    Blocks are indexed by position in descending order of their norm bound; ``keys[w]`` holds each block's bound on
+    its key for request ``w`` and ``reach[w]`` the largest such bound from a position on. Blocks are first bounded
+    more tightly by :func:`_power_radius_bounds` (in doubling chunks, while some unbounded block's norm bound could
+    beat the tight bounds in hand), then decomposed one at a time in descending order of the tight bound, each
+    raising the bar; a block is never decomposed once no request's k-th key is within its bound.
+    """
+    size = len(reach["LM"])
+    pool = torch.zeros(0, dtype=torch.long)  # bounded, not yet decomposed positions
+    tight = {w: torch.zeros(0) for w in {"LM", *requests}}  # their tight key bounds (and radius bounds)
+    position, chunk = 0, 4
+    while True:
+        bars = {w: _key(best[w][k - 1], w).item() if best[w].numel() >= k else -np.inf for w, k in requests.items()}
+        could = torch.zeros(len(pool), dtype=torch.bool)
+        for w in requests:
+            could |= ~(tight[w] * (1 + _POWER_MARGIN) < bars[w])  # NaN bounds are kept
+        pool, tight = pool[could], {w: b[could] for w, b in tight.items()}
+        ahead = position < size and any(not float(reach.get(w, reach["LM"])[position]) < bars[w] for w in requests)
+        if not ahead and len(pool) == 0:
+            return best
+        top = int(tight["LM"].nan_to_num(np.inf).argmax()) if len(pool) else None
+        if ahead and (top is None or float(reach["LM"][position]) > float(tight["LM"][top])):
+            # bounds along the order are non-increasing, so the blocks still reaching are a run from ``position``
+            reaching = max(int((~(reach.get(w, reach["LM"])[position:] < bars[w])).sum()) for w in requests)
+            take = torch.arange(position, min(size, position + max(1, min(reaching, chunk, largest_chunk))))
+            position, chunk = int(take[-1]) + 1, 2 * chunk
+            radius = _power_radius_bounds(blocks_at(take)).cpu()
+            pool = torch.cat([pool, take])
+            tight = {w: torch.cat([b, torch.minimum(radius, keys.get(w, keys["LM"])[take])]) for w, b in tight.items()}
+            continue
+        found = eigvals(blocks_at(pool[top : top + 1])).flatten()
+        if not bool(found.isfinite().all()):  # a non-finite layer: NaN, not a search through every block
+            return {w: found.new_full((k,), complex(float("nan"), float("nan"))) for w, k in requests.items()}
+        best = {w: _first_by(torch.cat([best[w], found]), k, w) for w, k in requests.items()}
+        keep = torch.arange(len(pool)) != top
+        pool, tight = pool[keep], {w: b[keep] for w, b in tight.items()}
 
 
 def _numerical_abscissa(w_v: Tensor, w_o: Tensor) -> Tensor:
@@ -354,43 +409,55 @@ def _numerical_abscissa(w_v: Tensor, w_o: Tensor) -> Tensor:
     return eigvalsh((left @ right.mT + right @ left.mT) / 2)[..., -1].clamp(min=0)
 
 
-def _block_radius_bounds(self_weight: Tensor, head_norms: Tensor, v_cat: Tensor, o_cat: Tensor) -> Tensor:
+def _block_norms(w_v: Tensor, w_o: Tensor) -> Tensor:
+    """The weight-only factors of :func:`_block_radius_bounds`: ``(*, 4, H)``, computed once for every sequence.
+
+    Rows: ``||T_h||_2``; ``||O||_2 ||V||_2`` (the same for every head); ``||P_h||_2`` of head h's rows and of its
+    columns in ``P = V O``.
+    """
+    heads = w_v.shape[-3]
+    v_cat, o_cat = _concat_heads(w_v, w_o)
+    p = v_cat @ o_cat  # (*, H*d_h, H*d_h)
+    whole = (spectral_norm(o_cat) * spectral_norm(v_cat)).unsqueeze(-1).expand(*p.shape[:-2], heads)
+    rows = spectral_norm(p.unflatten(-2, (heads, -1)))  # (*, H)
+    columns = spectral_norm(p.unflatten(-1, (heads, -1)).movedim(-2, -3))  # (*, H)
+    return torch.stack([transport_singular_values(w_v, w_o)[..., 0], whole, rows, columns], dim=-2)
+
+
+def _block_radius_bounds(self_weight: Tensor, norms: Tensor) -> Tensor:
     """Upper bounds on the spectral radius of each causal diagonal block ``D_i = O diag(a_i) V``: ``(n,)``.
 
-    ``self_weight`` is ``(n, H)`` (``A^h_ii``), ``head_norms`` ``(H,)`` (``||T_h||_2``), ``v_cat`` ``(H*d_h, d)``,
-    ``o_cat`` ``(d, H*d_h)``; see :func:`_causal_first` for the four bounds.
+    ``self_weight`` is ``(n, H)`` (``A^h_ii``), ``norms`` the ``(4, H)`` of :func:`_block_norms`; see
+    :func:`_causal_first` for the four bounds.
     """
-    heads = self_weight.shape[-1]
-    p = v_cat @ o_cat  # (H*d_h, H*d_h)
-    row_norms = spectral_norm(p.unflatten(0, (heads, -1)))  # (H,): ||P_h||_2 of each head's rows
-    column_norms = spectral_norm(p.unflatten(1, (heads, -1)).transpose(0, 1))  # (H,): of its columns
     squared = self_weight**2
     return torch.stack(
         [
-            self_weight @ head_norms,
-            self_weight.amax(dim=-1) * spectral_norm(o_cat) * spectral_norm(v_cat),
-            (squared @ row_norms**2).sqrt(),
-            (squared @ column_norms**2).sqrt(),
+            self_weight @ norms[0],
+            self_weight.amax(dim=-1) * norms[1, 0],
+            (squared @ norms[2] ** 2).sqrt(),
+            (squared @ norms[3] ** 2).sqrt(),
         ]
     ).amin(dim=0)
 
 
-def _still_reaching(best: dict[Which, Tensor], reach: dict[str, Tensor], requests: dict[Which, int], start: int) -> int:
-    """The end of the run of positions from ``start`` on whose bound still reaches some request's k-th key."""
-    end = start
-    for which, k in requests.items():
-        bound = reach.get(which, reach["LM"])
-        if best[which].numel() < k:
-            return len(bound)
-        bar = _key(best[which][k - 1 : k], which).item()
-        end = max(end, start + int((bound[start:] >= bar).sum()))  # bounds are non-increasing along the order
-    return end
+def _power_radius_bounds(blocks: Tensor, squarings: int = _SQUARINGS) -> Tensor:
+    """Upper bounds ``||B^m||_F^(1/m)``, ``m = 2^squarings``, on the spectral radii of blocks ``(c, r, r) -> (c,)``.
 
-
-def _settled(best: dict[Which, Tensor], reach: dict[str, float], requests: dict[Which, int]) -> bool:
-    """Whether no remaining block can change any request's first ``k``; ``reach`` bounds the remaining keys."""
-    bound = {w: reach.get(w, reach["LM"]) for w in requests}
-    return all(best[w].numel() >= k and bound[w] < _key(best[w][k - 1 : k], w).item() for w, k in requests.items())
+    ``rho(B)^m = rho(B^m) <= ||B^m||_F``, and the bound tends to ``rho(B)`` as ``m`` grows (Gelfand): the factor by
+    which it can exceed it is at most ``(sqrt(r) kappa)^(1/m)`` for ``r`` the size and ``kappa`` the eigenvector
+    condition number, so 5 squarings leave about 1.1 where the norm bounds leave 2-4. Each squaring is normalized
+    (no overflow or underflow); five GEMMs cost far less than the eigenvalue problem they spare. NaN for a
+    non-finite block.
+    """
+    log_scale = blocks.new_zeros(blocks.shape[:-2])
+    power = blocks
+    for _ in range(squarings):
+        norm = torch.linalg.matrix_norm(power)
+        power = power / torch.where(norm > 0, norm, torch.ones_like(norm))[..., None, None]
+        log_scale = 2 * (log_scale + norm.log())
+        power = power @ power
+    return torch.exp((log_scale + torch.linalg.matrix_norm(power).log()) / 2**squarings)
 
 
 def _direct_first(
@@ -792,11 +859,41 @@ def connection_operator_norm(
     elif method == "dense" or n * d < 3:
         norm = spectral_norm(connection_operator(attn, w_v, w_o, max_dim=n * d))
     else:
-        values, *_ = _krylov_per_layer(
-            attn, w_v, w_o, 1, "LM", True, tol=tol, ncv=min(ncv, n * d), max_restarts=max_restarts, seed=seed
-        )
-        norm = values[..., 0].real.clamp(min=0).sqrt().to(attn.dtype)
+        options = dict(tol=tol, ncv=min(ncv, n * d), max_restarts=max_restarts, seed=seed)
+        norm = _normal_equations_norm(attn, w_v, w_o, **options).clamp(min=0).sqrt().to(attn.dtype)
     return norm * _inverse_scale(w_v, w_o)
+
+
+def _normal_equations_norm(
+    attn: Tensor, w_v: Tensor, w_o: Tensor, tol: float | None, ncv: int, max_restarts: int, seed: int
+) -> Tensor:
+    """``lambda_max(M^T M)`` of every layer of the batch: ``(*,)`` float64.
+
+    First ``_NORM_LANCZOS_STEPS`` Lanczos steps on all layers at once (one batched matvec per step, no host round
+    trip); the layers whose top Ritz value has not converged then go to the restarted Krylov-Schur solver, alone.
+    """
+    n, d = attn.shape[-1], w_v.shape[-1]
+    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
+    v_cat, o_cat = _concat_heads(w_v, w_o)
+    tol = (1e-5 if attn.dtype == torch.float32 else 1e-10) if tol is None else tol
+
+    def normal(x: Tensor) -> Tensor:  # (N, n d) float64 -> (N, n d): M^T M of each layer
+        y = _matvec(attn, v_cat, o_cat, x.to(attn.dtype).view(*batch, n, d))
+        return _rmatvec(attn, v_cat, o_cat, y).reshape(x.shape)
+
+    generator = torch.Generator(device=attn.device).manual_seed(seed)
+    start = torch.randn(math.prod(batch), n * d, generator=generator, device=attn.device, dtype=attn.dtype)
+    values, converged = largest_eigenvalue(normal, start, min(_NORM_LANCZOS_STEPS, n * d), tol)
+    values = values.view(batch)
+    if not bool(converged.all()):  # one synchronization
+        for index in np.ndindex(*batch):
+            if not converged.view(batch)[index]:
+                a = attn.expand(*batch, *attn.shape[-3:])[index]
+                v = w_v.expand(*batch, *w_v.shape[-3:])[index]
+                o = w_o.expand(*batch, *w_o.shape[-3:])[index]
+                options = dict(tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed)
+                values[index] = _krylov_per_layer(a, v, o, 1, "LM", True, **options)[0][..., 0].real
+    return values
 
 
 def ov_spectral_radius(w_v: Tensor, w_o: Tensor) -> Tensor:
