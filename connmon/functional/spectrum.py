@@ -643,10 +643,14 @@ class Spectra(NamedTuple):
     Attributes:
         largest: ``(*, k)`` the ``k`` eigenvalues of largest modulus, descending.
         rightmost: ``(*,)`` the eigenvalue of largest real part.
+        converged: ``(*,)`` bool: every value met the Krylov tolerance (always True on the exact paths). A Krylov
+            solve that ran out of restarts returns its Ritz values, which can be far from any eigenvalue; the
+            metrics leave such values out rather than log them as measured.
     """
 
     largest: Tensor
     rightmost: Tensor
+    converged: Tensor
 
 
 def connection_spectra(
@@ -688,16 +692,18 @@ def connection_spectra(
     method = solver.get("method", "auto")
     size = (n - 1) * d if deflate else n * d
     valid = _padded(attn) if deflate else None
-    if method not in ("auto", "dense", "kron", "causal") or not 1 <= k <= size or valid is not None:
-        largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", deflate=deflate, **solver)
-        rightmost = connection_spectrum(attn, w_v, w_o, k=1, which="LR", deflate=deflate, **solver)
-        return Spectra(largest, rightmost[..., 0])
-    chosen = _choose(method, attn, n, d)
-    if chosen == "krylov":
-        options = dict(_without(solver, "method"), method="krylov", deflate=deflate)
+    chosen = None
+    if not (method not in ("auto", "dense", "kron", "causal") or not 1 <= k <= size or valid is not None):
+        chosen = _choose(method, attn, n, d)
+    if chosen in (None, "krylov"):
+        options = dict(solver, deflate=deflate, return_info=True)
+        if chosen == "krylov":
+            options["method"] = "krylov"
         largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", **options)
         rightmost = connection_spectrum(attn, w_v, w_o, k=1, which="LR", **options)
-        return Spectra(largest, rightmost[..., 0])
+        # entries of a short padded sequence beyond its (m - 1) d eigenvalues are NaN, not unconverged
+        solved = [(found.converged | found.eigenvalues.isnan()).all(dim=-1) for found in (largest, rightmost)]
+        return Spectra(largest.eigenvalues, rightmost.eigenvalues[..., 0], solved[0] & solved[1])
     if chosen == "kron" and attn.shape[-3] != 1:
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={attn.shape[-3]}")
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
@@ -705,7 +711,8 @@ def connection_spectra(
     found = _direct_first(chosen, part, w_v, w_o, {"LM": k, "LR": 1}, deflate)
     inverse_scale = _inverse_scale(w_v, w_o)
     largest = (found["LM"] * inverse_scale.unsqueeze(-1)).expand(*batch, k)
-    return Spectra(largest, (found["LR"][..., 0] * inverse_scale).expand(batch))
+    converged = torch.ones(batch, dtype=torch.bool, device=attn.device)
+    return Spectra(largest, (found["LR"][..., 0] * inverse_scale).expand(batch), converged)
 
 
 def _no_walk_part(attn: Tensor, solver: dict) -> bool:
@@ -716,10 +723,6 @@ def _no_walk_part(attn: Tensor, solver: dict) -> bool:
 def _nan_batch(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
     return torch.full(batch, float("nan"), dtype=as_float(attn, "attn").dtype, device=attn.device)
-
-
-def _without(options: dict, key: str) -> dict:
-    return {name: value for name, value in options.items() if name != key}
 
 
 def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: object) -> Tensor:

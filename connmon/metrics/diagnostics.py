@@ -142,11 +142,16 @@ class SpectrumMetrics(LayerwiseMean):
     :func:`connmon.functional.connection_spectrum`); ``ov_spectral_radius`` is ``rho(T_bar) / s``, the weight-only
     part. The spectral radius comes from the ``k`` walk eigenvalues of largest modulus, which are kept per layer in
     ``last_spectra`` (``(B_s, k)`` complex, the latest record of each layer) for histograms and figures. A
-    one-token sequence has no walk part (NaN, left out of the means).
+    one-token sequence has no walk part (NaN, left out of the means). On bidirectional layers the spectrum comes
+    from a restarted Krylov solver; a sequence whose solve has not met its tolerance after ``max_restarts``
+    restarts is left out too (NaN radius, gap and spectrum), because its Ritz values can be far from any
+    eigenvalue. That happens when the top eigenvalues are nearly tied, as in a randomly initialized layer whose
+    attention is near uniform; trained layers converge in about 15 restarts.
 
     Args:
         num_layers: number of captured attention layers.
         k: eigenvalues kept per sequence.
+        max_restarts: Krylov restarts per solve before its values count as unmeasured.
         **kwargs: passed to ``torchmetrics.Metric``.
     """
 
@@ -157,11 +162,13 @@ class SpectrumMetrics(LayerwiseMean):
         "ov_spectral_radius",
     )
 
-    def __init__(self, num_layers: int, k: int = 8, **kwargs: object) -> None:
+    def __init__(self, num_layers: int, k: int = 8, max_restarts: int = 30, **kwargs: object) -> None:
         super().__init__(num_layers, **kwargs)
         if k < 1:
             raise ValueError(f"k must be >= 1, got k={k}")
-        self.k = k
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got max_restarts={max_restarts}")
+        self.k, self.max_restarts = k, max_restarts
         self.last_spectra: dict[int, Tensor] = {}
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
@@ -172,12 +179,14 @@ class SpectrumMetrics(LayerwiseMean):
             nan = torch.full((batch,), float("nan"), dtype=record.attn.dtype, device=record.attn.device)
             self.last_spectra[record.index] = torch.full((batch, self.k), float("nan"), dtype=torch.complex64)
             return torch.stack([nan, nan, nan, ov.to(nan.dtype)], dim=-1)
-        spectra = F.connection_spectra(*args, k=min(self.k, (n - 1) * d))  # one decomposition for both ends
-        self.last_spectra[record.index] = spectra.largest  # (B_s, k)
+        spectra = F.connection_spectra(*args, k=min(self.k, (n - 1) * d), max_restarts=self.max_restarts)
+        unconverged = ~spectra.converged.reshape(-1, 1)  # Ritz values of a Krylov solve out of restarts: unmeasured
+        largest = spectra.largest.masked_fill(unconverged, complex(float("nan"), float("nan")))
+        self.last_spectra[record.index] = largest  # (B_s, k)
         columns = [
-            spectra.largest.abs()[..., 0],
+            largest.abs()[..., 0],
             F.connection_operator_norm(*args),
-            1 - spectra.rightmost.real,
+            (1 - spectra.rightmost.real).masked_fill(unconverged[:, 0], float("nan")),
             ov,
         ]
         return torch.stack([c.to(record.attn.dtype) for c in columns], dim=-1)

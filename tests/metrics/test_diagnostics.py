@@ -191,3 +191,26 @@ def test_reversibility_is_left_out_on_causal_layers_where_the_mask_alone_sets_it
     assert values["reversibility_gap"].isnan().all() and values["reversibility_gap/all"].isnan()
     assert not values["nonfinite_layers"].any()  # not measured, which is not a non-finite forward
     assert values["walk_spectral_gap"].isfinite().all()
+
+
+def test_spectra_of_unconverged_krylov_solves_are_left_out_not_logged():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    (record,) = connmon.capture(model, torch.randn(2, 24, 32))  # (24 - 1) * 32 > 512: the Krylov path
+    for restarts, converged in ((1, False), (30, True)):
+        spectra = F.connection_spectra(record.attn, record.w_v, record.w_o, k=8, max_restarts=restarts)
+        assert spectra.converged.tolist() == [converged, converged]
+        metric = SpectrumMetrics(1, max_restarts=restarts)
+        metric.update(record)
+        out = metric.compute()
+        radius, gap = out["connection_spectral_radius"], out["connection_laplacian_gap"]
+        assert metric.last_spectra[0].isnan().all() != converged
+        if converged:
+            torch.testing.assert_close(radius, spectra.largest.abs()[:, 0].double().mean())
+            torch.testing.assert_close(gap, (1 - spectra.rightmost.real).double().mean())
+        else:  # Ritz values out of restarts are not eigenvalues: unmeasured, while the other columns stay
+            assert radius.isnan().all() and gap.isnan().all() and metric.count[0, 0] == 0
+            assert out["connection_operator_norm"].isfinite().all() and out["ov_spectral_radius"].isfinite().all()
+    with pytest.raises(ValueError, match="max_restarts"):
+        SpectrumMetrics(1, max_restarts=-1)
