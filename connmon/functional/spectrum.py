@@ -645,7 +645,8 @@ class Spectra(NamedTuple):
         rightmost: ``(*,)`` the eigenvalue of largest real part.
         converged: ``(*,)`` bool: every value met the Krylov tolerance (always True on the exact paths). A Krylov
             solve that ran out of restarts returns its Ritz values, which can be far from any eigenvalue; the
-            metrics leave such values out rather than log them as measured.
+            metrics leave such values out rather than log them as measured. When no layer's ``largest`` converged,
+            the ``rightmost`` solve is not attempted (NaN).
     """
 
     largest: Tensor
@@ -700,10 +701,14 @@ def connection_spectra(
         if chosen == "krylov":
             options["method"] = "krylov"
         largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", **options)
-        rightmost = connection_spectrum(attn, w_v, w_o, k=1, which="LR", **options)
         # entries of a short padded sequence beyond its (m - 1) d eigenvalues are NaN, not unconverged
-        solved = [(found.converged | found.eigenvalues.isnan()).all(dim=-1) for found in (largest, rightmost)]
-        return Spectra(largest.eigenvalues, rightmost.eigenvalues[..., 0], solved[0] & solved[1])
+        solved = (largest.converged | largest.eigenvalues.isnan()).all(dim=-1)
+        if not bool(solved.any()):  # nothing to pair a rightmost value with: not attempted
+            nan = largest.eigenvalues.new_full(solved.shape, complex(float("nan"), float("nan")))
+            return Spectra(largest.eigenvalues, nan, solved)
+        rightmost = connection_spectrum(attn, w_v, w_o, k=1, which="LR", **options)
+        solved &= (rightmost.converged | rightmost.eigenvalues.isnan()).all(dim=-1)
+        return Spectra(largest.eigenvalues, rightmost.eigenvalues[..., 0], solved)
     if chosen == "kron" and attn.shape[-3] != 1:
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={attn.shape[-3]}")
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
