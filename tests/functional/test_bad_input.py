@@ -147,7 +147,8 @@ def test_non_finite_weights_on_the_causal_path_give_nan():
 
 def test_single_token():
     attn = torch.ones(3, 1, 1)
-    w_v, w_o = torch.randn(3, 2, 6), torch.randn(3, 6, 2)
+    gen = torch.Generator().manual_seed(42)  # any seed: float32 eigensolvers agree to about 1e-6 relative
+    w_v, w_o = torch.randn(3, 2, 6, generator=gen), torch.randn(3, 6, 2, generator=gen)
     P = F.walk_matrix(attn)
     assert F.stochasticity_gap(P).item() == 0
     assert F.attention_entropy(attn).item() == 0
@@ -161,8 +162,8 @@ def test_single_token():
     got = F.connection_spectrum(attn, w_v, w_o, k=6, deflate=False)
     torch.testing.assert_close(got.abs(), expected.abs().sort(descending=True).values, rtol=1e-5, atol=1e-6)
     radius = F.connection_spectral_radius(attn, w_v, w_o, deflate=False)
-    assert radius.item() == pytest.approx(got.abs().max().item())
-    assert radius.item() == pytest.approx(F.ov_spectral_radius(w_v, w_o).item())  # M = T_bar
+    assert radius.item() == pytest.approx(got.abs().max().item(), rel=1e-5)
+    assert radius.item() == pytest.approx(F.ov_spectral_radius(w_v, w_o).item(), rel=1e-5)  # M = T_bar
     # no walk part: only constant fields
     assert F.connection_spectral_radius(attn, w_v, w_o).isnan() and F.connection_laplacian_gap(attn, w_v, w_o).isnan()
     assert F.connection_operator_norm(attn, w_v, w_o, deflate=False).item() > 0
