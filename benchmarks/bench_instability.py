@@ -8,6 +8,8 @@ gradient clipping, one torch thread per run, two runs side by side):
   steps was tried first: it passes 1e-2 at step 50, before this model has learned anything, and every run went
   straight to the uniform-prediction plateau, so there was nothing to warn about.)
 * ``control``: the same ramp to a peak of 3e-3, with qk-layernorm. It should never diverge.
+* ``warmup`` (``--wide``, base and width 64): a healthy from-scratch run as users set it up, linear warmup to 1e-3
+  over 100 steps then constant, no qk-norm. Any alert on it is a false alarm.
 * ``const-<lr>``: constant LR from step 0 (no warmup), for the *regime* question: does an early alert separate runs
   headed for a bad plateau from good ones?
 
@@ -24,9 +26,16 @@ batch of 16 is noisy) is above ``K = 1.5`` times its running minimum for ``M = 1
 has learned (running minimum below 90% of the initial loss, i.e. clearly below the unigram plateau near
 ``ln 64 = 4.16``, which the untrained model reaches in a few steps).
 
+With ``--wide`` the ramp runs and their controls are repeated for each variant in ``VARIANTS``, one factor away
+from the base setting at a time: width 64, depth 2, SGD with momentum (learning rates x100), the copy task (random
+tokens then the same again: an induction head forms, a healthy phase change), and a staircase ramp (the same
+exponential envelope in 15 jumps).
+
 Usage:
     python benchmarks/bench_instability.py --save /tmp/instability.json   # about 6 minutes on 2 CPU cores
     python benchmarks/bench_instability.py --load /tmp/instability.json   # the tables again, no training
+    python benchmarks/bench_instability.py --wide --variants "width 64" "copy task" --save /tmp/wide.json
+    python benchmarks/bench_instability.py --load /tmp/instability.json /tmp/wide.json   # merged tables
 """
 
 from __future__ import annotations
@@ -112,15 +121,63 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+BASE = {"width": 128, "depth": 4, "optimizer": "adamw", "corpus": "markov", "shape": "exp"}
+# The wider suite (``--wide``): one factor at a time away from the base setting, each with its own controls.
+VARIANTS = {
+    "base": {},
+    "width 64": {"width": 64},
+    "depth 2": {"depth": 2},
+    "SGD momentum": {"optimizer": "sgd"},
+    "copy task": {"corpus": "copy"},
+    "staircase ramp": {"shape": "stairs"},
+}
+SGD_SCALE = 100.0  # SGD with momentum 0.9 runs this many times AdamW's learning rates (its steps are not normalized)
+STAIRS = 15  # the staircase ramp: the exponential ramp held constant over 15 equal stretches, then raised at once
+
+
 def arms(args: argparse.Namespace) -> list[dict]:
     runs = []
-    for seed in range(args.seeds):
-        ramp = {"seed": seed, "start": args.start, "ramp": args.ramp}
-        runs.append({"arm": "ramp", **ramp, "peak": args.peak, "qk_norm": False})
-        runs.append({"arm": "control", **ramp, "peak": 3e-3, "qk_norm": True})
-        for lr in args.constant:
-            runs.append({"arm": f"const-{lr:g}", "seed": seed, "start": lr, "peak": lr, "ramp": 0, "qk_norm": False})
+    for variant, changes in VARIANTS.items() if args.wide else [("base", {})]:
+        setting = {**BASE, **changes, "variant": variant}
+        scale = SGD_SCALE if setting["optimizer"] == "sgd" else 1.0
+        for seed in range(args.seeds):
+            ramp = {**setting, "seed": seed, "start": args.start * scale, "ramp": args.ramp}
+            runs.append({"arm": "ramp", **ramp, "peak": args.peak * scale, "qk_norm": False})
+            runs.append({"arm": "control", **ramp, "peak": 3e-3 * scale, "qk_norm": True})
+            if variant in ("base", "width 64"):  # a user's healthy from-scratch run: linear warmup, then constant
+                warmup = {**setting, "seed": seed, "start": 0.0, "ramp": 100, "shape": "warmup"}
+                runs.append({"arm": "warmup", **warmup, "peak": 1e-3, "qk_norm": False})
+            for lr in args.constant if variant == "base" else ():
+                const = {**setting, "seed": seed, "start": lr, "peak": lr, "ramp": 0, "qk_norm": False}
+                runs.append({"arm": f"const-{lr:g}", **const})
     return runs
+
+
+def copy_corpus(sequences: int, vocab: int, tokens: int, seed: int = 0) -> torch.Tensor:
+    """``(sequences, tokens)``: random tokens, then the same tokens again.
+
+    Copying needs an induction head, whose formation is a healthy phase change (the loss drops fast, attention
+    sharpens).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    half = torch.randint(0, vocab, (sequences, tokens // 2), generator=gen)
+    return torch.cat([half, half], dim=1)
+
+
+def learning_rate(config: dict, step: int) -> float:
+    """The learning rate of a run at ``step``.
+
+    An exponential ramp from ``start`` to ``peak`` over ``ramp`` steps, smooth or in stairs, then constant; or a
+    linear warmup from 0 to ``peak`` over ``ramp`` steps, then constant (``shape="warmup"``).
+
+    A linear ramp to the same peak was not used: it passes 1e-2 before this model learns anything (see above).
+    """
+    progress = min(1.0, step / config["ramp"]) if config["ramp"] else 1.0
+    if config.get("shape", "exp") == "warmup":
+        return config["peak"] * min(1.0, (step + 1) / config["ramp"])
+    if config.get("shape", "exp") == "stairs":
+        progress = math.floor(progress * STAIRS) / STAIRS
+    return config["start"] * (config["peak"] / config["start"]) ** progress
 
 
 def sample(model: nn.Module, idx: torch.Tensor, groups: list, names: list[str]) -> dict[str, float]:
@@ -145,19 +202,26 @@ def train(config: dict, steps: int, every: int, spectrum: bool = False) -> dict:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # saturated softmax otherwise slows the run about 2x
     example = example_module()
-    data = example.markov_corpus(2048, seed=0).tensors[0]
+    config = {**BASE, **config}
+    if config["corpus"] == "copy":
+        data = copy_corpus(2048, example.VOCAB, example.TOKENS + 1)
+    else:
+        data = example.markov_corpus(2048, seed=0).tensors[0]
     torch.manual_seed(config["seed"])
-    model = GPT(example.VOCAB, example.TOKENS, config["qk_norm"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], weight_decay=0.0)
-    transport = TransportMetrics(4)
+    depth = config["depth"]
+    model = GPT(example.VOCAB, example.TOKENS, config["qk_norm"], n_layer=depth, n_embd=config["width"])
+    if config["optimizer"] == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=config["peak"], momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], weight_decay=0.0)
+    transport = TransportMetrics(depth)
     transport.measure_edges = False
-    groups = [WalkMetrics(4), transport, DriftMetrics(4), *([SpectrumMetrics(4)] if spectrum else [])]
+    groups = [WalkMetrics(depth), transport, DriftMetrics(depth), *([SpectrumMetrics(depth)] if spectrum else [])]
     gen = torch.Generator().manual_seed(config["seed"])
     losses, grad_norms, samples = [], [], {}
     start = time.perf_counter()
     for step in range(steps):
-        progress = min(1.0, step / config["ramp"]) if config["ramp"] else 1.0
-        lr = config["start"] * (config["peak"] / config["start"]) ** progress
+        lr = learning_rate(config, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = data[torch.randint(0, len(data), (16,), generator=gen)]
@@ -179,6 +243,10 @@ def train(config: dict, steps: int, every: int, spectrum: bool = False) -> dict:
         "samples": samples,
         "seconds": time.perf_counter() - start,
     }
+
+
+def _train(job: tuple) -> dict:
+    return train(*job)
 
 
 def divergence(losses: list[float]) -> int | None:
@@ -266,15 +334,16 @@ def cell(lead: int | None, false: int) -> str:
 
 
 def evaluate(runs: list[dict]) -> None:
-    ramp = [r for r in runs if r["arm"] in ("ramp", "control")]
+    ramp = [r for r in runs if r["arm"] in ("ramp", "control", "warmup")]
     for run in ramp:
         run["divergence"] = divergence(run["loss"])
     print("\n### Lead-time suite (ramp runs and qk-norm controls)\n")
-    header = ["arm", "seed", "divergence step", "final loss", "DriftAlert default", "(every 100 steps)", *BASELINES]
+    header = ["variant", "arm", "seed", "divergence step", "final loss", "DriftAlert default", "(every 100 steps)"]
+    header += list(BASELINES)
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for run in ramp:
         div = run["divergence"]
-        cells = [run["arm"], str(run["seed"]), str(div), f"{run['loss'][-1]:.3g}"]
+        cells = [run.get("variant", "base"), run["arm"], str(run["seed"]), str(div), f"{run['loss'][-1]:.3g}"]
         for source, rules in [("samples", default_rules_set), ("every 100", default_rules_set), *BASELINES.values()]:
             if source == "every 100":  # what ConnectionMonitor's default cadence would have seen
                 series = {s: v for s, v in samples(run).items() if s % 100 == 0}
@@ -286,6 +355,7 @@ def evaluate(runs: list[dict]) -> None:
         f"\nlead: divergence step minus the first alert within {WINDOW} steps before it; FA: false alarms (alerts "
         f"earlier than that, or on a run that never diverged); -: no warning\n"
     )
+    by_variant(ramp)
     diverged = [r for r in ramp if r["divergence"] is not None]
     keys = set().union(*(set(v) for r in ramp for v in r["samples"].values()))
     print(
@@ -303,6 +373,7 @@ def evaluate(runs: list[dict]) -> None:
     ranked = sorted(scored, key=lambda s: (s[2] > 0, -s[0], -s[1]))
     for warned, median, false, name in ranked[:25]:
         print(f"| {name} | {warned}/{len(diverged)} | {median:g} | {false} |")
+    families(ranked, len(diverged))
     spectral = [s for s in ranked if s[3].split(" ")[0] in SpectrumMetrics.metrics]
     if spectral:
         print("\n### The spectrum group as an early warning (every candidate rule on its metrics)\n")
@@ -313,6 +384,46 @@ def evaluate(runs: list[dict]) -> None:
     constant = [r for r in runs if r["arm"].startswith("const-")]
     if constant:
         regime(constant)
+
+
+ARMS = ("ramp", "others")  # false alarms on the ramp runs, and on the runs meant to stay healthy
+
+
+def by_variant(ramp: list[dict]) -> None:
+    """The default rules, per variant of the suite: runs warned, median lead, false alarms on ramps and controls."""
+    print("### The default rules per variant (sampling every `--every` steps)\n")
+    print("| variant | ramp runs diverged | warned | median lead | false alarms: ramp runs | false alarms: others |")
+    print("|---|---|---|---|---|---|")
+    for variant in dict.fromkeys(r.get("variant", "base") for r in ramp):
+        runs = [r for r in ramp if r.get("variant", "base") == variant]
+        scored = [(r, score(alert_steps(default_rules_set, samples(r)), r["divergence"])) for r in runs]
+        leads = [lead for r, (lead, _) in scored if r["divergence"] is not None and lead is not None]
+        diverged = sum(r["divergence"] is not None for r in runs if r["arm"] == "ramp")
+        false = {arm: sum(f for r, (_, f) in scored if (r["arm"] == "ramp") == (arm == "ramp")) for arm in ARMS}
+        median = f"{statistics.median(leads):g}" if leads else "-"
+        ramps = sum(r["arm"] == "ramp" for r in runs)
+        print(f"| {variant} | {diverged}/{ramps} | {len(leads)} | {median} | {false['ramp']} | {false['others']} |")
+    print()
+
+
+FAMILIES = {
+    "walk": WalkMetrics.metrics,
+    "transport": TransportMetrics.metrics,
+    "spectrum": SpectrumMetrics.metrics,
+    "drift": DriftMetrics.metrics,
+}
+
+
+def families(ranked: list[tuple[int, float, int, str]], diverged: int) -> None:
+    """One row per signal family: its best candidate rule (fewest false alarms, then most warned, then lead)."""
+    print("\n### Best candidate per signal family\n")
+    print("| family | best rule | diverging runs warned | median lead (steps) | false alarms (all runs) |")
+    print("|---|---|---|---|---|")
+    for family, metrics in FAMILIES.items():
+        rows = [r for r in ranked if r[3].split(" ")[0] in metrics]
+        if rows:
+            warned, median, false, name = rows[0]
+            print(f"| {family} | {name} | {warned}/{diverged} | {median:g} | {false} |")
 
 
 def regime(constant: list[dict]) -> None:
@@ -353,23 +464,29 @@ def main() -> None:
     parser.add_argument("--arms", nargs="*", help="only these arms (ramp, control, const-<lr>)")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--spectrum", action="store_true", help="sample the spectrum group too (slower)")
+    parser.add_argument("--wide", action="store_true", help="the wider suite: every variant in VARIANTS")
+    parser.add_argument("--variants", nargs="*", help="with --wide, only these variants")
     parser.add_argument("--save", type=Path)
-    parser.add_argument("--load", type=Path)
+    parser.add_argument("--load", type=Path, nargs="*", help="saved runs (several files are merged)")
     args = parser.parse_args()
     if args.load:
-        runs = json.loads(args.load.read_text())
+        runs = [run for path in args.load for run in json.loads(path.read_text())]
     else:
         configs = [c for c in arms(args) if not args.arms or c["arm"] in args.arms]
+        configs = [c for c in configs if not args.variants or c["variant"] in args.variants]
         jobs = [
             (c, args.const_steps if c["arm"].startswith("const-") else args.steps, args.every, args.spectrum)
             for c in configs
         ]
+        jobs.sort(key=lambda job: job[0]["seed"])  # every variant's first seed first: a cut-short suite still spans
+        runs = []
         with get_context("spawn").Pool(args.processes) as pool:
-            runs = pool.starmap(train, jobs)
-        for run in runs:
-            print(f"{run['arm']} seed {run['seed']}: {len(run['loss'])} steps in {run['seconds']:.0f} s", flush=True)
-        if args.save:
-            args.save.write_text(json.dumps(runs))
+            for run in pool.imap_unordered(_train, jobs):
+                runs.append(run)
+                name = f"{run.get('variant', 'base')} {run['arm']} seed {run['seed']}"
+                print(f"{name}: {len(run['loss'])} steps in {run['seconds']:.0f} s", flush=True)
+                if args.save:  # after every run, so a suite stopped early keeps what it finished
+                    args.save.write_text(json.dumps(runs))
     evaluate(runs)
 
 
