@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # For a session lent a CUDA machine: connmon's correctness on the GPU (benchmarks/cuda_check.py) and the benchmarks
 # with --device cuda, in one file of tables ($OUT/gpu_figures.md when the device tool's $OUT is set, else
-# benchmarks/gpu_figures.md). About 7 minutes on an H200; record the figures in benchmarks/README.md.
+# benchmarks/gpu_figures.md). About 8 minutes on an H200; record the figures in benchmarks/README.md.
 #
 # The machine has no network: it uses the Python that holds PyTorch there (with lightning, torchmetrics,
 # transformers, scipy, matplotlib, pytest) and connmon from this checkout on PYTHONPATH; W&B is not needed for these runs.
@@ -21,6 +21,9 @@ status=0
   timeout 180 python3 benchmarks/bench_functional.py --device cuda --quick || status=1
   echo "## bench_functional.py --device cuda --full-sample --repeats 1 (GPT-2-small shape)"
   timeout 90 python3 benchmarks/bench_functional.py --device cuda --full-sample --repeats 1 || status=1
+  echo
+  echo "## bench_sample.py --device cuda (each part of a full sample, in training steps of the example)"
+  timeout 120 python3 benchmarks/bench_sample.py --device cuda || status=1
   echo
   echo "## Lightning FSDPStrategy (FSDP1 needs CUDA): logged values equal one process's (tests/callbacks/test_ddp.py)"
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/callbacks/test_ddp.py -k "fsdp and not fsdp2" || status=1
