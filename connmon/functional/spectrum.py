@@ -298,8 +298,8 @@ def _causal_first(
     (subadditive over nonnegative combinations). Blocks that cannot enter any answer are never decomposed, and one
     pass serves all requests. When ``H d_h < d`` each block is
     solved through its ``H d_h`` core ``diag(a_i) V O``, which has the nonzero eigenvalues of ``O diag(a_i) V``;
-    the other ``d - H d_h`` are 0. Chunks of blocks double in size from 2 (new blocks often raise the bar), never
-    holding a block whose bound no longer reaches the current k-th key, nor more than ``_CHUNK_ELEMENTS`` numbers.
+    the other ``d - H d_h`` are 0. Blocks the norm bounds leave in are bounded again, far more tightly, by
+    :func:`_power_radius_bounds` before any is decomposed (see :func:`_first_over_blocks`).
     """
     heads, d_h, d = w_v.shape[-3:]
     inner = heads * d_h
@@ -370,7 +370,7 @@ def _first_over_blocks(
         bars = {w: _key(best[w][k - 1], w).item() if best[w].numel() >= k else -np.inf for w, k in requests.items()}
         could = torch.zeros(len(pool), dtype=torch.bool)
         for w in requests:
-            could |= ~(tight[w] * (1 + _POWER_MARGIN) < bars[w])  # NaN bounds are kept
+            could |= ~(tight[w] + _POWER_MARGIN * tight[w].abs() < bars[w])  # NaN bounds are kept
         pool, tight = pool[could], {w: b[could] for w, b in tight.items()}
         ahead = position < size and any(not float(reach.get(w, reach["LM"])[position]) < bars[w] for w in requests)
         if not ahead and len(pool) == 0:

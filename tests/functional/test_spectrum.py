@@ -113,6 +113,18 @@ def test_causal_path_skips_blocks_that_cannot_enter_the_answer(heads, monkeypatc
 
 
 @pytest.mark.parametrize("deflate", [False, True])
+def test_causal_path_finds_the_rightmost_of_a_left_half_plane_spectrum(deflate):
+    # T_h = -(a positive definite map): every block's eigenvalues are negative, so the bar of the rightmost request
+    # is negative and the bounds' round-off margin must widen them, not shrink them
+    layer = ref.make_layer(heads=3, n=60, d_h=4, d=12, mask="causal", sharpness=3.0, seed=11)
+    w_o = -layer.w_v.mT @ (torch.eye(4, dtype=layer.w_v.dtype) + 0.1)  # T_h = -V_h^T (I + 0.1) V_h
+    expected = ref.causal_spectrum(layer.attn.numpy(), layer.w_v.numpy(), w_o.numpy(), deflate=deflate)
+    assert expected.real.max() < 0
+    got = F.connection_spectrum(layer.attn, layer.w_v, w_o, k=3, which="LR", method="causal", deflate=deflate)
+    assert_same_eigenvalues(got, expected, "LR")
+
+
+@pytest.mark.parametrize("deflate", [False, True])
 def test_connection_spectrum_kron_path_is_exact(deflate):
     layer = ref.make_layer(heads=1, n=7, d_h=3, d=5, mask="causal", seed=2)
     expected = ref.spectrum(*layer.np, deflate=deflate)
