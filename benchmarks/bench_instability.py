@@ -365,8 +365,19 @@ def evaluate(runs: list[dict]) -> None:
     print("| signal | diverging runs warned | median lead (steps) | false alarms (all runs) |")
     print("|---|---|---|---|")
     scored = []
+    series = {id(run): samples(run) for run in ramp}
+    only: dict[tuple[int, str], dict] = {}  # each run's series of one metric: a rule on it reads no other key
+
+    def of(run: dict, metric: str) -> dict[int, dict[str, float]]:
+        prefix = f"connmon/{metric}/L"
+        if (id(run), metric) not in only:
+            steps = series[id(run)].items()
+            only[id(run), metric] = {s: {k: v for k, v in row.items() if k.startswith(prefix)} for s, row in steps}
+        return only[id(run), metric]
+
     for name, rules in candidates(keys).items():
-        results = [(run["divergence"], score(alert_steps(rules, samples(run)), run["divergence"])) for run in ramp]
+        metric = name.split(" ")[0]
+        results = [(run["divergence"], score(alert_steps(rules, of(run, metric)), run["divergence"])) for run in ramp]
         leads = [lead for div, (lead, _) in results if div is not None and lead is not None]
         false = sum(f for _, (_, f) in results)
         scored.append((len(leads), statistics.median(leads) if leads else 0, false, name))

@@ -152,7 +152,9 @@ class RuleSet:
             quiet = state.last_alert_step is not None and step - state.last_alert_step < rule.cooldown
             fired: Alert | None = None
             for key in sorted(k for k in values if fnmatch.fnmatchcase(k, rule.keys)):
-                detector = state.detectors.setdefault(key, copy.deepcopy(rule.detector))
+                detector = state.detectors.get(key)
+                if detector is None:  # not setdefault: that would deep-copy the prototype on every update
+                    detector = state.detectors[key] = copy.deepcopy(rule.detector)
                 value = float(values[key])
                 hit = detector.update(value)
                 if hit is not None and not quiet and fired is None:
