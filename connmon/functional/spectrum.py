@@ -643,15 +643,17 @@ class Spectra(NamedTuple):
     Attributes:
         largest: ``(*, k)`` the ``k`` eigenvalues of largest modulus, descending.
         rightmost: ``(*,)`` the eigenvalue of largest real part.
-        converged: ``(*,)`` bool: every value met the Krylov tolerance (always True on the exact paths). A Krylov
-            solve that ran out of restarts returns its Ritz values, which can be far from any eigenvalue; the
-            metrics leave such values out rather than log them as measured. When no layer's ``largest`` converged,
-            the ``rightmost`` solve is not attempted (NaN).
+        largest_converged: ``(*, k)`` bool, per eigenvalue: it met the Krylov tolerance (always True on the exact
+            paths). A Krylov solve that runs out of restarts returns Ritz values, which can be far from any
+            eigenvalue; the metrics leave unconverged values out rather than log them as measured.
+        rightmost_converged: ``(*,)`` bool, the same for ``rightmost``. When no layer's largest eigenvalue
+            converged, the rightmost solve is not attempted (NaN, False).
     """
 
     largest: Tensor
     rightmost: Tensor
-    converged: Tensor
+    largest_converged: Tensor
+    rightmost_converged: Tensor
 
 
 def connection_spectra(
@@ -701,14 +703,11 @@ def connection_spectra(
         if chosen == "krylov":
             options["method"] = "krylov"
         largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", **options)
-        # entries of a short padded sequence beyond its (m - 1) d eigenvalues are NaN, not unconverged
-        solved = (largest.converged | largest.eigenvalues.isnan()).all(dim=-1)
-        if not bool(solved.any()):  # nothing to pair a rightmost value with: not attempted
-            nan = largest.eigenvalues.new_full(solved.shape, complex(float("nan"), float("nan")))
-            return Spectra(largest.eigenvalues, nan, solved)
-        rightmost = connection_spectrum(attn, w_v, w_o, k=1, which="LR", **options)
-        solved &= (rightmost.converged | rightmost.eigenvalues.isnan()).all(dim=-1)
-        return Spectra(largest.eigenvalues, rightmost.eigenvalues[..., 0], solved)
+        if not bool(largest.converged[..., 0].any()):  # no radius anywhere: the rightmost solve is not attempted
+            nan = largest.eigenvalues.new_full(largest.converged.shape[:-1], complex(float("nan"), float("nan")))
+            return Spectra(largest.eigenvalues, nan, largest.converged, torch.zeros_like(nan.real, dtype=torch.bool))
+        right = connection_spectrum(attn, w_v, w_o, k=1, which="LR", **options)
+        return Spectra(largest.eigenvalues, right.eigenvalues[..., 0], largest.converged, right.converged[..., 0])
     if chosen == "kron" and attn.shape[-3] != 1:
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={attn.shape[-3]}")
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
@@ -716,8 +715,8 @@ def connection_spectra(
     found = _direct_first(chosen, part, w_v, w_o, {"LM": k, "LR": 1}, deflate)
     inverse_scale = _inverse_scale(w_v, w_o)
     largest = (found["LM"] * inverse_scale.unsqueeze(-1)).expand(*batch, k)
-    converged = torch.ones(batch, dtype=torch.bool, device=attn.device)
-    return Spectra(largest, (found["LR"][..., 0] * inverse_scale).expand(batch), converged)
+    rightmost = (found["LR"][..., 0] * inverse_scale).expand(batch)
+    return Spectra(largest, rightmost, largest.isfinite(), rightmost.isfinite())
 
 
 def _no_walk_part(attn: Tensor, solver: dict) -> bool:

@@ -143,10 +143,11 @@ class SpectrumMetrics(LayerwiseMean):
     part. The spectral radius comes from the ``k`` walk eigenvalues of largest modulus, which are kept per layer in
     ``last_spectra`` (``(B_s, k)`` complex, the latest record of each layer) for histograms and figures. A
     one-token sequence has no walk part (NaN, left out of the means). On bidirectional layers the spectrum comes
-    from a restarted Krylov solver; a sequence whose solve has not met its tolerance after ``max_restarts``
-    restarts is left out too (NaN radius, gap and spectrum), because its Ritz values can be far from any
-    eigenvalue. That happens when the top eigenvalues are nearly tied, as in a randomly initialized layer whose
-    attention is near uniform; trained layers converge in about 15 restarts.
+    from a restarted Krylov solver; a value that has not met its tolerance after ``max_restarts`` restarts is left
+    out too (the radius when the largest eigenvalue did not converge, the gap when the rightmost did not, each
+    unconverged entry of the spectrum), because a Ritz value can be far from any eigenvalue. That happens when the
+    top eigenvalues are nearly tied, as in a randomly initialized layer whose attention is near uniform; trained
+    layers converge in about 15 restarts.
 
     Args:
         num_layers: number of captured attention layers.
@@ -180,13 +181,13 @@ class SpectrumMetrics(LayerwiseMean):
             self.last_spectra[record.index] = torch.full((batch, self.k), float("nan"), dtype=torch.complex64)
             return torch.stack([nan, nan, nan, ov.to(nan.dtype)], dim=-1)
         spectra = F.connection_spectra(*args, k=min(self.k, (n - 1) * d), max_restarts=self.max_restarts)
-        unconverged = ~spectra.converged.reshape(-1, 1)  # Ritz values of a Krylov solve out of restarts: unmeasured
-        largest = spectra.largest.masked_fill(unconverged, complex(float("nan"), float("nan")))
+        # Ritz values of a Krylov solve out of restarts are not measurements: NaN, left out of the means
+        largest = spectra.largest.masked_fill(~spectra.largest_converged, complex(float("nan"), float("nan")))
         self.last_spectra[record.index] = largest  # (B_s, k)
         columns = [
             largest.abs()[..., 0],
             F.connection_operator_norm(*args),
-            (1 - spectra.rightmost.real).masked_fill(unconverged[:, 0], float("nan")),
+            (1 - spectra.rightmost.real).masked_fill(~spectra.rightmost_converged, float("nan")),
             ov,
         ]
         return torch.stack([c.to(record.attn.dtype) for c in columns], dim=-1)

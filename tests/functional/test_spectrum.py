@@ -244,7 +244,7 @@ def test_connection_spectra_equal_the_two_separate_solves(method, deflate):
         torch.testing.assert_close(both.largest, F.connection_spectrum(*args, k=4, method=method, deflate=deflate))
         rightmost = F.connection_spectrum(*args, k=1, which="LR", method=method, deflate=deflate)[..., 0]
         torch.testing.assert_close(both.rightmost, rightmost)
-        assert bool(both.converged.all())
+        assert bool(both.largest_converged.all()) and bool(both.rightmost_converged.all())
     large = ref.make_layer(heads=4, n=40, d_h=4, d=16, mask="causal", seed=7)  # auto: the causal path, pruned
     both = F.connection_spectra(large.attn, large.w_v, large.w_o, k=8, deflate=deflate)
     expected = ref.causal_spectrum(*large.np, deflate=deflate)
@@ -257,9 +257,10 @@ def test_connection_spectra_flag_krylov_solves_out_of_restarts():
     layer = ref.make_layer(heads=4, n=40, d_h=4, d=16, sharpness=0.3, seed=3)
     args, deflate = (layer.attn, layer.w_v, layer.w_o), True
     cut = F.connection_spectra(*args, k=8, deflate=deflate, max_restarts=0)
-    assert not bool(cut.converged.any()) and bool(cut.rightmost.isnan().all())  # LR not attempted
+    assert not bool(cut.largest_converged[..., 0].any())
+    assert bool(cut.rightmost.isnan().all()) and not bool(cut.rightmost_converged.any())  # LR not attempted
     found = F.connection_spectra(*args, k=8, deflate=deflate, max_restarts=300)
-    assert bool(found.converged.all())
+    assert bool(found.largest_converged.all()) and bool(found.rightmost_converged.all())
     assert_same_eigenvalues(found.largest, ref.spectrum(*layer.np, deflate=deflate), atol=1e-8)
 
 

@@ -200,7 +200,7 @@ def test_spectra_of_unconverged_krylov_solves_are_left_out_not_logged():
     (record,) = connmon.capture(model, torch.randn(2, 24, 32))  # (24 - 1) * 32 > 512: the Krylov path
     for restarts, converged in ((1, False), (30, True)):
         spectra = F.connection_spectra(record.attn, record.w_v, record.w_o, k=8, max_restarts=restarts)
-        assert spectra.converged.tolist() == [converged, converged]
+        assert spectra.largest_converged[:, 0].tolist() == [converged, converged]
         metric = SpectrumMetrics(1, max_restarts=restarts)
         metric.update(record)
         out = metric.compute()
@@ -214,3 +214,19 @@ def test_spectra_of_unconverged_krylov_solves_are_left_out_not_logged():
             assert out["connection_operator_norm"].isfinite().all() and out["ov_spectral_radius"].isfinite().all()
     with pytest.raises(ValueError, match="max_restarts"):
         SpectrumMetrics(1, max_restarts=-1)
+
+
+def test_each_spectral_value_is_left_out_only_where_its_own_solve_did_not_converge():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False).eval()
+    (record,) = connmon.capture(model, torch.randn(8, 32, 64))
+    spectra = F.connection_spectra(record.attn, record.w_v, record.w_o, k=8, max_restarts=30)
+    # this layer's first sequence: every largest-modulus value converged, its rightmost-eigenvalue solve did not
+    assert spectra.largest_converged.all() and spectra.rightmost_converged.tolist() == [False, True]
+    metric = SpectrumMetrics(1, max_restarts=30)
+    metric.update(record)
+    out = metric.compute()
+    torch.testing.assert_close(out["connection_spectral_radius"], spectra.largest.abs()[:, 0].double().mean())
+    torch.testing.assert_close(out["connection_laplacian_gap"], 1 - spectra.rightmost.real[1].double())
+    assert not metric.last_spectra[0].isnan().any()
