@@ -2,7 +2,8 @@
 
 Trains the example's tiny GPT (4 layers, width 128, 4 heads, batch 16 x 64 tokens, causal; AdamW at 3e-3) for 150
 steps so that attention has structure, captures 2 sequences as ConnectionMonitor does, then times each part of a
-full sample on those records (best of 5) against the median time of one training step measured in the same run:
+full sample on those records (median of 5 after a warm-up) against the median time of one training step measured
+in the same run:
 
 * ``connection_spectra`` (k = 8 by modulus and the rightmost eigenvalue: the spectral radius and Laplacian gap),
 * ``connection_operator_norm``, ``ov_spectral_radius``,
@@ -21,11 +22,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_functional import clock  # a sibling script: benchmarks/ is on sys.path when run
 
 import connmon
 import connmon.functional as F
@@ -40,19 +40,6 @@ def example_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def best_of(function: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        function()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def main() -> None:
@@ -80,7 +67,7 @@ def main() -> None:
         train_step()
     step_times = []
     for _ in range(20):
-        step_times.append(best_of(train_step, device, repeats=1))
+        step_times.append(clock(train_step, device, repeats=1)[0])
     step = statistics.median(step_times)
     records = connmon.capture(model, data.tensors[0][:16].to(device), num_sequences=2)
 
@@ -121,7 +108,7 @@ def main() -> None:
     print("\n| part (4 layers x 2 sequences) | ms | training steps |\n|---|---|---|")
     total = 0.0
     for name, part in parts.items():
-        seconds = best_of(part, device)
+        seconds = clock(part, device, repeats=5)[0]
         total += seconds if not name.startswith("light") else 0.0
         print(f"| {name} | {seconds * 1e3:.1f} | {seconds / step:.2f} |")
     print(f"| the full sample's extra parts, together | {total * 1e3:.1f} | {total / step:.2f} |")

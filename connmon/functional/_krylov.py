@@ -54,6 +54,11 @@ def sort_key(values: np.ndarray, which: Which) -> np.ndarray:
     return np.abs(values) if which == "LM" else values.real
 
 
+def default_tol(dtype: torch.dtype) -> float:
+    """The relative residual tolerance of the Krylov solvers: 1e-5 in float32, 1e-10 in float64."""
+    return 1e-5 if dtype == torch.float32 else 1e-10
+
+
 def krylov_schur(
     matvec: Callable[[Tensor], Tensor],
     dim: int,
@@ -89,7 +94,7 @@ def krylov_schur(
     ncv = min(dim, max(2 * k + 1, 30)) if ncv is None else ncv
     if not k + 2 <= ncv <= dim:
         raise ValueError(f"ncv must satisfy k + 2 <= ncv <= dim (k={k}, dim={dim}), got ncv={ncv}")
-    tol = (1e-5 if dtype == torch.float32 else 1e-10) if tol is None else tol
+    tol = default_tol(dtype) if tol is None else tol
     eps = float(torch.finfo(dtype).eps)
     generator = torch.Generator(device=device).manual_seed(seed)
 

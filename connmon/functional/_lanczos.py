@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from connmon.functional._linalg import _finite_or_zero
+
 _BREAKDOWN = 1e-12  # a new vector this small relative to ||X q|| means the Krylov space is invariant
 
 
@@ -68,7 +70,7 @@ def largest_eigenvalue(
         (True, True)
     """
     alpha, beta = _recurrence(matvec, start, steps)
-    nodes, vectors = torch.linalg.eigh(_finite_or_zero(_tridiagonal(alpha, beta[:, :-1])))
+    nodes, vectors = torch.linalg.eigh(_finite_or_zero(_tridiagonal(alpha, beta[:, :-1]))[0])
     residual = (beta[:, -1] * vectors[:, -1, -1]).abs()
     finite = torch.isfinite(alpha).all(-1) & torch.isfinite(beta).all(-1)
     values = torch.where(finite, nodes[:, -1], float("nan"))
@@ -99,10 +101,6 @@ def _recurrence(matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int) -
 
 def _tridiagonal(alpha: Tensor, off: Tensor) -> Tensor:
     return torch.diag_embed(alpha) + torch.diag_embed(off, offset=1) + torch.diag_embed(off, offset=-1)
-
-
-def _finite_or_zero(matrix: Tensor) -> Tensor:
-    return torch.where(torch.isfinite(matrix).flatten(-2).all(-1)[:, None, None], matrix, 0)
 
 
 def gauss_quadrature(tridiagonal: Tensor, weight: Tensor, function: Callable[[Tensor], Tensor]) -> Tensor:

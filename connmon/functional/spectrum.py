@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from connmon.functional._checks import as_float, check_layer, promote, shape
-from connmon.functional._krylov import Which, krylov_schur
+from connmon.functional._krylov import Which, default_tol, krylov_schur
 from connmon.functional._lanczos import largest_eigenvalue
 from connmon.functional._linalg import eigvals, eigvalsh, spectral_norm
 from connmon.functional.transport import _concat_heads, transport_scale, transport_singular_values
@@ -695,10 +695,9 @@ def connection_spectra(
     method = solver.get("method", "auto")
     size = (n - 1) * d if deflate else n * d
     valid = _padded(attn) if deflate else None
-    chosen = None
-    if not (method not in ("auto", "dense", "kron", "causal") or not 1 <= k <= size or valid is not None):
-        chosen = _choose(method, attn, n, d)
-    if chosen in (None, "krylov"):
+    direct = method in ("auto", "dense", "kron", "causal") and 1 <= k <= size and valid is None
+    chosen = _choose(method, attn, n, d) if direct else None
+    if chosen in (None, "krylov"):  # two solves (or the checks and padding of connection_spectrum)
         options = dict(solver, deflate=deflate, return_info=True)
         if chosen == "krylov":
             options["method"] = "krylov"
@@ -882,7 +881,7 @@ def _normal_equations_norm(
     n, d = attn.shape[-1], w_v.shape[-1]
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
     v_cat, o_cat = _concat_heads(w_v, w_o)
-    tol = (1e-5 if attn.dtype == torch.float32 else 1e-10) if tol is None else tol
+    tol = default_tol(attn.dtype) if tol is None else tol
 
     def normal(x: Tensor) -> Tensor:  # (N, n d) float64 -> (N, n d): M^T M of each layer
         y = _matvec(attn, v_cat, o_cat, x.to(attn.dtype).view(*batch, n, d))
