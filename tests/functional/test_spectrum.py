@@ -109,7 +109,7 @@ def test_causal_path_skips_blocks_that_cannot_enter_the_answer(heads, monkeypatc
         )
         assert_same_eigenvalues(got, blockwise, which)
         assert_same_eigenvalues(got, dense, which, atol=1e-6)  # dense eig of a non-normal 600 x 600 M: ~1e-8
-    assert sum(solved) < 25  # of 2 x 100 blocks: 13-19 with the power bounds (34-50 with norm bounds alone)
+    assert sum(solved) < 18  # of 2 x 100: 10-15 (13-19 without the shifted LR bound, 34-50 with norm bounds alone)
 
 
 @pytest.mark.parametrize("deflate", [False, True])
@@ -331,6 +331,45 @@ def test_power_radius_bounds_hold_and_are_tight(dtype):
             assert (bound * (1 + _POWER_MARGIN) >= radius).all()
             assert (bound[2:] <= 1.5 * radius[2:]).all()  # the norm bounds are 2-4x on such blocks
             assert bound[1] == 0
+
+
+def test_power_radius_bounds_with_a_floor_stay_bounds_and_stop_early():
+    from connmon.functional.spectrum import _POWER_MARGIN, _power_radius_bounds
+
+    gen = torch.Generator().manual_seed(1)
+    blocks = torch.randn(12, 16, 16, generator=gen, dtype=torch.float64) / 4
+    blocks[:4] *= 8  # four large blocks among small ones
+    radius = torch.linalg.eigvals(blocks).abs().amax(dim=-1)
+    full = _power_radius_bounds(blocks)
+    floor = torch.full((12,), float(radius[4:].max()) * 2)  # the small blocks can drop after a squaring or two
+    floored = _power_radius_bounds(blocks, floor=floor)
+    assert (floored * (1 + _POWER_MARGIN) >= radius).all()
+    assert torch.equal(floored[:4], full[:4])  # the blocks above their floor get every squaring
+    assert (floored[4:] < floor[4:]).all() and (floored[4:] > full[4:]).any()  # the others stop once below it
+    assert _power_radius_bounds(blocks, floor=torch.full((12,), float("inf"))).equal(torch.linalg.matrix_norm(blocks))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_real_part_bounds_hold_and_are_tighter(dtype):
+    from connmon.functional.spectrum import _POWER_MARGIN, _power_radius_bounds, _real_part_bounds
+
+    gen = torch.Generator().manual_seed(2)
+    for size, spread, shift in [(8, 1.0, 0.0), (32, 1.0, 0.0), (32, 30.0, 0.0), (32, 1.0, -3.0), (64, 1.0, 0.0)]:
+        scales = torch.logspace(0, torch.log10(torch.tensor(spread)), size, dtype=torch.float64)
+        blocks = torch.randn(10, size, size, generator=gen, dtype=torch.float64) / size**0.5
+        blocks = scales[:, None] * blocks / scales[None, :] + shift * torch.eye(size, dtype=torch.float64)
+        blocks[0] = torch.triu(blocks[0], diagonal=1)  # nilpotent: every eigenvalue 0
+        eig = torch.linalg.eigvals(blocks)
+        rightmost = eig.real.amax(dim=-1)
+        radius = _power_radius_bounds(blocks.to(dtype)).double()
+        bound = _real_part_bounds(blocks.to(dtype), radius, radius, float(rightmost.min()) - 1).double()
+        assert (bound + _POWER_MARGIN * bound.abs() >= rightmost - 1e-6).all()
+        assert (bound <= radius).all()
+        gaps = (bound - rightmost)[1:] / eig.abs().amax(dim=-1)[1:]
+        assert gaps.median() < min(0.1, ((radius - rightmost)[1:] / eig.abs().amax(dim=-1)[1:]).median())
+        # a bar above every bound: the shifted squaring stops early, and the bounds still hold
+        early = _real_part_bounds(blocks.to(dtype), radius, radius, float(radius.max()) * 10).double()
+        assert (early + _POWER_MARGIN * early.abs() >= rightmost - 1e-6).all()
 
 
 def test_power_radius_bounds_are_nan_for_non_finite_blocks():
