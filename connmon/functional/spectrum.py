@@ -242,8 +242,8 @@ def connection_operator(attn: Tensor, w_v: Tensor, w_o: Tensor, max_dim: int = 4
     return blocks.reshape(*blocks.shape[:-4], n * d, n * d)
 
 
-def _inverse_scale(w_v: Tensor, w_o: Tensor) -> Tensor:
-    scale = transport_scale(w_v, w_o)
+def _inverse_scale(w_v: Tensor, w_o: Tensor, scale: Tensor | None = None) -> Tensor:
+    scale = transport_scale(w_v, w_o) if scale is None else scale
     return torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
 
 
@@ -586,6 +586,7 @@ def connection_spectrum(
     max_restarts: int = 100,
     seed: int = 0,
     return_info: bool = False,
+    scale: Tensor | None = None,
 ) -> Tensor | SpectrumResult:
     """The ``k`` eigenvalues of the walk part of ``M / s`` of largest modulus (``"LM"``) or real part (``"LR"``).
 
@@ -608,6 +609,8 @@ def connection_spectrum(
         max_restarts: bound on Krylov restarts.
         seed: seed of the Krylov start vector (results are deterministic for a seed).
         return_info: return a :class:`SpectrumResult` with residuals instead of the eigenvalues alone.
+        scale: ``transport_scale(w_v, w_o)`` ``(*,)`` when the caller has it already (it is weight-only: one per
+            layer serves every diagnostic of that layer); computed when None.
 
     Returns:
         ``(*, k)`` complex eigenvalues, or a :class:`SpectrumResult`.
@@ -668,7 +671,7 @@ def connection_spectrum(
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={heads}")
     if chosen == "krylov" and k + 2 > n * d:
         raise ValueError(f"method='krylov' needs k + 2 <= {n * d} (the operator's size), got k={k}; use 'dense'")
-    inverse_scale = _inverse_scale(w_v, w_o).unsqueeze(-1)
+    inverse_scale = _inverse_scale(w_v, w_o, scale).unsqueeze(-1)
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
     matvecs = torch.zeros(batch, dtype=torch.long, device=attn.device)
     if chosen == "krylov":
@@ -721,7 +724,7 @@ def connection_spectra(
         w_o: ``(*, H, d, d_h)``.
         k: eigenvalues of largest modulus.
         deflate: the walk part (default) or, with False, the whole operator ``M / s``.
-        **solver: keyword options of :func:`connection_spectrum` (method, tol, ncv, max_restarts, seed).
+        **solver: keyword options of :func:`connection_spectrum` (method, tol, ncv, max_restarts, seed, scale).
 
     Returns:
         A :class:`Spectra`.
@@ -762,7 +765,7 @@ def connection_spectra(
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
     part = _walk_part(attn) if deflate and chosen != "causal" else attn
     found = _direct_first(chosen, part, w_v, w_o, {"LM": k, "LR": 1}, deflate)
-    inverse_scale = _inverse_scale(w_v, w_o)
+    inverse_scale = _inverse_scale(w_v, w_o, solver.get("scale"))
     largest = (found["LM"] * inverse_scale.unsqueeze(-1)).expand(*batch, k)
     rightmost = (found["LR"][..., 0] * inverse_scale).expand(batch)
     return Spectra(largest, rightmost, largest.isfinite(), rightmost.isfinite())
@@ -850,6 +853,7 @@ def connection_operator_norm(
     ncv: int = 12,
     max_restarts: int = 100,
     seed: int = 0,
+    scale: Tensor | None = None,
 ) -> Tensor:
     """Operator 2-norm of the walk part ``||Q M Q / s||_2`` (``deflate=False``: ``||M / s||_2``).
 
@@ -871,6 +875,8 @@ def connection_operator_norm(
             matvecs where 30 took 30).
         max_restarts: bound on Krylov restarts.
         seed: seed of the Krylov start vector.
+        scale: ``transport_scale(w_v, w_o)`` ``(*,)`` when the caller has it already (it is weight-only: one per
+            layer serves every diagnostic of that layer); computed when None.
 
     Returns:
         ``(*,)``.
@@ -917,7 +923,7 @@ def connection_operator_norm(
     else:
         options = dict(tol=tol, ncv=min(ncv, n * d), max_restarts=max_restarts, seed=seed)
         norm = _normal_equations_norm(attn, w_v, w_o, **options).clamp(min=0).sqrt().to(attn.dtype)
-    return norm * _inverse_scale(w_v, w_o)
+    return norm * _inverse_scale(w_v, w_o, scale)
 
 
 def _normal_equations_norm(
@@ -952,7 +958,7 @@ def _normal_equations_norm(
     return values
 
 
-def ov_spectral_radius(w_v: Tensor, w_o: Tensor) -> Tensor:
+def ov_spectral_radius(w_v: Tensor, w_o: Tensor, *, scale: Tensor | None = None) -> Tensor:
     """``rho(T_bar) / s``: the constant-field part of the connection spectrum, weight-only and cheap.
 
     ``eig(T_bar / s)`` is part of ``eig(M / s)`` for every attention (constant fields are invariant), so this is what
@@ -963,6 +969,8 @@ def ov_spectral_radius(w_v: Tensor, w_o: Tensor) -> Tensor:
     Args:
         w_v: ``(*, H, d_h, d)``.
         w_o: ``(*, H, d, d_h)``.
+        scale: ``transport_scale(w_v, w_o)`` ``(*,)`` when the caller has it already (it is weight-only: one per
+            layer serves every diagnostic of that layer); computed when None.
 
     Returns:
         ``(*,)``.
@@ -981,4 +989,4 @@ def ov_spectral_radius(w_v: Tensor, w_o: Tensor) -> Tensor:
     w_v, w_o = promote(as_float(w_v, "w_v"), as_float(w_o, "w_o"))
     v_cat, o_cat = _concat_heads(w_v, w_o)
     core = v_cat @ o_cat if v_cat.shape[-2] < v_cat.shape[-1] else o_cat @ v_cat
-    return eigvals(core).abs().amax(dim=-1) * _inverse_scale(w_v, w_o)
+    return eigvals(core).abs().amax(dim=-1) * _inverse_scale(w_v, w_o, scale)

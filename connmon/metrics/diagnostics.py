@@ -175,18 +175,19 @@ class SpectrumMetrics(LayerwiseMean):
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
         args = (record.attn, record.w_v, record.w_o)
         batch, n, d = record.attn.shape[0], record.attn.shape[-1], record.w_v.shape[-1]
-        ov = per_sequence(F.ov_spectral_radius(record.w_v, record.w_o), batch)
+        scale = F.transport_scale(record.w_v, record.w_o)  # weight-only: once for the three diagnostics
+        ov = per_sequence(F.ov_spectral_radius(record.w_v, record.w_o, scale=scale), batch)
         if n < 2:
             nan = torch.full((batch,), float("nan"), dtype=record.attn.dtype, device=record.attn.device)
             self.last_spectra[record.index] = torch.full((batch, self.k), float("nan"), dtype=torch.complex64)
             return torch.stack([nan, nan, nan, ov.to(nan.dtype)], dim=-1)
-        spectra = F.connection_spectra(*args, k=min(self.k, (n - 1) * d), max_restarts=self.max_restarts)
+        spectra = F.connection_spectra(*args, k=min(self.k, (n - 1) * d), max_restarts=self.max_restarts, scale=scale)
         # Ritz values of a Krylov solve out of restarts are not measurements: NaN, left out of the means
         largest = spectra.largest.masked_fill(~spectra.largest_converged, complex(float("nan"), float("nan")))
         self.last_spectra[record.index] = largest  # (B_s, k)
         columns = [
             largest.abs()[..., 0],
-            F.connection_operator_norm(*args),
+            F.connection_operator_norm(*args, scale=scale),
             (1 - spectra.rightmost.real).masked_fill(~spectra.rightmost_converged, float("nan")),
             ov,
         ]

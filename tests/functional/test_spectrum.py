@@ -447,3 +447,20 @@ def test_numerical_abscissa_of_head_maps_matches_their_symmetric_part(d_h, d):
     maps = w_o @ w_v
     expected = np.linalg.eigvalsh(((maps + maps.mT) / 2).numpy())[..., -1]
     np.testing.assert_allclose(_numerical_abscissa(w_v, w_o).numpy(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_a_given_transport_scale_is_the_one_used(mask):
+    layer = ref.make_layer(heads=3, n=12, d_h=2, d=8, mask=mask, seed=5)
+    args = (layer.attn.unsqueeze(0), layer.w_v, layer.w_o)
+    scale = F.transport_scale(layer.w_v, layer.w_o)
+    spectra, given = F.connection_spectra(*args, k=4), F.connection_spectra(*args, k=4, scale=scale)
+    assert torch.equal(spectra.largest, given.largest) and torch.equal(spectra.rightmost, given.rightmost)
+    assert torch.equal(F.connection_operator_norm(*args), F.connection_operator_norm(*args, scale=scale))
+    assert torch.equal(F.ov_spectral_radius(layer.w_v, layer.w_o), F.ov_spectral_radius(*args[1:], scale=scale))
+    doubled = 2 * scale  # a cache, not a second definition: the value passed is the s that divides M
+    assert torch.allclose(F.connection_spectra(*args, k=4, scale=doubled).largest, spectra.largest / 2)
+    assert torch.allclose(F.connection_operator_norm(*args, scale=doubled), F.connection_operator_norm(*args) / 2)
+    for method in ("dense", "krylov"):
+        found = F.connection_spectrum(*args, k=2, method=method, scale=doubled)
+        assert torch.allclose(found, F.connection_spectrum(*args, k=2, method=method) / 2, rtol=1e-5)
