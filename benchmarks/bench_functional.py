@@ -8,7 +8,8 @@
 2. ``transport_singular_values`` against a naive SVD of each ``d x d`` head map ``T_h`` (d = 768, H = 12).
 3. With ``--full-sample`` (instead of 1 and 2): a full sample of one layer and one sequence at GPT-2-small shape
    (n = 256, d = 768, H = 12, causal and bidirectional), per diagnostic: the spectrum group
-   (``connection_spectra``, ``connection_operator_norm``, ``ov_spectral_radius``), the edge gap at the monitor's
+   (``connection_spectra``, ``connection_operator_norm``, ``ov_spectral_radius``; the transport scale ``s``
+   computed once, as ``SpectrumMetrics`` does, and timed with the norms), the edge gap at the monitor's
    defaults by Lanczos quadrature against one decomposition per edge (the previous default), the weight-only
    transport gaps and the walk group.
 
@@ -159,9 +160,15 @@ def full_sample_row(causal: bool, device: torch.device, repeats: int) -> str:
     attn, w_v, w_o = make_layer(n, d, heads, causal, device)
     attn = attn.unsqueeze(0)
     edges = dict(num_samples=1, num_queries=16)
+    scale = F.transport_scale(w_v, w_o)  # weight-only, once per layer as SpectrumMetrics does: timed with "norm"
+
+    def norms() -> tuple:
+        s = F.transport_scale(w_v, w_o)
+        return F.connection_operator_norm(attn, w_v, w_o, scale=s), F.ov_spectral_radius(w_v, w_o, scale=s)
+
     parts = {
-        "spectra": lambda: F.connection_spectra(attn, w_v, w_o, k=K),
-        "norm": lambda: (F.connection_operator_norm(attn, w_v, w_o), F.ov_spectral_radius(w_v, w_o)),
+        "spectra": lambda: F.connection_spectra(attn, w_v, w_o, k=K, scale=scale),
+        "norm": norms,
         "lanczos": lambda: F.edge_isometry_gap(attn, w_v, w_o, **edges, lanczos_steps=32),
         "eigh": lambda: F.edge_isometry_gap(attn, w_v, w_o, **edges),
         "transport": lambda: (
@@ -179,7 +186,7 @@ def full_sample_row(causal: bool, device: torch.device, repeats: int) -> str:
 
 def full_sample_table(device: torch.device, repeats: int) -> None:
     print("\n### One full sample of one layer and sequence, n=256, d=768, H=12 (GPT-2 small), float32, seconds\n")
-    print("| mask | spectra (k=8) | operator norm + ov radius | edge gap, Lanczos | edge gap, per-edge eigh | "
+    print("| mask | spectra (k=8) | operator norm + ov radius + s | edge gap, Lanczos | edge gap, per-edge eigh | "
           "transport | walk | full sample (Lanczos edges) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for causal in (True, False):
