@@ -36,6 +36,7 @@ Usage:
     python benchmarks/bench_instability.py --load /tmp/instability.json   # the tables again, no training
     python benchmarks/bench_instability.py --wide --variants "width 64" "copy task" --save /tmp/wide.json
     python benchmarks/bench_instability.py --load /tmp/instability.json /tmp/wide.json   # merged tables
+    python benchmarks/bench_instability.py --wide --variants "copy task" --seeds 1 --first-seed 2 --save /tmp/s2.json
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def arms(args: argparse.Namespace) -> list[dict]:
     for variant, changes in VARIANTS.items() if args.wide else [("base", {})]:
         setting = {**BASE, **changes, "variant": variant}
         scale = SGD_SCALE if setting["optimizer"] == "sgd" else 1.0
-        for seed in range(args.seeds):
+        for seed in range(args.first_seed, args.first_seed + args.seeds):
             ramp = {**setting, "seed": seed, "start": args.start * scale, "ramp": args.ramp}
             runs.append({"arm": "ramp", **ramp, "peak": args.peak * scale, "qk_norm": False})
             runs.append({"arm": "control", **ramp, "peak": 3e-3 * scale, "qk_norm": True})
@@ -465,6 +466,7 @@ def default_rules_set() -> RuleSet:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--const-steps", type=int, default=400)
     parser.add_argument("--every", type=int, default=5)
