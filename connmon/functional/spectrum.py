@@ -293,14 +293,14 @@ def _causal_first(
     ``P diag(a_i)``, ``P = V O``. Tokens go in descending order of a bound on their blocks' spectral radius, the
     smallest of ``sum_h A^h_ii ||T_h||_2`` and ``sqrt(sum_h (A^h_ii)^2 ||P_h||_2^2)`` for ``P_h`` the rows (then
     the columns) of head h in ``P`` (Cauchy-Schwarz over heads; in attention layers it halves the blocks left in),
-    and stop once no remaining block can beat the
-    k-th key found for any request: for modulus, the norm bound; for real part, the tighter
-    numerical-abscissa bound ``Re lambda(D_i) <= sum_h A^h_ii omega(T_h)``, ``omega(T) = lambda_max((T + T^T)/2)``
-    (subadditive over nonnegative combinations). Blocks that cannot enter any answer are never decomposed, and one
-    pass serves all requests. When ``H d_h < d`` each block is
-    solved through its ``H d_h`` core ``diag(a_i) V O``, which has the nonzero eigenvalues of ``O diag(a_i) V``;
-    the other ``d - H d_h`` are 0. Blocks the norm bounds leave in are bounded again, far more tightly, by
-    :func:`_power_radius_bounds` before any is decomposed (see :func:`_first_over_blocks`).
+    and stop once no remaining block can beat the k-th key found for any request: for modulus, the norm bound; for
+    real part, the tighter numerical-abscissa bound ``Re lambda(D_i) <= sum_h A^h_ii omega(T_h)``,
+    ``omega(T) = lambda_max((T + T^T)/2)`` (subadditive over nonnegative combinations). Blocks that cannot enter
+    any answer are never decomposed, and one pass serves all requests. When ``H d_h < d`` each block is solved
+    through its ``H d_h`` core ``diag(a_i) V O``, which has the nonzero eigenvalues of ``O diag(a_i) V``; the other
+    ``d - H d_h`` are 0. Blocks the norm bounds leave in are bounded again, far more tightly, by
+    :func:`_power_radius_bounds` and :func:`_real_part_bounds` before they are decomposed (see
+    :func:`_first_over_blocks`).
     """
     heads, d_h, d = w_v.shape[-3:]
     inner = heads * d_h
