@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 import connmon
-from connmon.alerts import CUSUM, EWMAZScore, Rule, RuleSet, Threshold, default_rules
+from connmon.alerts import CUSUM, AllOf, EWMAZScore, Rule, RuleSet, Threshold, default_rules
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
@@ -357,6 +357,7 @@ def evaluate(runs: list[dict]) -> None:
         f"earlier than that, or on a run that never diverged); -: no warning\n"
     )
     by_variant(ramp)
+    combinations(ramp)
     diverged = [r for r in ramp if r["divergence"] is not None]
     keys = set().union(*(set(v) for r in ramp for v in r["samples"].values()))
     print(
@@ -396,6 +397,47 @@ def evaluate(runs: list[dict]) -> None:
     constant = [r for r in runs if r["arm"].startswith("const-")]
     if constant:
         regime(constant)
+
+
+def loss_rule() -> Rule:
+    """A z-score on the logged loss, as a user would watch ``train_loss`` through ``trainer.callback_metrics``."""
+    return Rule("loss rising", "loss", EWMAZScore(3.0, "rise", log=True, min_std=0.02))
+
+
+def with_loss(within: int) -> RuleSet:
+    """Each default geometric rule required to coincide with the loss rule (``AllOf``) within ``within`` steps."""
+    rules = default_rules()
+    kept = [r for r in rules if r.name in ("non-finite attention", "attention logits growing early")]
+    joint = [AllOf(f"{r.name} with the loss rising", [r, loss_rule()], within=within, cooldown=r.cooldown)
+             for r in rules if r.name in ("attention entropy collapsing", "attention logits surging")]  # fmt: skip
+    return RuleSet(kept + joint)
+
+
+COMBINATIONS: dict[str, Callable[[], RuleSet]] = {
+    "default rules": lambda: RuleSet(default_rules()),
+    "loss rule alone": lambda: RuleSet([loss_rule()]),
+    "default rules and the loss rule, each alone": lambda: RuleSet([*default_rules(), loss_rule()]),
+    "AllOf(geometric, loss) within 50 steps": lambda: with_loss(50),
+    "AllOf(geometric, loss) within 100 steps": lambda: with_loss(100),
+}
+
+
+def combinations(ramp: list[dict]) -> None:
+    """Geometric rules with and without the logged loss, the loss sampled at the monitor's samples (DriftAlert)."""
+    print("\n### Geometric rules combined with the logged loss (log z > 3 rise, floor 0.02, at each sample)\n")
+    print("| rules | divergences warned | median lead | leads | false alarms (copy task) |\n|---|---|---|---|---|")
+    for name, rules in COMBINATIONS.items():
+        leads, false, copy = [], 0, 0
+        for run in ramp:
+            series = {s: {**v, "loss": run["loss"][s]} for s, v in samples(run).items() if s < len(run["loss"])}
+            lead, fa = score(alert_steps(rules, series), run["divergence"])
+            leads += [lead] if run["divergence"] is not None and lead is not None else []
+            false, copy = false + fa, copy + (fa if run.get("variant") == "copy task" else 0)
+        diverged = sum(run["divergence"] is not None for run in ramp)
+        median = f"{statistics.median(leads):g}" if leads else "-"
+        print(
+            f"| {name} | {len(leads)}/{diverged} | {median} | {', '.join(map(str, sorted(leads)))} | {false} ({copy}) |"
+        )
 
 
 ARMS = ("ramp", "others")  # false alarms on the ramp runs, and on the runs meant to stay healthy

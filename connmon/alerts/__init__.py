@@ -23,7 +23,7 @@ from connmon.alerts.detectors import (
     NonFinite,
     Threshold,
 )
-from connmon.alerts.rules import LEVELS, Alert, Level, Rule, RuleSet, default_rules, logit_bound_rule
+from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules, logit_bound_rule
 from connmon.alerts.runner import ACTIONS, Action, AlertRunner
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "Action",
     "Alert",
     "AlertRunner",
+    "AllOf",
     "Detection",
     "Detector",
     "Direction",

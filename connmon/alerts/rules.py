@@ -3,14 +3,16 @@
 A :class:`Rule` pairs a glob over logged keys (``"connmon/max_attention_logit/L*"``) with a detector prototype;
 :class:`RuleSet` gives every matching key its own copy of the detector, feeds it the values of each sample and
 turns firings into :class:`Alert` objects. After an alert the rule is quiet for ``cooldown`` steps *for all of its
-keys*, so one cause that shows in every layer at once alerts once, not once per layer. Its whole state (detector
-baselines, cooldowns, counts) round-trips through ``state_dict``, so a resumed run neither re-alerts nor
-re-learns.
+keys*, so one cause that shows in every layer at once alerts once, not once per layer. :class:`AllOf` alerts when
+several rules have all fired within a window of steps (a loss spike together with a geometric signal). The whole
+state (detector baselines, cooldowns, counts) round-trips through ``state_dict``, so a resumed run neither
+re-alerts nor re-learns.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import fnmatch
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -18,7 +20,7 @@ from typing import Any, Literal
 
 from connmon.alerts.detectors import Detector, EWMAZScore, Growth, NonFinite, Threshold
 
-__all__ = ["Alert", "Level", "Rule", "RuleSet", "default_rules", "logit_bound_rule"]
+__all__ = ["Alert", "AllOf", "Level", "Rule", "RuleSet", "default_rules", "logit_bound_rule"]
 
 Level = Literal["INFO", "WARN", "ERROR"]
 LEVELS: tuple[Level, ...] = ("INFO", "WARN", "ERROR")
@@ -101,17 +103,87 @@ class Rule:
 
 
 @dataclass
+class AllOf:
+    """Alerts when every one of its rules has fired within the last ``within`` steps: a conjunction of evidence.
+
+    Each member is a :class:`Rule` whose detectors run on every sample as usual; a member's firing is evidence,
+    not an alert (its own level and cooldown are not used; its ``until`` is). The conjunction alerts at the first
+    sample at which each member has fired at most ``within`` steps earlier, with its own level and cooldown. The
+    alert carries the evidence that completed it (the member that fired at that sample).
+
+    On the instability suite of benchmarks/README.md, the default geometric rules together with a z-score on the
+    logged loss (``within=50``) raised 3 false alarms on 41 runs, against 14 for the geometric rules alone and 8 for
+    the loss rule alone, and warned 10 of 13 divergences, but at a median of 6.5 steps ahead (12 and 14.5 alone).
+
+    Args:
+        name: what the alert is called.
+        rules: two or more rules with distinct names.
+        within: how many steps back a member's firing still counts.
+        level: ``"INFO"``, ``"WARN"`` or ``"ERROR"``.
+        cooldown: steps after an alert during which this conjunction does not alert again.
+
+    Raises:
+        ValueError: for fewer than two rules, duplicate member names, a negative window or cooldown, or an unknown
+            level.
+
+    Example:
+        >>> from connmon.alerts import AllOf, EWMAZScore, Rule, RuleSet, Threshold
+        >>> spike = Rule("loss spike", "train_loss", Threshold(5.0))
+        >>> logits = Rule("large logits", "connmon/max_attention_logit/L*", Threshold(30.0))
+        >>> rules = RuleSet([AllOf("loss spike with large logits", [spike, logits], within=20)])
+        >>> rules.update({"train_loss": 2.0, "connmon/max_attention_logit/L00": 40.0}, step=10)  # logits alone
+        []
+        >>> [a.key for a in rules.update({"train_loss": 6.0, "connmon/max_attention_logit/L00": 12.0}, step=25)]
+        ['train_loss']
+    """
+
+    name: str
+    rules: list[Rule]
+    within: int = 100
+    level: Level = "WARN"
+    cooldown: int = 100
+
+    def __post_init__(self) -> None:
+        self.rules = list(self.rules)
+        if len(self.rules) < 2 or not all(isinstance(rule, Rule) for rule in self.rules):
+            raise ValueError(f"AllOf needs two or more Rule objects, got {self.rules!r}")
+        names = [rule.name for rule in self.rules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"AllOf's rule names must be unique, got {names}")
+        if self.within < 0:
+            raise ValueError(f"within must be >= 0, got within={self.within}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {LEVELS}, got level={self.level!r}")
+        if self.cooldown < 0:
+            raise ValueError(f"cooldown must be >= 0, got cooldown={self.cooldown}")
+
+
+@dataclass
 class _RuleState:
     detectors: dict[str, Detector] = field(default_factory=dict)
     last_alert_step: int | None = None
     count: int = 0
+    last_hit: Alert | None = None  # an AllOf member's latest firing
+    members: dict[str, _RuleState] = field(default_factory=dict)  # an AllOf's members
+
+    def to_dict(self) -> dict[str, Any]:
+        state = {
+            "detectors": {key: d.state_dict() for key, d in self.detectors.items()},
+            "last_alert_step": self.last_alert_step,
+            "count": self.count,
+        }
+        if self.last_hit is not None:
+            state["last_hit"] = dataclasses.asdict(self.last_hit)
+        if self.members:
+            state["members"] = {name: member.to_dict() for name, member in self.members.items()}
+        return state
 
 
 class RuleSet:
     """Runs rules over the values of successive samples and returns the alerts they raise.
 
     Args:
-        rules: the rules; their names must be unique.
+        rules: the rules (:class:`Rule` or :class:`AllOf`); their names must be unique.
 
     Raises:
         ValueError: for duplicate rule names.
@@ -127,12 +199,12 @@ class RuleSet:
         []
     """
 
-    def __init__(self, rules: Iterable[Rule]) -> None:
+    def __init__(self, rules: Iterable[Rule | AllOf]) -> None:
         self.rules = list(rules)
         names = [rule.name for rule in self.rules]
         if len(set(names)) != len(names):
             raise ValueError(f"rule names must be unique, got {names}")
-        self._state = {rule.name: _RuleState() for rule in self.rules}
+        self._state = {rule.name: _fresh(rule) for rule in self.rules}
 
     @property
     def counts(self) -> dict[str, int]:
@@ -146,47 +218,78 @@ class RuleSet:
         """
         alerts = []
         for rule in self.rules:
-            if rule.until is not None and step > rule.until:
-                continue
             state = self._state[rule.name]
+            if isinstance(rule, AllOf):
+                fired = self._conjunction(rule, state, values, step)
+            else:
+                fired = _feed(rule, state, values, step)
             quiet = state.last_alert_step is not None and step - state.last_alert_step < rule.cooldown
-            fired: Alert | None = None
-            for key in sorted(k for k in values if fnmatch.fnmatchcase(k, rule.keys)):
-                detector = state.detectors.get(key)
-                if detector is None:  # not setdefault: that would deep-copy the prototype on every update
-                    detector = state.detectors[key] = copy.deepcopy(rule.detector)
-                value = float(values[key])
-                hit = detector.update(value)
-                if hit is not None and not quiet and fired is None:
-                    fired = Alert(rule.name, key, step, value, hit.statistic, hit.threshold, hit.baseline, rule.level)
-            if fired is not None:
+            if fired is not None and not quiet:
                 state.last_alert_step, state.count = step, state.count + 1
-                alerts.append(fired)
+                alerts.append(dataclasses.replace(fired, rule=rule.name, level=rule.level))
         return alerts
+
+    @staticmethod
+    def _conjunction(rule: AllOf, state: _RuleState, values: Mapping[str, float], step: int) -> Alert | None:
+        """Feed every member; the evidence that completes the conjunction at this step, or None."""
+        completing = None
+        for member in rule.rules:
+            hit = _feed(member, state.members[member.name], values, step)
+            if hit is not None:
+                state.members[member.name].last_hit = hit
+                completing = completing or hit
+        recent = all(m.last_hit is not None and step - m.last_hit.step <= rule.within for m in state.members.values())
+        return completing if recent else None
 
     def state_dict(self) -> dict[str, Any]:
         """Detector states, last alert steps and counts per rule (plain Python values)."""
-        return {
-            name: {
-                "detectors": {key: d.state_dict() for key, d in state.detectors.items()},
-                "last_alert_step": state.last_alert_step,
-                "count": state.count,
-            }
-            for name, state in self._state.items()
-        }
+        return {name: state.to_dict() for name, state in self._state.items()}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; rules it does not know are ignored, missing ones start fresh."""
-        prototypes = {rule.name: rule.detector for rule in self.rules}
+        rules = {rule.name: rule for rule in self.rules}
         for name, saved in state_dict.items():
-            if name not in self._state:
-                continue
-            state = _RuleState(last_alert_step=saved.get("last_alert_step"), count=saved.get("count", 0))
-            for key, detector_state in saved.get("detectors", {}).items():
-                detector = copy.deepcopy(prototypes[name])
-                detector.load_state_dict(detector_state)
-                state.detectors[key] = detector
-            self._state[name] = state
+            if name in rules:
+                self._state[name] = _restored(rules[name], saved)
+
+
+def _fresh(rule: Rule | AllOf) -> _RuleState:
+    members = {m.name: _RuleState() for m in rule.rules} if isinstance(rule, AllOf) else {}
+    return _RuleState(members=members)
+
+
+def _restored(rule: Rule | AllOf, saved: Mapping[str, Any]) -> _RuleState:
+    """A rule's state from what :meth:`_RuleState.to_dict` wrote (missing entries start fresh)."""
+    state = _fresh(rule)
+    state.last_alert_step, state.count = saved.get("last_alert_step"), saved.get("count", 0)
+    if saved.get("last_hit") is not None:
+        state.last_hit = Alert(**saved["last_hit"])
+    if isinstance(rule, AllOf):
+        for member in rule.rules:
+            if member.name in saved.get("members", {}):
+                state.members[member.name] = _restored(member, saved["members"][member.name])
+        return state
+    for key, detector_state in saved.get("detectors", {}).items():
+        detector = copy.deepcopy(rule.detector)
+        detector.load_state_dict(detector_state)
+        state.detectors[key] = detector
+    return state
+
+
+def _feed(rule: Rule, state: _RuleState, values: Mapping[str, float], step: int) -> Alert | None:
+    """Feed the rule's detectors their values (every matching key); the first firing as an Alert, or None."""
+    if rule.until is not None and step > rule.until:
+        return None
+    fired: Alert | None = None
+    for key in sorted(k for k in values if fnmatch.fnmatchcase(k, rule.keys)):
+        detector = state.detectors.get(key)
+        if detector is None:  # not setdefault: that would deep-copy the prototype on every update
+            detector = state.detectors[key] = copy.deepcopy(rule.detector)
+        value = float(values[key])
+        hit = detector.update(value)
+        if hit is not None and fired is None:
+            fired = Alert(rule.name, key, step, value, hit.statistic, hit.threshold, hit.baseline, rule.level)
+    return fired
 
 
 def default_rules() -> list[Rule]:
@@ -213,10 +316,11 @@ def default_rules() -> list[Rule]:
     diagnostic, the connection spectrum included, warned earlier than entropy without false alarms, so none is in
     the defaults.
 
-    On the wider suite (widths, depths, SGD, a copy task, a staircase ramp, warmup runs; 37 runs) they warned 9 of 10
-    divergences, median 13 steps ahead, with no alert on any qk-norm control or warmup run, but raised 11 false
-    alarms while the copy task's induction head formed (a healthy phase change; the attention sharpens before the
-    loss falls). benchmarks/README.md has the tables and the trade-offs of stricter settings.
+    On the wider suite (widths, depths, SGD, a copy task, a staircase ramp, warmup runs; 41 runs, 3 seeds each) they
+    warned 10 of 13 divergences, median 12 steps ahead, with no alert on any qk-norm control or warmup run outside
+    the copy task, but raised 16 false alarms around the copy task's induction head forming (a healthy phase change;
+    the attention sharpens before the loss falls). A z-score on the logged loss did as well there; :class:`AllOf`
+    combines the two (fewer false alarms, less lead). benchmarks/README.md has the tables and the trade-offs.
 
     Example:
         >>> from connmon.alerts import default_rules

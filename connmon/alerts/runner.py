@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from connmon._ranks import is_rank_zero, warn_rank_zero
-from connmon.alerts.rules import LEVELS, Alert, Level, Rule, RuleSet, default_rules
+from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules
 
 Action = Literal["log", "wandb", "stop"]
 ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")
@@ -48,7 +48,7 @@ class AlertRunner:
 
     def __init__(
         self,
-        rules: Sequence[Rule] | None = None,
+        rules: Sequence[Rule | AllOf] | None = None,
         actions: Sequence[Action] = ACTIONS,
         stop_level: Level = "ERROR",
         on_alert: Callable[[Alert], Any] | None = None,

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from connmon.alerts import ACTIONS, Action, Alert, AlertRunner, Level, Rule, RuleSet
+from connmon.alerts import ACTIONS, Action, Alert, AlertRunner, AllOf, Level, Rule, RuleSet
 from connmon.callbacks.connection_monitor import ConnectionMonitor
 
 
@@ -28,7 +28,7 @@ class DriftAlert(Callback):
 
     Rules see the monitor's keys and the LightningModule's own logged scalars (``trainer.callback_metrics``, what
     ``self.log`` wrote: ``"train_loss"``, a gradient norm, ...) at the monitor's sample, so one rule set can combine a
-    loss spike with a geometric signal. Under DDP, log those with ``sync_dist=True`` so every process sees the same
+    loss spike with a geometric signal (:class:`connmon.alerts.AllOf`). Under DDP, log those with ``sync_dist=True`` so every process sees the same
     values. Alerts are also logged to every logger as ``connmon/alerts/count`` (this sample) and
     ``connmon/alerts/total``.
     The rules' state (baselines, cooldowns, counts) is saved in checkpoints, so a resumed run neither re-learns
@@ -59,7 +59,7 @@ class DriftAlert(Callback):
 
     def __init__(
         self,
-        rules: Sequence[Rule] | None = None,
+        rules: Sequence[Rule | AllOf] | None = None,
         actions: Sequence[Action] = ACTIONS,
         stop_level: Level = "ERROR",
         on_alert: Callable[[Alert], Any] | None = None,

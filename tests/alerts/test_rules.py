@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from connmon.alerts import EWMAZScore, NonFinite, Rule, RuleSet, Threshold, default_rules
+from connmon.alerts import AllOf, EWMAZScore, NonFinite, Rule, RuleSet, Threshold, default_rules
 
 
 def test_a_rule_watches_every_matching_key_with_its_own_detector_and_alerts_once_per_cooldown():
@@ -57,3 +57,60 @@ def test_bad_rules_are_rejected():
         Rule("a", "*", lambda v: None)
     with pytest.raises(ValueError, match="unique"):
         RuleSet(default_rules() + default_rules())
+
+
+def conjunction(**options) -> AllOf:
+    # a member's level and cooldown are not used: the conjunction's are
+    spike = Rule("loss spike", "train_loss", Threshold(5.0), level="INFO", cooldown=1000)
+    logits = Rule("large logits", "connmon/max_attention_logit/L*", Threshold(30.0), until=options.pop("until", None))
+    return AllOf("loss spike with large logits", [spike, logits], **options)
+
+
+def test_all_of_alerts_when_every_rule_fired_within_the_window():
+    rules = RuleSet([conjunction(within=20, level="ERROR", cooldown=30)])
+    quiet, logit = {"train_loss": 2.0, "connmon/max_attention_logit/L00": 10.0}, "connmon/max_attention_logit/L01"
+    assert rules.update({**quiet, logit: 40.0}, step=0) == []  # one rule alone
+    assert rules.update({**quiet, "train_loss": 6.0}, step=25) == []  # the other, 25 > 20 steps later
+    alerts = rules.update({**quiet, logit: 35.0}, step=40)  # 15 steps after the spike: both within the window
+    assert [(a.rule, a.key, a.value, a.step, a.level) for a in alerts] == [
+        ("loss spike with large logits", logit, 35.0, 40, "ERROR")  # the evidence that completed it
+    ]
+    assert rules.update({**quiet, "train_loss": 7.0, logit: 50.0}, step=60) == []  # in the conjunction's cooldown
+    late = rules.update({**quiet, "train_loss": 7.0}, step=75)  # 35 after the last alert; logits fired at 60
+    assert [(a.key, a.step) for a in late] == [("train_loss", 75)] and rules.counts == {late[0].rule: 2}
+    assert rules.update({**quiet, "train_loss": 9.0}, step=96) == []  # the logits' last firing is 36 steps back
+
+
+def test_all_of_respects_a_members_until():
+    rules = RuleSet([conjunction(within=100, until=10)])
+    assert rules.update({"connmon/max_attention_logit/L00": 40.0, "train_loss": 1.0}, step=20) == []
+    assert rules.update({"connmon/max_attention_logit/L00": 40.0, "train_loss": 9.0}, step=21) == []
+
+
+def test_all_of_state_round_trips_mid_run():
+    series = [{"train_loss": 2.0 + (s % 7 == 3) * 5, "connmon/max_attention_logit/L00": 10.0 + (s % 11 == 5) * 30}
+              for s in range(120)]  # fmt: skip
+    whole = RuleSet([conjunction(within=10, cooldown=5)])
+    expected = [(a.step, a.key) for step, values in enumerate(series) for a in whole.update(values, step)]
+    assert expected  # the series does fire
+    first = RuleSet([conjunction(within=10, cooldown=5)])
+    got = [(a.step, a.key) for step, values in enumerate(series[:60]) for a in first.update(values, step)]
+    resumed = RuleSet([conjunction(within=10, cooldown=5)])
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))  # through a checkpoint's plain values
+    got += [(a.step, a.key) for step, values in enumerate(series[60:], 60) for a in resumed.update(values, step)]
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda r: AllOf("c", [r]), "two or more"),
+        (lambda r: AllOf("c", [r, r]), "unique"),
+        (lambda r: AllOf("c", [r, Rule("b", "y", Threshold(1.0))], within=-1), "within"),
+        (lambda r: AllOf("c", [r, Rule("b", "y", Threshold(1.0))], level="LOUD"), "level"),
+        (lambda r: AllOf("c", [r, "not a rule"]), "two or more Rule"),
+    ],
+)
+def test_all_of_rejects_bad_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
+        make(Rule("a", "x", Threshold(1.0)))

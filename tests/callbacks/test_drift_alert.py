@@ -6,7 +6,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from connmon.alerts import NonFinite, Rule, Threshold
+from connmon.alerts import AllOf, NonFinite, Rule, Threshold
 from connmon.callbacks import ConnectionMonitor, DriftAlert
 from tests.callbacks.lightning_models import LitGPT, loader
 from tests.callbacks.test_connection_monitor import read_csv
@@ -157,3 +157,24 @@ def test_rules_see_the_modules_own_logged_values_beside_connmons():
     assert [step for step, _ in losses] == [0, 1, 2]
     assert [value for _, value in losses] == pytest.approx(module.losses)  # the loss of the sampled step itself
     assert any(a.rule == "logit" for a in seen)
+
+
+def test_an_all_of_rule_combines_the_logged_loss_with_a_geometric_key():
+    seen = []
+    both = AllOf(
+        "loss and logits together",
+        [Rule("loss seen", "train_loss", Threshold(-1.0)), Rule("logit", LOGIT, Threshold(-1.0))],
+        within=0,
+        cooldown=1,
+    )
+    alert = DriftAlert(rules=[both], actions=(), on_alert=seen.append)
+    trainer = L.Trainer(
+        max_steps=3, callbacks=[monitor(), alert], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    module = LoggingGPT()
+    trainer.fit(module, loader())
+    assert [(a.rule, a.step, a.key) for a in seen] == [("loss and logits together", s, "train_loss") for s in range(3)]
+    assert [a.value for a in seen] == pytest.approx(module.losses)
+    saved = alert.state_dict()["rules"]["loss and logits together"]
+    assert sorted(saved["members"]) == ["logit", "loss seen"] and saved["count"] == 3
