@@ -28,11 +28,11 @@ class DriftAlert(Callback):
 
     Rules see the monitor's keys and the LightningModule's own logged scalars (``trainer.callback_metrics``, what
     ``self.log`` wrote: ``"train_loss"``, a gradient norm, ...) at the monitor's sample, so one rule set can combine a
-    loss spike with a geometric signal (:class:`connmon.alerts.AllOf`). Under DDP, log those with ``sync_dist=True`` so every process sees the same
-    values. Alerts are also logged to every logger as ``connmon/alerts/count`` (this sample) and
-    ``connmon/alerts/total``.
-    The rules' state (baselines, cooldowns, counts) is saved in checkpoints, so a resumed run neither re-learns
-    nor re-alerts. The default rules and how they were chosen are in :func:`connmon.alerts.default_rules`.
+    loss spike with a geometric signal (:class:`connmon.alerts.AllOf`). Under DDP, log those with ``sync_dist=True``
+    so every process sees the same values. Alerts are also logged to every logger as ``connmon/alerts/count`` (this
+    sample) and ``connmon/alerts/total``. The rules' state (baselines, cooldowns, counts) is saved in checkpoints,
+    so a resumed run neither re-learns nor re-alerts. The default rules and how they were chosen are in
+    :func:`connmon.alerts.default_rules`.
 
     An alert can come no sooner than the monitor's next sample. On the instability suite of benchmarks/README.md
     the default rules warned 2-32 steps before divergence, so alerting wants a dense, light monitor, such as
