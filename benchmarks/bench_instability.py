@@ -37,6 +37,7 @@ Usage:
     python benchmarks/bench_instability.py --wide --variants "width 64" "copy task" --save /tmp/wide.json
     python benchmarks/bench_instability.py --load /tmp/instability.json /tmp/wide.json   # merged tables
     python benchmarks/bench_instability.py --wide --variants "copy task" --seeds 1 --first-seed 2 --save /tmp/s2.json
+    python benchmarks/bench_instability.py --wide --variants base "copy task" --seeds 2 --per-head   # heads too
 """
 
 from __future__ import annotations
@@ -181,15 +182,24 @@ def learning_rate(config: dict, step: int) -> float:
     return config["start"] * (config["peak"] / config["start"]) ** progress
 
 
-def sample(model: nn.Module, idx: torch.Tensor, groups: list, names: list[str]) -> dict[str, float]:
-    """One ConnectionMonitor light sample: capture 2 sequences, the same accumulators, the same keys."""
+def sample(
+    model: nn.Module, idx: torch.Tensor, groups: list, names: list[str], per_head: bool = False
+) -> dict[str, float]:
+    """One ConnectionMonitor light sample: capture 2 sequences, the same accumulators, the same keys.
+
+    With ``per_head``, also each head's attention entropy (nats, mean over queries and sequences) as
+    ``connmon/head_entropy/L<ll>H<h>``.
+    """
     for group in groups:
         group.reset()
+    out = {}
     with torch.no_grad():
         for record in connmon.capture(model, idx, num_sequences=2):
             for group in groups:
                 group.update(record)
-    out = {}
+            if per_head:
+                entropy = -torch.special.xlogy(record.attn, record.attn).sum(-1).mean(dim=(0, 2))  # (H,)
+                out.update({f"connmon/head_entropy/L{record.index:02d}H{h}": e for h, e in enumerate(entropy.tolist())})
     for group in groups:
         for name, value in group.compute().items():
             if name.endswith("/all"):
@@ -199,7 +209,7 @@ def sample(model: nn.Module, idx: torch.Tensor, groups: list, names: list[str]) 
     return {k: v for k, v in out.items() if not any(k.startswith(f"connmon/{n}") for n in names)}
 
 
-def train(config: dict, steps: int, every: int, spectrum: bool = False) -> dict:
+def train(config: dict, steps: int, every: int, spectrum: bool = False, per_head: bool = False) -> dict:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # saturated softmax otherwise slows the run about 2x
     example = example_module()
@@ -228,7 +238,7 @@ def train(config: dict, steps: int, every: int, spectrum: bool = False) -> dict:
         batch = data[torch.randint(0, len(data), (16,), generator=gen)]
         idx, target = batch[:, :-1], batch[:, 1:]
         if step % every == 0:
-            samples[step] = sample(model, idx, groups, ["stochasticity_gap", "reconstruction_error"])
+            samples[step] = sample(model, idx, groups, ["stochasticity_gap", "reconstruction_error"], per_head)
         loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -394,6 +404,8 @@ def evaluate(runs: list[dict]) -> None:
         print("|---|---|---|---|")
         for warned, median, false, name in spectral:
             print(f"| {name} | {warned}/{len(diverged)} | {median:g} | {false} |")
+    if any(k.startswith("connmon/head_entropy/") for r in ramp for k in next(iter(r["samples"].values()), {})):
+        heads(ramp)
     constant = [r for r in runs if r["arm"].startswith("const-")]
     if constant:
         regime(constant)
@@ -438,6 +450,34 @@ def combinations(ramp: list[dict]) -> None:
         print(
             f"| {name} | {len(leads)}/{diverged} | {median} | {', '.join(map(str, sorted(leads)))} | {false} ({copy}) |"
         )
+
+
+HEAD_WINDOW = 25  # steps over which firing heads are counted together
+
+
+def heads(ramp: list[dict]) -> None:
+    """How many heads collapse together: the default entropy detector on every head, before divergence and elsewhere."""
+    window = f"within {HEAD_WINDOW} steps"
+    print(f"\n### Heads whose entropy collapses together (the default entropy detector on each head, {window})\n")
+    print("| variant | arm | seed | divergence | most heads in the warning window (step) | most heads earlier (step) |")
+    print("|---|---|---|---|---|---|")
+    for run in ramp:
+        series, div = samples(run), run["divergence"]
+        keys = sorted(k for k in next(iter(series.values())) if k.startswith("connmon/head_entropy/"))
+        if not keys:
+            continue
+        detectors = {k: EWMAZScore(4.0, "fall", log=True, min_std=0.02) for k in keys}
+        fired = {s: {k for k in keys if k in v and detectors[k].update(v[k]) is not None} for s, v in series.items()}
+        best = {True: (0, None), False: (0, None)}
+        for step in sorted(series):
+            together = len(set().union(*(fired.get(t, set()) for t in range(step - HEAD_WINDOW + 1, step + 1))))
+            if div is not None and step > div:
+                break
+            warning = div is not None and div - WINDOW <= step  # else an alert here would be a false alarm
+            if fired[step] and together > best[warning][0]:
+                best[warning] = (together, step)
+        cells = [f"{n} ({s})" if s is not None else "0" for n, s in (best[True], best[False])]
+        print(f"| {run.get('variant', 'base')} | {run['arm']} | {run['seed']} | {div} | {' | '.join(cells)} |")
 
 
 ARMS = ("ramp", "others")  # false alarms on the ramp runs, and on the runs meant to stay healthy
@@ -520,6 +560,7 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--spectrum", action="store_true", help="sample the spectrum group too (slower)")
     parser.add_argument("--wide", action="store_true", help="the wider suite: every variant in VARIANTS")
+    parser.add_argument("--per-head", action="store_true", help="record each head's attention entropy too")
     parser.add_argument("--variants", nargs="*", help="with --wide, only these variants")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path, nargs="*", help="saved runs (several files are merged)")
@@ -530,7 +571,13 @@ def main() -> None:
         configs = [c for c in arms(args) if not args.arms or c["arm"] in args.arms]
         configs = [c for c in configs if not args.variants or c["variant"] in args.variants]
         jobs = [
-            (c, args.const_steps if c["arm"].startswith("const-") else args.steps, args.every, args.spectrum)
+            (
+                c,
+                args.const_steps if c["arm"].startswith("const-") else args.steps,
+                args.every,
+                args.spectrum,
+                args.per_head,
+            )
             for c in configs
         ]
         jobs.sort(key=lambda job: job[0]["seed"])  # every variant's first seed first: a cut-short suite still spans
