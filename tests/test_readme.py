@@ -23,4 +23,22 @@ def test_coverage_table_is_the_generated_one():
 
     text = README.read_text()
     table = text.split("<!-- coverage:start -->\n", 1)[1].split("\n<!-- coverage:end -->", 1)[0]
-    assert table == coverage_table(), "regenerate it: python -m tests.capture.families"
+    generated = coverage_table()
+    # the error column is round-off (1e-07 or so): its last digit moves with the BLAS build and thread count
+    assert _without_errors(table) == _without_errors(generated), "regenerate it: python -m tests.capture.families"
+    for written, measured in zip(_errors(table), _errors(generated), strict=True):
+        if written != measured:  # a factor of 5 either way; "-" (nothing recorded) only matches itself
+            assert "-" not in (written, measured), (written, measured)
+            assert float(written) <= 5 * float(measured) + 1e-12 and float(measured) <= 5 * float(written) + 1e-12
+
+
+def _rows(table: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+
+
+def _errors(table: str) -> list[str]:
+    return [row[3] for row in _rows(table)]
+
+
+def _without_errors(table: str) -> list[list[str]]:
+    return [row[:3] + row[4:] for row in _rows(table)]
