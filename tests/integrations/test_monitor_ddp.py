@@ -36,6 +36,7 @@ def worker(rank: int, port: int, out: str) -> None:
         loss.backward()
         with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
             json.dump(logged, file)
+        dist.barrier()  # neither rank tears gloo down while the other still talks to it (a SIGABRT under load)
     finally:
         dist.destroy_process_group()
 
