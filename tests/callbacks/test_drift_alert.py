@@ -15,13 +15,13 @@ from tests.callbacks.wandb_run import finish_and_read, history, offline_logger
 LOGIT = "connmon/max_attention_logit/L*"
 
 
-def fit(tmp_path, callbacks, max_steps=6, logger="csv", ckpt_path=None, extra=()):
+def fit(tmp_path, callbacks, max_steps=6, logger="csv", ckpt_path=None, extra=(), module=None):
     logger = CSVLogger(tmp_path, name="csv") if logger == "csv" else logger
     trainer = L.Trainer(
         max_steps=max_steps, callbacks=[*callbacks, *extra], logger=logger, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=bool(extra), accelerator="cpu", devices=1, log_every_n_steps=1,
     )  # fmt: skip
-    trainer.fit(LitGPT(), loader(), ckpt_path=ckpt_path)
+    trainer.fit(module or LitGPT(), loader(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -143,23 +143,19 @@ class LoggingGPT(LitGPT):
         return loss
 
 
-def test_rules_see_the_modules_own_logged_values_beside_connmons():
+def test_rules_see_the_modules_own_logged_values_beside_connmons(tmp_path):
     seen = []
     rules = [Rule("loss seen", "train_loss", Threshold(-1.0), cooldown=1), Rule("logit", LOGIT, Threshold(-1.0))]
     alert = DriftAlert(rules=rules, actions=(), on_alert=seen.append)
-    trainer = L.Trainer(
-        max_steps=3, callbacks=[monitor(), alert], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
-    )  # fmt: skip
     module = LoggingGPT()
-    trainer.fit(module, loader())
+    fit(tmp_path, [monitor(), alert], max_steps=3, logger=False, module=module)
     losses = [(a.step, a.value) for a in seen if a.rule == "loss seen"]
     assert [step for step, _ in losses] == [0, 1, 2]
     assert [value for _, value in losses] == pytest.approx(module.losses)  # the loss of the sampled step itself
     assert any(a.rule == "logit" for a in seen)
 
 
-def test_an_all_of_rule_combines_the_logged_loss_with_a_geometric_key():
+def test_an_all_of_rule_combines_the_logged_loss_with_a_geometric_key(tmp_path):
     seen = []
     both = AllOf(
         "loss and logits together",
@@ -168,12 +164,8 @@ def test_an_all_of_rule_combines_the_logged_loss_with_a_geometric_key():
         cooldown=1,
     )
     alert = DriftAlert(rules=[both], actions=(), on_alert=seen.append)
-    trainer = L.Trainer(
-        max_steps=3, callbacks=[monitor(), alert], logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
-    )  # fmt: skip
     module = LoggingGPT()
-    trainer.fit(module, loader())
+    fit(tmp_path, [monitor(), alert], max_steps=3, logger=False, module=module)
     assert [(a.rule, a.step, a.key) for a in seen] == [("loss and logits together", s, "train_loss") for s in range(3)]
     assert [a.value for a in seen] == pytest.approx(module.losses)
     saved = alert.state_dict()["rules"]["loss and logits together"]
