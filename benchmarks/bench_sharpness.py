@@ -14,7 +14,8 @@ It is a measurement, not a connmon feature: curvature is not attention geometry,
 ``2 * --iterations`` extra backward passes.
 
 Usage:
-    python benchmarks/bench_sharpness.py --save /tmp/sharpness.json    # about 15 minutes on 2 CPU cores
+    python benchmarks/bench_sharpness.py --save /tmp/sharpness.json    # 8 runs, about 17 minutes on 2 CPU cores
+    python benchmarks/bench_sharpness.py --set phase --save /tmp/phase.json   # 4 more runs
     python benchmarks/bench_sharpness.py --load /tmp/sharpness.json    # the tables again
 """
 
@@ -38,16 +39,25 @@ from connmon.functional._lanczos import largest_eigenvalue
 
 BETA1 = 0.9
 THRESHOLD = (2 + 2 * BETA1) / (1 - BETA1)  # 38: lr * lambda_max(P^-1 H) at the edge of stability
-RUNS = [
-    {"variant": "base", "arm": "ramp", "seed": 0},
-    {"variant": "base", "arm": "ramp", "seed": 1},
-    {"variant": "base", "arm": "ramp", "seed": 2},
-    {"variant": "base", "arm": "control", "seed": 0},
-    {"variant": "copy task", "arm": "ramp", "seed": 0, "corpus": "copy"},
-    {"variant": "copy task", "arm": "control", "seed": 0, "corpus": "copy"},
-    {"variant": "width 64", "arm": "ramp", "seed": 0, "width": 64},
-    {"variant": "depth 2", "arm": "ramp", "seed": 0, "depth": 2},
-]
+SETS = {
+    "main": [
+        {"variant": "base", "arm": "ramp", "seed": 0},
+        {"variant": "base", "arm": "ramp", "seed": 1},
+        {"variant": "base", "arm": "ramp", "seed": 2},
+        {"variant": "base", "arm": "control", "seed": 0},
+        {"variant": "copy task", "arm": "ramp", "seed": 0, "corpus": "copy"},
+        {"variant": "copy task", "arm": "control", "seed": 0, "corpus": "copy"},
+        {"variant": "width 64", "arm": "ramp", "seed": 0, "width": 64},
+        {"variant": "depth 2", "arm": "ramp", "seed": 0, "depth": 2},
+    ],
+    # the healthy phase change again (more seeds of the copy-task control) and a user's warmup run
+    "phase": [
+        {"variant": "copy task", "arm": "control", "seed": 1, "corpus": "copy"},
+        {"variant": "copy task", "arm": "control", "seed": 2, "corpus": "copy"},
+        {"variant": "copy task", "arm": "ramp", "seed": 1, "corpus": "copy"},
+        {"variant": "base", "arm": "warmup", "seed": 0},
+    ],
+}
 
 
 def preconditioned_sharpness(
@@ -92,7 +102,10 @@ def train(config: dict, steps: int, every: int, iterations: int, start: float, p
     torch.set_flush_denormal(True)
     example = example_module()
     config = {**BASE, **config, "start": start, "ramp": ramp}
-    config["peak"], config["qk_norm"] = (peak, False) if config["arm"] == "ramp" else (3e-3, True)
+    if config["arm"] == "warmup":  # bench_instability's healthy from-scratch run: linear warmup to 1e-3, then constant
+        config.update(start=0.0, ramp=100, shape="warmup", peak=1e-3, qk_norm=False)
+    else:
+        config["peak"], config["qk_norm"] = (peak, False) if config["arm"] == "ramp" else (3e-3, True)
     if config["corpus"] == "copy":
         data = copy_corpus(2048, example.VOCAB, example.TOKENS + 1)
     else:
@@ -182,13 +195,14 @@ def main() -> None:
     parser.add_argument("--peak", type=float, default=1e-1)
     parser.add_argument("--ramp", type=int, default=1500)
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--set", choices=sorted(SETS), default="main", help="which runs (main: 8; phase: 4)")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path)
     args = parser.parse_args()
     if args.load:
         runs = json.loads(args.load.read_text())
     else:
-        jobs = [(c, args.steps, args.every, args.iterations, args.start, args.peak, args.ramp) for c in RUNS]
+        jobs = [(c, args.steps, args.every, args.iterations, args.start, args.peak, args.ramp) for c in SETS[args.set]]
         with get_context("spawn").Pool(args.processes) as pool:
             runs = pool.map(_train, jobs)
         for run in runs:
