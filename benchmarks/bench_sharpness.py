@@ -16,7 +16,7 @@ It is a measurement, not a connmon feature: curvature is not attention geometry,
 Usage:
     python benchmarks/bench_sharpness.py --save /tmp/sharpness.json    # 8 runs, about 17 minutes on 2 CPU cores
     python benchmarks/bench_sharpness.py --set phase --save /tmp/phase.json   # 4 more runs
-    python benchmarks/bench_sharpness.py --load /tmp/sharpness.json    # the tables again
+    python benchmarks/bench_sharpness.py --load /tmp/sharpness.json /tmp/phase.json   # the tables again, merged
 """
 
 from __future__ import annotations
@@ -139,25 +139,27 @@ def _train(job: tuple) -> dict:
     return train(*job)
 
 
-RULES = {
-    **{f"lr * lambda_pre / 38 > {t:g}": t for t in (0.5, 0.7, 0.9, 1.0, 1.2)},
-    "log lambda_pre * lr: z > 4 rise (floor 0.05)": None,
+COOLDOWN = 100  # steps between alerts of one rule, as connmon's Rule default
+RULES = {  # name: (bound on the ratio, consecutive samples above it), or None for the z-score rule
+    **{f"ratio > {t:g}": (t, 1) for t in (0.5, 0.7, 1.0, 1.2)},
+    **{f"ratio > {t:g} on {k} consecutive samples": (t, k) for t in (0.7, 1.0) for k in (2, 3)},
+    "log ratio z > 4 rise (floor 0.05)": None,
 }
 
 
 def alerts(run: dict, name: str) -> list[int]:
+    """The steps at which the rule alerts on a run's ratio series (online, with the cooldown)."""
     series = {int(step): value for step, value in run["ratio"].items()}
-    bound = RULES[name]
-    if bound is not None:  # one alert per crossing from below, as a Threshold rule with a cooldown would give
-        steps, above = [], False
-        for step in sorted(series):
-            now = series[step] > bound
-            if now and not above:
-                steps.append(step)
-            above = now
-        return steps
-    rules = RuleSet([Rule("sharpness", "ratio", EWMAZScore(4.0, "rise", log=True, min_std=0.05))])
-    return [s for s in sorted(series) if series[s] > 0 and rules.update({"ratio": series[s]}, s)]
+    if RULES[name] is None:
+        rules = RuleSet([Rule("sharpness", "ratio", EWMAZScore(4.0, "rise", log=True, min_std=0.05))])
+        return [s for s in sorted(series) if series[s] > 0 and rules.update({"ratio": series[s]}, s)]
+    bound, need = RULES[name]
+    steps, streak = [], 0
+    for step in sorted(series):
+        streak = streak + 1 if series[step] > bound else 0
+        if streak >= need and (not steps or step - steps[-1] >= COOLDOWN):
+            steps.append(step)
+    return steps
 
 
 def report(runs: list[dict]) -> None:
@@ -174,16 +176,20 @@ def report(runs: list[dict]) -> None:
         final = f"{run['loss'][-1]:.2f}" if math.isfinite(run["loss"][-1]) else "nan"
         cells = [run["variant"], run["arm"], run["seed"], run["divergence"], final, top_text, before]
         print("| " + " | ".join(map(str, cells)) + " |")
-    print("\n| rule | divergences warned | leads | false alarms (copy task) |\n|---|---|---|---|")
+    print("\n| rule | divergences warned | leads | alerts on healthy runs | false alarms on other runs |")
+    print("|---|---|---|---|---|")
     for name in RULES:
-        leads, false, copy = [], 0, 0
+        leads, healthy, other = [], [], []
         for run in runs:
             lead, fa = score(alerts(run, name), run["divergence"])
             leads += [lead] if lead is not None else []
-            false, copy = false + fa, copy + (fa if run["variant"] == "copy task" else 0)
+            where = f"{run['variant']} {run['arm']} {run['seed']}: {fa}"
+            (healthy if run["arm"] in ("control", "warmup") else other).extend([where] if fa else [])
         diverged = sum(run["divergence"] is not None for run in runs)
         median = f"median {statistics.median(leads):g}: " if leads else ""
-        print(f"| {name} | {len(leads)}/{diverged} | {median}{', '.join(map(str, sorted(leads)))} | {false} ({copy}) |")
+        cells = [name, f"{len(leads)}/{diverged}", median + ", ".join(map(str, sorted(leads)))]
+        cells += ["; ".join(healthy) or "0", "; ".join(other) or "0"]
+        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -197,10 +203,10 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--set", choices=sorted(SETS), default="main", help="which runs (main: 8; phase: 4)")
     parser.add_argument("--save", type=Path)
-    parser.add_argument("--load", type=Path)
+    parser.add_argument("--load", type=Path, nargs="*", help="saved runs (several files are merged)")
     args = parser.parse_args()
     if args.load:
-        runs = json.loads(args.load.read_text())
+        runs = [run for path in args.load for run in json.loads(path.read_text())]
     else:
         jobs = [(c, args.steps, args.every, args.iterations, args.start, args.peak, args.ramp) for c in SETS[args.set]]
         with get_context("spawn").Pool(args.processes) as pool:
