@@ -166,6 +166,13 @@ def copy_corpus(sequences: int, vocab: int, tokens: int, seed: int = 0) -> torch
     return torch.cat([half, half], dim=1)
 
 
+def corpus(config: dict, example) -> torch.Tensor:
+    """The run's training sequences ``(2048, tokens + 1)``: the copy task or the example's Markov corpus."""
+    if config["corpus"] == "copy":
+        return copy_corpus(2048, example.VOCAB, example.TOKENS + 1)
+    return example.markov_corpus(2048, seed=0).tensors[0]
+
+
 def learning_rate(config: dict, step: int) -> float:
     """The learning rate of a run at ``step``.
 
@@ -214,10 +221,7 @@ def train(config: dict, steps: int, every: int, spectrum: bool = False, per_head
     torch.set_flush_denormal(True)  # saturated softmax otherwise slows the run about 2x
     example = example_module()
     config = {**BASE, **config}
-    if config["corpus"] == "copy":
-        data = copy_corpus(2048, example.VOCAB, example.TOKENS + 1)
-    else:
-        data = example.markov_corpus(2048, seed=0).tensors[0]
+    data = corpus(config, example)
     torch.manual_seed(config["seed"])
     depth = config["depth"]
     model = GPT(example.VOCAB, example.TOKENS, config["qk_norm"], n_layer=depth, n_embd=config["width"])

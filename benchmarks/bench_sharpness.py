@@ -30,7 +30,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-from bench_instability import BASE, GPT, copy_corpus, divergence, example_module, learning_rate, score
+from bench_instability import BASE, GPT, corpus, divergence, example_module, learning_rate, score
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -106,10 +106,7 @@ def train(config: dict, steps: int, every: int, iterations: int, start: float, p
         config.update(start=0.0, ramp=100, shape="warmup", peak=1e-3, qk_norm=False)
     else:
         config["peak"], config["qk_norm"] = (peak, False) if config["arm"] == "ramp" else (3e-3, True)
-    if config["corpus"] == "copy":
-        data = copy_corpus(2048, example.VOCAB, example.TOKENS + 1)
-    else:
-        data = example.markov_corpus(2048, seed=0).tensors[0]
+    data = corpus(config, example)
     torch.manual_seed(config["seed"])
     model = GPT(example.VOCAB, example.TOKENS, config["qk_norm"], n_layer=config["depth"], n_embd=config["width"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], betas=(BETA1, 0.999), weight_decay=0.0)
