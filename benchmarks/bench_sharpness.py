@@ -57,6 +57,13 @@ SETS = {
         {"variant": "copy task", "arm": "ramp", "seed": 1, "corpus": "copy"},
         {"variant": "base", "arm": "warmup", "seed": 0},
     ],
+    # more seeds where the margin is thin (the copy-task controls) and of a base ramp and a warmup run
+    "more": [
+        {"variant": "copy task", "arm": "control", "seed": 3, "corpus": "copy"},
+        {"variant": "copy task", "arm": "control", "seed": 4, "corpus": "copy"},
+        {"variant": "base", "arm": "ramp", "seed": 3},
+        {"variant": "base", "arm": "warmup", "seed": 1},
+    ],
 }
 
 
@@ -198,7 +205,7 @@ def main() -> None:
     parser.add_argument("--peak", type=float, default=1e-1)
     parser.add_argument("--ramp", type=int, default=1500)
     parser.add_argument("--processes", type=int, default=2)
-    parser.add_argument("--set", choices=sorted(SETS), default="main", help="which runs (main: 8; phase: 4)")
+    parser.add_argument("--set", choices=sorted(SETS), default="main", help="which runs (main: 8; phase, more: 4 each)")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path, nargs="*", help="saved runs (several files are merged)")
     args = parser.parse_args()
