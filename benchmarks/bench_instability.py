@@ -189,6 +189,17 @@ def learning_rate(config: dict, step: int) -> float:
     return config["start"] * (config["peak"] / config["start"]) ** progress
 
 
+def next_batch(
+    config: dict, step: int, optimizer: torch.optim.Optimizer, data: torch.Tensor, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Set the run's LR for ``step`` and draw its batch of 16: ``(inputs, targets, lr)``."""
+    lr = learning_rate(config, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    batch = data[torch.randint(0, len(data), (16,), generator=gen)]
+    return batch[:, :-1], batch[:, 1:], lr
+
+
 def sample(
     model: nn.Module, idx: torch.Tensor, groups: list, names: list[str], per_head: bool = False
 ) -> dict[str, float]:
@@ -236,11 +247,7 @@ def train(config: dict, steps: int, every: int, spectrum: bool = False, per_head
     losses, grad_norms, samples = [], [], {}
     start = time.perf_counter()
     for step in range(steps):
-        lr = learning_rate(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = data[torch.randint(0, len(data), (16,), generator=gen)]
-        idx, target = batch[:, :-1], batch[:, 1:]
+        idx, target, _ = next_batch(config, step, optimizer, data, gen)
         if step % every == 0:
             samples[step] = sample(model, idx, groups, ["stochasticity_gap", "reconstruction_error"], per_head)
         loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())

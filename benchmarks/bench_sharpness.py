@@ -31,7 +31,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-from bench_instability import BASE, GPT, corpus, divergence, example_module, learning_rate, score
+from bench_instability import BASE, GPT, corpus, divergence, example_module, next_batch, score
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -158,11 +158,7 @@ def train(config: dict, steps: int, every: int, iterations: int, start: float, p
     losses, ratio = [], {}
     begin = time.perf_counter()
     for step in range(steps):
-        lr = learning_rate(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = data[torch.randint(0, len(data), (16,), generator=gen)]
-        idx, target = batch[:, :-1], batch[:, 1:]
+        idx, target, lr = next_batch(config, step, optimizer, data, gen)
         loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
         if step % every == 0 and step > 0:
             sharpness = preconditioned_sharpness(model, (idx, target), optimizer, iterations, step)
