@@ -76,32 +76,45 @@ def _signed(deviation: float, direction: Direction) -> float:
 
 
 class Threshold(Detector):
-    """Fires when a value crosses a fixed bound.
+    """Fires when a value crosses a fixed bound (on ``consecutive`` finite values in a row).
 
     Args:
         bound: the bound.
         direction: ``"rise"`` fires on ``value > bound``, ``"fall"`` on ``value < bound``; ``"both"`` on
             ``|value| > bound``.
+        consecutive: how many successive finite values must cross the bound; the detector fires on the last of them,
+            and then on every further one while the streak lasts. A value that does not cross restarts the count;
+            a non-finite value neither counts nor restarts it.
+
+    Raises:
+        ValueError: for an unknown direction or ``consecutive < 1``.
 
     Example:
         >>> from connmon.alerts import Threshold
         >>> detector = Threshold(50.0)
         >>> [detector.update(v) is not None for v in (10.0, 49.0, 51.0)]
         [False, False, True]
+        >>> detector = Threshold(1.0, consecutive=2)
+        >>> [detector.update(v) is not None for v in (1.2, 0.9, 1.1, 1.3, 1.4)]
+        [False, False, False, True, True]
     """
 
-    def __init__(self, bound: float, direction: Direction = "rise") -> None:
+    def __init__(self, bound: float, direction: Direction = "rise", consecutive: int = 1) -> None:
         _check_direction(direction)
-        self.bound, self.direction = float(bound), direction
+        if isinstance(consecutive, bool) or not isinstance(consecutive, int) or consecutive < 1:
+            raise ValueError(f"consecutive must be an int >= 1, got consecutive={consecutive!r}")
+        self.bound, self.direction, self.consecutive = float(bound), direction, consecutive
+        self.streak = 0  # successive values across the bound so far
 
     def update(self, value: float) -> Detection | None:  # noqa: D102
         if not math.isfinite(value):
             return None
         if self.direction == "both":
-            fired = abs(value) > abs(self.bound)
+            crossed = abs(value) > abs(self.bound)
         else:
-            fired = _signed(value - self.bound, self.direction) > 0
-        return Detection(value, self.bound) if fired else None
+            crossed = _signed(value - self.bound, self.direction) > 0
+        self.streak = self.streak + 1 if crossed else 0
+        return Detection(value, self.bound) if self.streak >= self.consecutive else None
 
 
 class Growth(Detector):

@@ -47,14 +47,15 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> Te
 
 
 def largest_eigenvalue(
-    matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int, tol: float
+    matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int, tol: float, dtype: torch.dtype = torch.float64
 ) -> tuple[Tensor, Tensor]:
     """The largest eigenvalue of each of ``N`` symmetric operators after ``steps`` Lanczos steps; whether it converged.
 
     The top Ritz value of the tridiagonal matrix never exceeds the operator's largest eigenvalue (up to round-off) and
     its distance to an eigenvalue is at most the residual ``|beta_m u_m|`` of its Ritz vector (Parlett); converged
     means that residual is within ``tol`` times the value (the Krylov-Schur solver's test). One host
-    synchronization is left to the caller (reading the flags).
+    synchronization is left to the caller (reading the flags). The vectors are kept in ``dtype`` (float32 for
+    operators too large to hold several float64 copies of), the recurrence's coefficients in float64.
 
     Returns:
         ``(values (N,), converged (N,) bool)``, float64.
@@ -65,11 +66,11 @@ def largest_eigenvalue(
         >>> gen = torch.Generator().manual_seed(0)
         >>> a = torch.randn(3, 40, 40, dtype=torch.float64, generator=gen)
         >>> x = a @ a.mT
-        >>> top, ok = largest_eigenvalue(lambda v: (x @ v.unsqueeze(-1)).squeeze(-1), torch.ones(3, 40), 40, 1e-10)
+        >>> top, ok = largest_eigenvalue(lambda v: (x @ v.unsqueeze(-1)).squeeze(-1), torch.ones(3, 40), 30, 1e-10)
         >>> bool(ok.all()), bool(torch.allclose(top, torch.linalg.eigvalsh(x)[:, -1]))
         (True, True)
     """
-    alpha, beta = _recurrence(matvec, start, steps)
+    alpha, beta = _recurrence(matvec, start, steps, dtype)
     nodes, vectors = torch.linalg.eigh(_finite_or_zero(_tridiagonal(alpha, beta[:, :-1]))[0])
     residual = (beta[:, -1] * vectors[:, -1, -1]).abs()
     finite = torch.isfinite(alpha).all(-1) & torch.isfinite(beta).all(-1)
@@ -77,25 +78,28 @@ def largest_eigenvalue(
     return values, finite & (residual <= tol * values.abs())
 
 
-def _recurrence(matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> tuple[Tensor, Tensor]:
+def _recurrence(
+    matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int, dtype: torch.dtype = torch.float64
+) -> tuple[Tensor, Tensor]:
     """The three-term recurrence: ``alpha (N, m)`` and ``beta (N, m)``, ``beta[:, -1]`` the next vector's norm."""
-    start = start.to(torch.float64)
+    start = start.to(dtype)
     count = start.shape[0]
-    alpha = start.new_zeros(count, steps)
-    beta = start.new_zeros(count, steps)
+    alpha = start.new_zeros(count, steps, dtype=torch.float64)
+    beta = start.new_zeros(count, steps, dtype=torch.float64)
     norm = start.norm(dim=-1, keepdim=True)
     q = torch.where(norm > 0, start / norm.clamp(min=torch.finfo(start.dtype).tiny), 0)
     previous = torch.zeros_like(q)
     for j in range(steps):
-        w = matvec(q).to(torch.float64)
-        scale = w.norm(dim=-1)
-        a = (w * q).sum(dim=-1)
-        w = w - a.unsqueeze(-1) * q - (beta[:, j - 1].unsqueeze(-1) * previous if j else 0)
-        b = w.norm(dim=-1)
+        w = matvec(q).to(dtype)
+        scale = w.norm(dim=-1, dtype=torch.float64)
+        a = (w * q).sum(dim=-1, dtype=torch.float64)
+        w = w - a.to(dtype).unsqueeze(-1) * q - (beta[:, j - 1].to(dtype).unsqueeze(-1) * previous if j else 0)
+        b = w.norm(dim=-1, dtype=torch.float64)
         ended = b <= _BREAKDOWN * scale
         alpha[:, j] = a
         beta[:, j] = torch.where(ended, 0, b)
-        previous, q = q, torch.where(ended.unsqueeze(-1), 0, w / b.clamp(min=torch.finfo(w.dtype).tiny).unsqueeze(-1))
+        norm = b.clamp(min=torch.finfo(dtype).tiny).to(dtype)
+        previous, q = q, torch.where(ended.unsqueeze(-1), 0, w / norm.unsqueeze(-1))
     return alpha, beta
 
 

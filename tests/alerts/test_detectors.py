@@ -76,6 +76,23 @@ def test_threshold_and_non_finite():
     assert NonFinite().update(float("-inf")) is not None and NonFinite().update(1e30) is None
 
 
+def test_threshold_on_consecutive_values_counts_a_streak_that_nan_neither_extends_nor_breaks():
+    detector = Threshold(1.0, consecutive=3)
+    values = [2.0, 2.0, 0.5, 2.0, float("nan"), 2.0, 2.0, 3.0, 0.0, 2.0]
+    fired = [detector.update(v) is not None for v in values]
+    assert fired == [False, False, False, False, False, False, True, True, False, False]
+    falling = Threshold(0.0, "fall", consecutive=2)
+    assert [falling.update(v) is not None for v in (-1.0, -1.0)] == [False, True]
+
+
+def test_threshold_streak_survives_a_resume():
+    first = Threshold(1.0, consecutive=2)
+    assert first.update(1.5) is None
+    resumed = Threshold(1.0, consecutive=2)
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.update(1.5) is not None
+
+
 def test_state_round_trip_continues_identically():
     rng = random.Random(2)
     values = [rng.gauss(0, 1) + (3 if i > 60 else 0) for i in range(100)]
@@ -97,6 +114,8 @@ def test_state_round_trip_continues_identically():
         (lambda: CUSUM(warmup=1), "warmup"),
         (lambda: CUSUM(threshold=-1.0), "threshold"),
         (lambda: Threshold(1.0, "sideways"), "direction"),
+        (lambda: Threshold(1.0, consecutive=0), "consecutive"),
+        (lambda: Threshold(1.0, consecutive=1.5), "consecutive"),
     ],
 )
 def test_bad_configuration_is_rejected_with_the_value(factory, match):
