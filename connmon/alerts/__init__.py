@@ -23,7 +23,17 @@ from connmon.alerts.detectors import (
     NonFinite,
     Threshold,
 )
-from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules, logit_bound_rule
+from connmon.alerts.rules import (
+    LEVELS,
+    Alert,
+    AllOf,
+    Level,
+    Rule,
+    RuleSet,
+    default_rules,
+    edge_of_stability_rule,
+    logit_bound_rule,
+)
 from connmon.alerts.runner import ACTIONS, Action, AlertRunner
 
 __all__ = [
@@ -45,5 +55,6 @@ __all__ = [
     "RuleSet",
     "Threshold",
     "default_rules",
+    "edge_of_stability_rule",
     "logit_bound_rule",
 ]

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from connmon.alerts.detectors import Detector, EWMAZScore, Growth, NonFinite, Threshold
 
-__all__ = ["Alert", "AllOf", "Level", "Rule", "RuleSet", "default_rules", "logit_bound_rule"]
+__all__ = ["Alert", "AllOf", "Level", "Rule", "RuleSet", "default_rules", "edge_of_stability_rule", "logit_bound_rule"]
 
 Level = Literal["INFO", "WARN", "ERROR"]
 LEVELS: tuple[Level, ...] = ("INFO", "WARN", "ERROR")
@@ -310,6 +310,9 @@ def default_rules() -> list[Rule]:
       against the layer's own level. In the suite: 2/3 divergences (leads 7, 17), no false alarm.
     * ``attention logits growing early`` (WARN, steps <= 100 only): a layer's max logit has tripled since the first
       sample, the sign of an LR too high for the run to learn well.
+    * ``past the edge of stability`` (WARN, :func:`edge_of_stability_rule`): the optimizer's step is past its edge
+      of stability on two samples in a row. It watches ``connmon/sharpness_ratio``, which only the opt-in
+      :class:`connmon.callbacks.SharpnessMonitor` logs, so without one it never fires.
 
     The fixed bound of earlier versions (max logit above 30: leads 32-52 in the suite) is not scale-free: a healthy
     pretrained all-MiniLM-L6-v2 sits near 34 in layer 0. It is available as :func:`logit_bound_rule`. No geometric
@@ -326,7 +329,7 @@ def default_rules() -> list[Rule]:
         >>> from connmon.alerts import default_rules
         >>> [rule.name for rule in default_rules()]  # doctest: +NORMALIZE_WHITESPACE
         ['non-finite attention', 'attention entropy collapsing', 'attention logits surging',
-         'attention logits growing early']
+         'attention logits growing early', 'past the edge of stability']
     """
     logits = "connmon/max_attention_logit/L*"
     entropy = EWMAZScore(4.0, "fall", log=True, min_std=0.02)
@@ -336,7 +339,34 @@ def default_rules() -> list[Rule]:
         Rule("attention entropy collapsing", "connmon/attention_entropy/L*", entropy),
         Rule("attention logits surging", logits, surge, cooldown=500),
         Rule("attention logits growing early", logits, Growth(3.0), until=100, cooldown=1000),
+        edge_of_stability_rule(),
     ]
+
+
+def edge_of_stability_rule(
+    bound: float = 1.0, consecutive: int = 2, level: Level = "WARN", cooldown: int = 100
+) -> Rule:
+    """Alerts when ``connmon/sharpness_ratio`` (a :class:`connmon.callbacks.SharpnessMonitor`) stays above ``bound``.
+
+    The ratio is the curvature of the loss against the optimizer's edge of stability (:mod:`connmon.curvature`):
+    1 is where, on the quadratic model, the step starts to oscillate with a growing amplitude, for any model,
+    optimizer or learning rate, so the bound comes from theory and is scale-free. On the AdamW runs of
+    ``benchmarks/bench_sharpness.py`` (16 runs, sampled every 20 steps), above 1 on two samples in a row warned 6
+    of 6 divergences at a median of 97 steps ahead (17-285) and never fired on the 8 healthy runs, which include
+    warmup runs and the copy task's phase change; a single sample above 1 fired on 2 of those 8. It also fired on
+    ramp runs that fell back to a worse plateau without diverging. benchmarks/README.md has the tables and the
+    caveats (1-5 seeds per setting, AdamW only). Full-batch training can hover at the edge for long stretches without
+    diverging (Cohen et al. 2021), so this rule is for mini-batch training.
+
+    Example:
+        >>> from connmon.alerts import RuleSet, edge_of_stability_rule
+        >>> rules = RuleSet([edge_of_stability_rule()])
+        >>> [[a.step for a in rules.update({"connmon/sharpness_ratio": r}, s)] for s, r in [(50, 1.2), (100, 0.8),
+        ...  (150, 1.1), (200, 1.3)]]
+        [[], [], [], [200]]
+    """
+    detector = Threshold(bound, consecutive=consecutive)
+    return Rule("past the edge of stability", "connmon/sharpness_ratio", detector, level, cooldown)
 
 
 def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int = 500) -> Rule:

@@ -8,5 +8,6 @@ Example:
 
 from connmon.callbacks.connection_monitor import ConnectionMonitor
 from connmon.callbacks.drift_alert import DriftAlert
+from connmon.callbacks.sharpness_monitor import SharpnessMonitor
 
-__all__ = ["ConnectionMonitor", "DriftAlert"]
+__all__ = ["ConnectionMonitor", "DriftAlert", "SharpnessMonitor"]

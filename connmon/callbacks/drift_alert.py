@@ -13,10 +13,11 @@ from torch import Tensor
 
 from connmon.alerts import ACTIONS, Action, Alert, AlertRunner, AllOf, Level, Rule, RuleSet
 from connmon.callbacks.connection_monitor import ConnectionMonitor
+from connmon.callbacks.sharpness_monitor import SharpnessMonitor
 
 
 class DriftAlert(Callback):
-    """Raises alerts when the values a :class:`ConnectionMonitor` computes drift, and acts on them.
+    """Raises alerts when the values a :class:`ConnectionMonitor` (or a :class:`SharpnessMonitor`) computes drift.
 
     On every sample of the monitor (every process, synced values) the rules run; each alert is
 
@@ -32,7 +33,8 @@ class DriftAlert(Callback):
     so every process sees the same values. Alerts are also logged to every logger as ``connmon/alerts/count`` (this
     sample) and ``connmon/alerts/total``. The rules' state (baselines, cooldowns, counts) is saved in checkpoints,
     so a resumed run neither re-learns nor re-alerts. The default rules and how they were chosen are in
-    :func:`connmon.alerts.default_rules`.
+    :func:`connmon.alerts.default_rules`. A :class:`SharpnessMonitor`'s samples are shown to the rules on their own
+    steps, its keys only, so a rule over ``connmon/sharpness_ratio`` sees each measurement once.
 
     An alert can come no sooner than the monitor's next sample. On the instability suite of benchmarks/README.md
     the default rules warned 2-32 steps before divergence, so alerting wants a dense, light monitor, such as
@@ -68,6 +70,7 @@ class DriftAlert(Callback):
     ) -> None:
         self.runner = AlertRunner(rules, actions, stop_level, on_alert, wait_duration, history)
         self._listening: ConnectionMonitor | None = None
+        self._listening_curvature: SharpnessMonitor | None = None
         self._wandb: Any = None
 
     @property
@@ -86,13 +89,17 @@ class DriftAlert(Callback):
         return self.runner.total
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Listen to the trainer's ConnectionMonitor (warn if there is none) and find a WandbLogger."""
+        """Listen to the trainer's ConnectionMonitor and SharpnessMonitor (warn if neither) and find a WandbLogger."""
         monitors = [cb for cb in trainer.callbacks if isinstance(cb, ConnectionMonitor)]
-        if not monitors:
+        curvature = [cb for cb in trainer.callbacks if isinstance(cb, SharpnessMonitor)]
+        if not monitors and not curvature:
             rank_zero_warn("DriftAlert watches the values of a ConnectionMonitor, and the Trainer has none: add one")
-        elif self._listening is not monitors[0]:
+        if monitors and self._listening is not monitors[0]:
             monitors[0].add_listener(self._on_sample)
             self._listening = monitors[0]
+        if curvature and self._listening_curvature is not curvature[0]:
+            curvature[0].add_listener(self._on_curvature)
+            self._listening_curvature = curvature[0]
         self._wandb = None
         if "wandb" in self.runner.actions:
             for logger in trainer.loggers:
@@ -111,7 +118,13 @@ class DriftAlert(Callback):
         self.runner.load_state_dict(state_dict)
 
     def _on_sample(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
-        alerts, stop = self.runner.run({**_logged_scalars(trainer), **values}, step, wandb=self._wandb)
+        self._run(trainer, step, {**_logged_scalars(trainer), **values})
+
+    def _on_curvature(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
+        self._run(trainer, step, values)
+
+    def _run(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
+        alerts, stop = self.runner.run(values, step, wandb=self._wandb)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(self.runner.counts(alerts), step=step)

@@ -1,0 +1,214 @@
+import itertools
+import math
+import warnings
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
+from connmon.curvature import sharpness_ratio
+from tests.callbacks.lightning_models import LitGPT, loader
+from tests.callbacks.test_connection_monitor import read_csv
+
+RATIO = "connmon/sharpness_ratio"
+
+
+def gpt_loss(module, batch):
+    idx, target = batch
+    return nn.functional.cross_entropy(module(idx).flatten(0, 1), target.flatten())
+
+
+class Direct(L.Callback):
+    """After the monitor, the ratio computed directly from connmon.curvature on the same batch, seed and state."""
+
+    def __init__(self, every_n_steps: int, loss_fn=gpt_loss) -> None:
+        self.every_n_steps, self.loss_fn, self.ratios = every_n_steps, loss_fn, {}
+        self.start = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.start = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        step = trainer.global_step
+        if step != self.start and step % self.every_n_steps == 0:
+            with trainer.precision_plugin.train_step_context():
+                result = sharpness_ratio(lambda: self.loss_fn(pl_module, batch), trainer.optimizers[0], steps=8,
+                                         model=pl_module, seed=step)  # fmt: skip
+            self.ratios[step] = result.ratio
+
+
+def fit(tmp_path, callbacks, module=None, max_steps=6, data=None, **trainer_kwargs):
+    trainer = L.Trainer(
+        max_steps=max_steps, callbacks=callbacks, logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, log_every_n_steps=1,
+        **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(module or LitGPT(), data or loader())
+    return trainer
+
+
+def logged(tmp_path, key=RATIO):
+    if not any(tmp_path.rglob("metrics.csv")):  # nothing was logged at all
+        return {}
+    return {int(row["step"]): float(row[key]) for row in read_csv(tmp_path) if row.get(key)}
+
+
+def test_logs_the_ratio_of_connmon_curvature_after_every_sampled_optimizer_step(tmp_path):
+    monitor, direct = SharpnessMonitor(gpt_loss, every_n_steps=2), Direct(2)
+    fit(tmp_path, [monitor, direct])
+    values = logged(tmp_path)
+    assert sorted(values) == [2, 4, 6] and monitor.samples == 3
+    assert values == pytest.approx(direct.ratios, rel=1e-6)  # the CSV holds float32-rounded text
+    assert all(0 < v < 1 for v in values.values())  # SGD at lr 1e-2: far inside the edge
+    eigenvalues = logged(tmp_path, "connmon/sharpness_eigenvalue")
+    assert eigenvalues == pytest.approx({s: 2 * v for s, v in values.items()}, rel=1e-6)  # plain SGD: c = 2
+
+
+class Noisy(L.LightningModule):
+    """Dropout, batch norm and AdamW: what the estimate must leave as it was (random stream, buffers, state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.Dropout(0.3), nn.GELU(), nn.Linear(32, 1))
+
+    def training_step(self, batch, batch_idx):
+        return noisy_loss(self, batch)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def noisy_loss(module, batch):
+    x, y = batch
+    return nn.functional.mse_loss(module.net(x), y)
+
+
+def noisy_data():
+    gen = torch.Generator().manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen)), batch_size=8)
+
+
+def test_training_is_bitwise_the_same_with_the_monitor(tmp_path):
+    runs = {}
+    for name, callbacks in (("plain", []), ("monitored", [SharpnessMonitor(noisy_loss, every_n_steps=2)])):
+        torch.manual_seed(5)
+        module = Noisy()
+        fit(tmp_path / name, callbacks, module=module, max_steps=8, data=noisy_data())
+        runs[name] = module.state_dict()
+    assert runs["plain"].keys() == runs["monitored"].keys()
+    assert all(torch.equal(runs["plain"][k], runs["monitored"][k]) for k in runs["plain"])
+    assert len(logged(tmp_path / "monitored")) == 4
+
+
+def test_the_connection_monitor_reads_the_same_with_it_listed_before_after_or_absent(tmp_path):
+    def read(name, sharpness_first):
+        monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
+        sharpness = SharpnessMonitor(gpt_loss, every_n_steps=2)
+        callbacks = {None: [monitor], True: [sharpness, monitor], False: [monitor, sharpness]}[sharpness_first]
+        fit(tmp_path / name, callbacks)
+        return {(int(r["step"]), k): v for r in read_csv(tmp_path / name) for k, v in r.items()
+                if v and k.startswith("connmon/attention_entropy")}  # fmt: skip
+
+    alone = read("alone", None)
+    assert alone and read("before", True) == alone and read("after", False) == alone
+
+
+def test_sampled_once_per_optimizer_step_under_gradient_accumulation(tmp_path):
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1)
+    trainer = fit(tmp_path, [monitor], max_steps=3, accumulate_grad_batches=2)
+    assert trainer.global_step == 3 and sorted(logged(tmp_path)) == [1, 2, 3]
+
+
+def test_drift_alert_default_rules_warn_past_the_edge_of_stability_on_two_samples_in_a_row(tmp_path):
+    series = {}
+    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1)
+    sharpness.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
+    alert = DriftAlert(actions=("log",))
+    with pytest.warns(UserWarning, match=r"connmon: past the edge of stability \[WARN\]: connmon/sharpness_ratio"):
+        fit(tmp_path, [sharpness, alert], module=LitGPT(lr=2.0), max_steps=5)
+    steps = sorted(series)
+    expected = next(s for prev, s in itertools.pairwise(steps) if series[prev] > 1 and series[s] > 1)
+    assert [a.step for a in alert.alerts] == [expected]  # the cooldown (100 steps) keeps it to one
+    assert [a.rule for a in alert.alerts] == ["past the edge of stability"]
+
+
+class Adagrad(LitGPT):
+    def configure_optimizers(self):
+        return torch.optim.Adagrad(self.parameters(), lr=1e-2)
+
+
+def failing_loss(module, batch):
+    raise KeyError("input_ids")
+
+
+@pytest.mark.parametrize(
+    ("module", "loss_fn", "why"),
+    [
+        (Adagrad, gpt_loss, "Adagrad is not supported"),
+        (LitGPT, failing_loss, "KeyError: 'input_ids'"),
+        (LitGPT, lambda module, batch: gpt_loss(module, batch).detach(), "does not require grad"),
+    ],
+)
+def test_what_it_cannot_measure_turns_it_off_with_one_warning_and_the_run_goes_on(tmp_path, module, loss_fn, why):
+    monitor = SharpnessMonitor(loss_fn, every_n_steps=1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer = fit(tmp_path, [monitor], module=module(), max_steps=4)
+    mine = [str(w.message) for w in seen if "SharpnessMonitor" in str(w.message)]
+    assert len(mine) == 1 and "off for the rest of this run" in mine[0] and why in mine[0], mine
+    assert trainer.global_step == 4 and monitor.samples == 0 and not logged(tmp_path)
+
+
+def test_a_compiled_model_has_no_double_backward_so_it_is_turned_off_and_trains_on(tmp_path):
+    module = LitGPT()
+    module.model = torch.compile(module.model, backend="aot_eager")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1)
+    with pytest.warns(UserWarning, match="SharpnessMonitor is off for the rest of this run: RuntimeError"):
+        trainer = fit(tmp_path, [monitor], module=module, max_steps=3)
+    assert trainer.global_step == 3 and monitor.off is not None
+
+
+def test_bf16_mixed_precision_measures_a_finite_ratio_in_the_training_autocast(tmp_path):
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2)
+    fit(tmp_path, [monitor], max_steps=4, precision="bf16-mixed")
+    values = logged(tmp_path)
+    assert sorted(values) == [2, 4] and all(math.isfinite(v) and v > 0 for v in values.values())
+
+
+def test_a_hugging_face_model_held_by_a_lightning_module(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+
+    class LitHF(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = transformers.GPT2LMHeadModel(config)  # SDPA attention, dropout 0.1
+
+        def training_step(self, batch, batch_idx):
+            return hf_loss(self, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def hf_loss(module, batch):
+        return module.model(input_ids=batch[0], labels=batch[0]).loss
+
+    monitor, direct = SharpnessMonitor(hf_loss, every_n_steps=2), Direct(2, hf_loss)
+    fit(tmp_path, [monitor, direct], module=LitHF(), max_steps=4)
+    values = logged(tmp_path)
+    assert sorted(values) == [2, 4] and values == pytest.approx(direct.ratios, rel=1e-6)
+
+
+def test_bad_options_are_refused_with_the_value():
+    with pytest.raises(ValueError, match="loss_fn must be callable"):
+        SharpnessMonitor("loss")
+    with pytest.raises(ValueError, match="every_n_steps must be an int >= 1, got every_n_steps=0"):
+        SharpnessMonitor(gpt_loss, every_n_steps=0)
+    with pytest.raises(ValueError, match="lanczos_steps"):
+        SharpnessMonitor(gpt_loss, lanczos_steps=True)
