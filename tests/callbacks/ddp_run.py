@@ -1,6 +1,6 @@
 """Standalone DDP run for test_ddp.py: Lightning's "ddp" strategy re-launches this script for rank 1.
 
-Usage: python tests/callbacks/ddp_run.py OUT_DIR [alert | fsdp | fsdp2]
+Usage: python tests/callbacks/ddp_run.py OUT_DIR [alert | sharpness | fsdp | fsdp2]
 
 ``fsdp2`` runs the same monitored fit under ModelParallelStrategy with FSDP2 ``fully_shard`` per Block (parameters
 sharded across the 2 CPU processes; each rank writes whether its Block parameters are sharded DTensors to
@@ -9,6 +9,10 @@ min(2, GPUs) devices.
 
 With ``alert``, a DriftAlert rule fires on rank 1 only, at its third sample, with level ERROR; each rank writes the
 step it stopped at to OUT_DIR/rank<r>.txt (both must stop together, or the run hangs).
+
+With ``sharpness``, a SharpnessMonitor samples at steps 2 and 4; each rank writes its own ratio at step 2 (computed
+directly) and the synced values to OUT_DIR/sharpness<r>.json. Its loss function raises on rank 1 at step 4: both
+ranks must turn the monitor off together and train on to step 6.
 """
 
 import os
@@ -47,6 +51,40 @@ def alert_run(out: Path) -> None:
     (out / f"rank{trainer.global_rank}.txt").write_text(str(trainer.global_step))
 
 
+def sharpness_run(out: Path) -> None:
+    import json
+
+    import torch
+
+    from connmon.callbacks import SharpnessMonitor
+    from connmon.curvature import sharpness_ratio
+
+    def loss_fn(module, batch):
+        if module.trainer.global_rank == 1 and module.trainer.global_step == 4:
+            raise RuntimeError("out of luck on rank 1")
+        idx, target = batch
+        return torch.nn.functional.cross_entropy(module(idx).flatten(0, 1), target.flatten())
+
+    local = {}
+
+    class Direct(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and 2 not in local:
+                ratio = sharpness_ratio(lambda: loss_fn(pl_module, batch), trainer.optimizers[0], steps=8, seed=2)
+                local[2] = ratio.ratio
+
+    synced = {}
+    monitor = SharpnessMonitor(loss_fn, every_n_steps=2)
+    monitor.add_listener(lambda trainer, step, values: synced.update({step: values["connmon/sharpness_ratio"]}))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=6, callbacks=[monitor, Direct()], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(LitGPT(), loader(batch_size=4))
+    result = {"local": local[2], "synced": synced, "off": monitor.off, "step": trainer.global_step}
+    (out / f"sharpness{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
 def strategy(name: str):
     """The strategy of a mode: DDP, FSDP (FSDPStrategy) or FSDP2 (ModelParallelStrategy, fully_shard per Block)."""
     from tests.capture.models import Block
@@ -66,6 +104,9 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     if sys.argv[2:] == ["alert"]:
         alert_run(out)
+        sys.exit(0)
+    if sys.argv[2:] == ["sharpness"]:
+        sharpness_run(out)
         sys.exit(0)
     mode = sys.argv[2] if len(sys.argv) > 2 else "ddp"
     monitor = ConnectionMonitor(every_n_steps=2, edge_samples=None, edge_queries=None, figures_every_n_samples=None)

@@ -1,6 +1,7 @@
 """Two CPU processes under Lightning DDP or FSDP2 log the same values as one process over the same sequences."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -83,3 +84,14 @@ def test_ddp_drift_alert_stops_every_rank_together(tmp_path):
     subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "alert"], check=True, timeout=300, env=env)
     # rank 1 alone saw the alert at step 2; reduce_boolean_decision stops both after that step (no hang)
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == ["3", "3"]
+
+
+def test_ddp_sharpness_is_the_mean_of_the_ranks_and_a_failure_on_one_rank_turns_both_off(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
+    subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "sharpness"], check=True, timeout=300, env=env)
+    ranks = [json.loads((tmp_path / f"sharpness{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["local"] != ranks[1]["local"]  # each rank measured its own batch
+    mean = (ranks[0]["local"] + ranks[1]["local"]) / 2
+    assert [r["synced"] for r in ranks] == [{"2": pytest.approx(mean, rel=1e-12)}] * 2  # step 4 failed on rank 1
+    assert [r["step"] for r in ranks] == [6, 6]  # no hang, the run went on
+    assert "out of luck on rank 1" in ranks[1]["off"] and "another process" in ranks[0]["off"]
