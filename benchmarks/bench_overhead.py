@@ -9,6 +9,7 @@ alternately, ``--rounds`` times; the table gives median steps/s and the ratio of
 * ConnectionMonitor(every_n_steps=100) and (every_n_steps=10): the default diagnostics on the training forward.
 * alerting_5: ConnectionMonitor(every_n_steps=5, diagnostics=("walk",)) with DriftAlert, the alerting setup.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
+* sharpness_10: SharpnessMonitor(every_n_steps=10) alone (the opt-in curvature; its default is every 50 steps).
 
 It also reports what one sampled step costs: the median time of the sampled steps of the ``every_n_steps=10`` run
 minus the median time of its other steps, in units of one training step, separately for the light samples (walk,
@@ -18,8 +19,11 @@ at the default cadence F is ``1 + ((F - 1) light + full) / (F N)``: the whole-ru
 200-step window of ``every_n_steps=100`` holds two light samples and no full one, and because they carry about 10%
 noise on a shared 2-core machine.
 
+The same per-sample cost is reported for SharpnessMonitor (8 Lanczos steps, the default), amortized at its default
+``every_n_steps=50``.
+
 Usage:
-    python benchmarks/bench_overhead.py               # about 6 minutes on 2 CPU cores
+    python benchmarks/bench_overhead.py               # about 7 minutes on 2 CPU cores
     python benchmarks/bench_overhead.py --rounds 3
 """
 
@@ -40,7 +44,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from torch.utils.data import DataLoader
 
-from connmon.callbacks import ConnectionMonitor, DriftAlert
+from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
 
 STEPS = 201
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
@@ -50,26 +54,42 @@ spec.loader.exec_module(example)
 
 
 class StepClock(L.Callback):
-    """Wall time of every training step (batch start to batch end, hooks of later callbacks included)."""
+    """Wall time of every training step, from its first callback's batch start to its last callback's batch end.
+
+    Lightning calls the callbacks in list order at both ends, so the clock starts in the first one and stops in
+    :attr:`stop`, a second callback listed last: the monitors' own batch-end work (a SharpnessMonitor's whole
+    estimate, a ConnectionMonitor's sync and logging) falls inside the step.
+    """
 
     def __init__(self) -> None:
         self.times: dict[int, float] = {}
         self._start = 0.0
         self._step = 0
+        self.stop = _ClockStop(self)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: D102
         self._step = trainer.global_step
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: D102
-        self.times[self._step] = time.perf_counter() - self._start
+
+class _ClockStop(L.Callback):
+    def __init__(self, clock: StepClock) -> None:
+        self.clock = clock
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.clock.times[self.clock._step] = time.perf_counter() - self.clock._start
+
+
+def next_token_loss(module: L.LightningModule, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    idx, target = batch
+    return torch.nn.functional.cross_entropy(module(idx).flatten(0, 1), target.flatten())
 
 
 def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
     torch.manual_seed(0)
     model = example.TinyGPT()
     clock = StepClock()
-    callbacks: list[L.Callback] = [clock]  # first: its clock brackets the monitor's hooks
+    callbacks: list[L.Callback] = [clock]  # first, and its stop last: the clock brackets every monitor's hooks
     logger: object = CSVLogger(workdir, name=config)
     if config.startswith("monitor"):
         every = int(config.split("_")[1])
@@ -77,12 +97,14 @@ def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
         callbacks.append(ConnectionMonitor(every_n_steps=every, figures_every_n_samples=None, **full))
     if config == "alerting_5":  # the setup DriftAlert wants: dense, walk group only
         callbacks += [ConnectionMonitor(every_n_steps=5, diagnostics=("walk",)), DriftAlert(actions=("log",))]
+    if config == "sharpness_10":
+        callbacks.append(SharpnessMonitor(next_token_loss, every_n_steps=10))
     if config == "wandb.watch":
         logger = WandbLogger(project="connmon-bench", save_dir=str(workdir), mode="offline")
         logger.watch(model, log="all", log_freq=100)
     trainer = L.Trainer(
-        max_steps=STEPS, accelerator="cpu", devices=1, callbacks=callbacks, logger=logger, log_every_n_steps=50,
-        enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+        max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[*callbacks, clock.stop], logger=logger,
+        log_every_n_steps=50, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
     )  # fmt: skip
     trainer.fit(model, data)
     if config == "wandb.watch":
@@ -97,12 +119,13 @@ def main() -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
     data = DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
-    configs = ["plain", "monitor_100", "monitor_10", "alerting_5", "wandb.watch"]
+    configs = ["plain", "monitor_100", "monitor_10", "alerting_5", "wandb.watch", "sharpness_10"]
     throughput: dict[str, list[float]] = {c: [] for c in configs}
     light_cost: list[float] = []
     full_cost: list[float] = []
     walk_cost: list[float] = []
     watch_cost: list[float] = []
+    sharpness_cost: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for config in configs:
@@ -116,6 +139,9 @@ def main() -> None:
                 if config == "wandb.watch":  # it computes and logs its histograms at steps 100 and 200
                     step = statistics.median(times[s] for s in range(1, STEPS) if s % 100)
                     watch_cost.extend((times[s] - step) / step for s in range(100, STEPS, 100))
+                if config == "sharpness_10":  # it measures after the step that makes global_step a multiple of 10
+                    step = statistics.median(times[s] for s in range(1, STEPS) if (s + 1) % 10)
+                    sharpness_cost.extend((times[s] - step) / step for s in range(9, STEPS, 10))
                 if config == "alerting_5":
                     step = statistics.median(times[s] for s in range(1, STEPS) if s % 5)
                     walk_cost.extend((times[s] - step) / step for s in range(5, STEPS, 5))
@@ -141,6 +167,9 @@ def main() -> None:
     print("(plus its per-step hooks, which only the whole-run ratio sees)")
     walk = statistics.median(walk_cost)
     print(f"alerting (walk group every 5 steps + DriftAlert): {walk:.2f} steps per sample, {1 + walk / 5:.3f}x")
+    curvature = statistics.median(sharpness_cost)
+    print(f"SharpnessMonitor (8 Lanczos steps): {curvature:.2f} steps per sample, ", end="")
+    print(f"every_n_steps=50 {1 + curvature / 50:.3f}x, every_n_steps=20 {1 + curvature / 20:.3f}x")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ steps, ``lr * lambda_max(P^-1 H) / 38`` on the current batch: the top Ritz value
 ``P^-1/2 H P^-1/2`` with Hessian-vector products. It then scores threshold rules on that
 ratio and a z-score rule on its log, with bench_instability's definitions of a warning and a false alarm.
 
-It is a measurement, not a connmon feature: curvature is not attention geometry, and each sample costs about
-``2 * --iterations`` extra backward passes.
+The estimate is connmon's own, :func:`connmon.curvature.sharpness_ratio` (what
+:class:`connmon.callbacks.SharpnessMonitor` logs); each sample costs about ``--iterations`` double backward passes.
 
 Usage:
     python benchmarks/bench_sharpness.py --save /tmp/sharpness.json    # 8 runs, about 17 minutes on 2 CPU cores
@@ -35,8 +35,9 @@ from bench_instability import BASE, GPT, corpus, divergence, example_module, nex
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from connmon.alerts import EWMAZScore, Rule, RuleSet
-from connmon.functional._lanczos import largest_eigenvalue
+from connmon.alerts import EWMAZScore, Rule, RuleSet, Threshold
+from connmon.callbacks.sharpness_monitor import RATIO_KEY
+from connmon.curvature import sharpness_ratio
 
 BETA1 = 0.9
 THRESHOLD = (2 + 2 * BETA1) / (1 - BETA1)  # 38: lr * lambda_max(P^-1 H) at the edge of stability
@@ -68,53 +69,25 @@ SETS = {
 }
 
 
-def preconditioned_sharpness(
-    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], optimizer: torch.optim.AdamW, steps: int, seed: int
-) -> float:
-    """``lambda_max(P^-1/2 H P^-1/2)`` on this batch: the top Ritz value of ``steps`` Lanczos steps.
-
-    The algebraically largest eigenvalue (power iteration would find the largest in modulus, which near divergence is
-    often a negative one). The loss is recomputed with SDPA's math kernel: the fused CPU kernel has no double
-    backward.
-    """
+def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     idx, target = batch
-    params = [p for p in model.parameters() if p.requires_grad]
-    group = optimizer.param_groups[0]
-    scale = []
-    for p in params:
-        state = optimizer.state.get(p, {})
-        if "exp_avg_sq" not in state:  # before the first step: no preconditioner yet
-            scale.append(torch.ones_like(p))
-            continue
-        v_hat = state["exp_avg_sq"] / (1 - group["betas"][1] ** float(state["step"]))
-        scale.append((v_hat.sqrt() + group["eps"]).rsqrt())  # P^-1/2
-    scale = torch.cat([s.reshape(-1) for s in scale])
-    with sdpa_kernel(SDPBackend.MATH):
-        loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
-    grads = torch.autograd.grad(loss, params, create_graph=True)
+    return nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
 
-    def matvec(x: torch.Tensor) -> torch.Tensor:  # (1, r) float64 -> P^-1/2 H P^-1/2 x
-        w = (x[0].float() * scale).split([p.numel() for p in params])
-        hw = torch.autograd.grad(
-            grads, params, grad_outputs=[a.view_as(p) for a, p in zip(w, params, strict=True)], retain_graph=True
-        )
-        return (torch.cat([h.reshape(-1) for h in hw]) * scale).double().unsqueeze(0)
 
-    start = torch.randn(1, scale.numel(), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    value, _ = largest_eigenvalue(matvec, start, steps, tol=1e-3)
-    return float(value[0])
+def ratio_of(model: nn.Module, batch: tuple, optimizer: torch.optim.AdamW, steps: int, seed: int) -> float:
+    """The shipped estimate, ``connmon.curvature.sharpness_ratio``: ``lr lambda_max(P^-1 H) / 38`` for AdamW."""
+    return sharpness_ratio(lambda: gpt_loss(model, batch), optimizer, steps=steps, model=model, seed=seed).ratio
 
 
 def check_against_dense() -> None:
-    """The estimator against the dense ``P^-1/2 H P^-1/2`` of a 1-layer, width-8 GPT (1224 parameters, float64)."""
+    """The shipped estimate against a dense ``P^-1/2 H P^-1/2``: a 1-layer, width-8 GPT (1224 parameters, float64)."""
     torch.manual_seed(0)
     model = GPT(16, 8, False, n_layer=1, n_embd=8).double()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    idx, target = torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8))
+    batch = torch.randint(0, 16, (4, 8)), torch.randint(0, 16, (4, 8))
     for _ in range(3):  # a preconditioner to scale by
-        loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
         optimizer.zero_grad()
-        loss.backward()
+        gpt_loss(model, batch).backward()
         optimizer.step()
     names, params = zip(*model.named_parameters(), strict=True)
 
@@ -122,8 +95,8 @@ def check_against_dense() -> None:
         values = dict(zip(names, torch.split(flat, [p.numel() for p in params]), strict=True))
         values = {name: v.view_as(p) for (name, v), p in zip(values.items(), params, strict=True)}
         with sdpa_kernel(SDPBackend.MATH):
-            logits = torch.func.functional_call(model, values, (idx,))
-        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+            logits = torch.func.functional_call(model, values, (batch[0],))
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
 
     hessian = torch.autograd.functional.hessian(loss_of, torch.cat([p.detach().reshape(-1) for p in params]))
     group = optimizer.param_groups[0]
@@ -134,11 +107,12 @@ def check_against_dense() -> None:
             for p in params
         ]
     )  # fmt: skip
-    dense = torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :])[-1].item()
-    print(f"dense lambda_max(P^-1/2 H P^-1/2) = {dense:.6f}")
+    dense = group["lr"] * torch.linalg.eigvalsh(scale[:, None] * hessian * scale[None, :])[-1].item() / THRESHOLD
+    print(f"dense lr * lambda_max(P^-1/2 H P^-1/2) / 38 = {dense:.6f}")
     for steps in (8, 200):
-        found = preconditioned_sharpness(model, (idx, target), optimizer, steps, seed=0)
-        print(f"Lanczos, {steps} steps: {found:.6f} (relative difference {abs(found - dense) / dense:.1e})")
+        found = ratio_of(model, batch, optimizer, steps, seed=0)
+        error = abs(found - dense) / dense
+        print(f"sharpness_ratio, {steps} Lanczos steps: {found:.6f} (relative difference {error:.1e})")
 
 
 def train(config: dict, steps: int, every: int, iterations: int, start: float, peak: float, ramp: int) -> dict:
@@ -158,11 +132,10 @@ def train(config: dict, steps: int, every: int, iterations: int, start: float, p
     losses, ratio = [], {}
     begin = time.perf_counter()
     for step in range(steps):
-        idx, target, lr = next_batch(config, step, optimizer, data, gen)
-        loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+        idx, target, _ = next_batch(config, step, optimizer, data, gen)
+        loss = gpt_loss(model, (idx, target))
         if step % every == 0 and step > 0:
-            sharpness = preconditioned_sharpness(model, (idx, target), optimizer, iterations, step)
-            ratio[step] = lr * sharpness / THRESHOLD
+            ratio[step] = ratio_of(model, (idx, target), optimizer, iterations, step)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         losses.append(loss.item())
@@ -184,19 +157,41 @@ RULES = {  # name: (bound on the ratio, consecutive samples above it), or None f
 }
 
 
-def alerts(run: dict, name: str) -> list[int]:
-    """The steps at which the rule alerts on a run's ratio series (online, with the cooldown)."""
+def alerts(run: dict, name: str, cadence: int | None = None) -> list[int]:
+    """The steps at which the rule alerts on a run's ratio series (online, cooldown included), by connmon's own rules.
+
+    ``cadence`` keeps only the samples at multiples of it (a sparser SharpnessMonitor).
+    """
     series = {int(step): value for step, value in run["ratio"].items()}
+    if cadence is not None:
+        series = {step: value for step, value in series.items() if step % cadence == 0}
     if RULES[name] is None:
-        rules = RuleSet([Rule("sharpness", "ratio", EWMAZScore(4.0, "rise", log=True, min_std=0.05))])
-        return [s for s in sorted(series) if series[s] > 0 and rules.update({"ratio": series[s]}, s)]
-    bound, need = RULES[name]
-    steps, streak = [], 0
-    for step in sorted(series):
-        streak = streak + 1 if series[step] > bound else 0
-        if streak >= need and (not steps or step - steps[-1] >= COOLDOWN):
-            steps.append(step)
-    return steps
+        detector = EWMAZScore(4.0, "rise", log=True, min_std=0.05)
+    else:
+        bound, need = RULES[name]
+        detector = Threshold(bound, consecutive=need)
+    rules = RuleSet([Rule(name, RATIO_KEY, detector, cooldown=COOLDOWN)])
+    return [step for step in sorted(series) if rules.update({RATIO_KEY: series[step]}, step)]
+
+
+def cadence_table(runs: list[dict]) -> None:
+    """The shipped default rule (above 1 on 2 samples in a row) and a single sample above 1, sampled more sparsely."""
+    print("\n| rule | sampled every | divergences warned | median lead | alerts on healthy runs | on other runs |")
+    print("|---|---|---|---|---|---|")
+    every = min(int(s) for run in runs for s in run["ratio"])
+    for name in ("ratio > 1 on 2 consecutive samples", "ratio > 1"):
+        for cadence in sorted({every, 40, 60, 100}):
+            leads, healthy, other = [], 0, 0
+            for run in runs:
+                lead, fa = score(alerts(run, name, cadence), run["divergence"])
+                leads += [lead] if lead is not None else []
+                if run["arm"] in ("control", "warmup"):
+                    healthy += fa
+                else:
+                    other += fa
+            diverged = sum(run["divergence"] is not None for run in runs)
+            median = f"{statistics.median(leads):g}" if leads else "-"
+            print(f"| {name} | {cadence} | {len(leads)}/{diverged} | {median} | {healthy} | {other} |")
 
 
 def report(runs: list[dict]) -> None:
@@ -227,6 +222,7 @@ def report(runs: list[dict]) -> None:
         cells = [name, f"{len(leads)}/{diverged}", median + ", ".join(map(str, sorted(leads)))]
         cells += ["; ".join(healthy) or "0", "; ".join(other) or "0"]
         print("| " + " | ".join(cells) + " |")
+    cadence_table(runs)
 
 
 def main() -> None:
