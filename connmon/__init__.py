@@ -12,13 +12,24 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["AttentionRecord", "Monitor", "Report", "__version__", "analyze", "callbacks", "capture", "functional"]
+__all__ = [
+    "AttentionRecord",
+    "Monitor",
+    "Report",
+    "__version__",
+    "analyze",
+    "callbacks",
+    "capture",
+    "curvature",
+    "functional",
+]
 
 # Imported on first use: torch, torchmetrics and Lightning take seconds to import, and `connmon --help` or a plain
 # `import connmon` should not pay for the parts it does not touch.
 _LAZY = {
     "callbacks": ("connmon.callbacks", None),
     "capture": ("connmon.capture", None),
+    "curvature": ("connmon.curvature", None),
     "functional": ("connmon.functional", None),
     "analyze": ("connmon.analysis", "analyze"),
     "Monitor": ("connmon.integrations.monitor", "Monitor"),

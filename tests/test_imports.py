@@ -20,5 +20,6 @@ def test_the_command_line_help_loads_no_torch():
 
 
 def test_attributes_still_resolve_on_first_use():
-    loaded = loaded_after("import connmon\nconnmon.functional.walk_matrix\nconnmon.capture.armed\nconnmon.analyze")
+    code = "import connmon\nconnmon.functional.walk_matrix\nconnmon.capture.armed\nconnmon.analyze\nconnmon.curvature"
+    loaded = loaded_after(code)
     assert {"torch", "torchmetrics"} <= loaded and "lightning" not in loaded
