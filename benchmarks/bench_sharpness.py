@@ -16,6 +16,7 @@ The estimate is connmon's own, :func:`connmon.curvature.sharpness_ratio` (what
 Usage:
     python benchmarks/bench_sharpness.py --save /tmp/sharpness.json    # 8 runs, about 17 minutes on 2 CPU cores
     python benchmarks/bench_sharpness.py --set phase --save /tmp/phase.json   # 4 more runs
+    python benchmarks/bench_sharpness.py --set sgd --save /tmp/sgd.json       # SGD with momentum: 2 ramps, 2 controls
     python benchmarks/bench_sharpness.py --load /tmp/sharpness.json /tmp/phase.json   # the tables again, merged
     python benchmarks/bench_sharpness.py --check   # the estimator against a dense Hessian (a few seconds)
 """
@@ -31,7 +32,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import torch
-from bench_instability import BASE, GPT, corpus, divergence, example_module, next_batch, score
+from bench_instability import BASE, GPT, SGD_SCALE, corpus, divergence, example_module, next_batch, score
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -65,6 +66,13 @@ SETS = {
         {"variant": "copy task", "arm": "control", "seed": 4, "corpus": "copy"},
         {"variant": "base", "arm": "ramp", "seed": 3},
         {"variant": "base", "arm": "warmup", "seed": 1},
+    ],
+    # the second optimizer: SGD with momentum 0.9 (its edge is 2 (1 + 0.9) / lr), bench_instability's SGD runs
+    "sgd": [
+        {"variant": "SGD momentum", "arm": "ramp", "seed": 0, "optimizer": "sgd"},
+        {"variant": "SGD momentum", "arm": "ramp", "seed": 1, "optimizer": "sgd"},
+        {"variant": "SGD momentum", "arm": "control", "seed": 0, "optimizer": "sgd"},
+        {"variant": "SGD momentum", "arm": "control", "seed": 1, "optimizer": "sgd"},
     ],
 }
 
@@ -124,10 +132,15 @@ def train(config: dict, steps: int, every: int, iterations: int, start: float, p
         config.update(start=0.0, ramp=100, shape="warmup", peak=1e-3, qk_norm=False)
     else:
         config["peak"], config["qk_norm"] = (peak, False) if config["arm"] == "ramp" else (3e-3, True)
+    if config["optimizer"] == "sgd":  # bench_instability's SGD with momentum 0.9 at 100x AdamW's learning rates
+        config["start"], config["peak"] = config["start"] * SGD_SCALE, config["peak"] * SGD_SCALE
     data = corpus(config, example)
     torch.manual_seed(config["seed"])
     model = GPT(example.VOCAB, example.TOKENS, config["qk_norm"], n_layer=config["depth"], n_embd=config["width"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], betas=(BETA1, 0.999), weight_decay=0.0)
+    if config["optimizer"] == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=config["peak"], momentum=0.9)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], betas=(BETA1, 0.999), weight_decay=0.0)
     gen = torch.Generator().manual_seed(config["seed"])
     losses, ratio = [], {}
     begin = time.perf_counter()

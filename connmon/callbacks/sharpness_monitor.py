@@ -42,7 +42,8 @@ class SharpnessMonitor(Callback):
     Args:
         loss_fn: the batch's scalar loss, ``loss_fn(pl_module, batch)`` (for example
             ``lambda module, batch: F.cross_entropy(module(batch[0]), batch[1])``). It is called once per sample,
-            outside ``training_step``, so that a ``training_step`` that logs or updates metrics is not run twice.
+            outside ``training_step``, so that a ``training_step`` that logs or updates metrics is not run twice. It
+            sees the batch as ``training_step`` left it (a key popped there is gone).
         every_n_steps: sample after every this-many-th optimizer step.
         lanczos_steps: Hessian-vector products per sample (see :func:`connmon.curvature.sharpness_ratio`).
 

@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from connmon.callbacks import ConnectionMonitor, DriftAlert
+from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
 
 WORDS = (
     "the a river city music night old new small bright cold warm quiet loud market garden train window book letter "
@@ -29,15 +29,24 @@ class FineTune(L.LightningModule):
         self.losses: list[float] = []
 
     def training_step(self, batch, batch_idx):
-        labels = batch.pop("labels")
-        hidden = self.encoder(**batch).last_hidden_state[:, 0]
-        loss = torch.nn.functional.cross_entropy(self.head(hidden), labels)
+        loss = classification_loss(self, batch)
         self.log("train_loss", loss)
         self.losses.append(loss.item())
         return loss
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=2e-5)
+
+
+def classification_loss(module: FineTune, batch: dict) -> torch.Tensor:
+    inputs = {key: value for key, value in batch.items() if key != "labels"}
+    hidden = module.encoder(**inputs).last_hidden_state[:, 0]
+    return torch.nn.functional.cross_entropy(module.head(hidden), batch["labels"])
+
+
+def next_token_loss(module: L.LightningModule, batch) -> torch.Tensor:
+    idx, target = batch
+    return torch.nn.functional.cross_entropy(module(idx).flatten(0, 1), target.flatten())
 
 
 def sentences(n: int, seed: int = 0) -> list[tuple[str, int]]:
@@ -64,13 +73,14 @@ def test_fine_tuning_minilm_at_a_sane_lr_raises_no_default_alert(tmp_path):
     torch.manual_seed(0)
     alert = DriftAlert(actions=("log",))  # the default rules
     monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
+    sharpness = SharpnessMonitor(classification_loss, every_n_steps=20)  # the edge-of-stability rule is a default
     trainer = L.Trainer(
-        max_steps=40, callbacks=[monitor, alert], logger=False, enable_progress_bar=False,
+        max_steps=40, callbacks=[monitor, sharpness, alert], logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
     )  # fmt: skip
     module = FineTune(path)
     trainer.fit(module, loader)
-    assert monitor.samples == 20
+    assert monitor.samples == 20 and sharpness.samples == 2 and sharpness.off is None
     assert sum(module.losses[-10:]) < sum(module.losses[:10])  # it learns: a real fine-tune, not a frozen model
     assert list(alert.alerts) == []  # the fixed "logits above 30" bound fired at step 0 here (layer 0: 34.3)
 
@@ -98,14 +108,17 @@ def test_training_from_scratch_with_a_warmup_raises_no_default_alert(n_layer):
     loader = torch.utils.data.DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
     alert = DriftAlert(actions=("log",))  # the default rules
     monitor = ConnectionMonitor(every_n_steps=5, diagnostics=("walk",), figures_every_n_samples=None)  # alerting setup
+    sharpness = SharpnessMonitor(next_token_loss, every_n_steps=50)  # its default cadence
+    ratios = []
+    sharpness.add_listener(lambda trainer, step, values: ratios.append(round(values["connmon/sharpness_ratio"], 3)))
     trainer = L.Trainer(
-        max_steps=500, callbacks=[monitor, alert], logger=False, enable_progress_bar=False,
+        max_steps=500, callbacks=[monitor, sharpness, alert], logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
     )  # fmt: skip
     model = example.TinyGPT(n_layer=n_layer)
     losses = []
     model.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(float(outputs["loss"]))
     trainer.fit(model, loader)
-    assert monitor.samples == 100
+    assert monitor.samples == 100 and len(ratios) == 10, ratios
     assert sum(losses[-20:]) / 20 < 0.85 * sum(losses[:20]) / 20  # through the phase change (4.3 at the start)
-    assert list(alert.alerts) == []
+    assert list(alert.alerts) == [], ratios
