@@ -9,7 +9,7 @@ alternately, ``--rounds`` times; the table gives median steps/s and the ratio of
 * ConnectionMonitor(every_n_steps=100) and (every_n_steps=10): the default diagnostics on the training forward.
 * alerting_5: ConnectionMonitor(every_n_steps=5, diagnostics=("walk",)) with DriftAlert, the alerting setup.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
-* sharpness_10: SharpnessMonitor(every_n_steps=10) alone (the opt-in curvature; its default is every 50 steps).
+* sharpness_10: SharpnessMonitor(every_n_steps=10) alone (the opt-in curvature; its default is every 40 steps).
 
 It also reports what one sampled step costs: the median time of the sampled steps of the ``every_n_steps=10`` run
 minus the median time of its other steps, in units of one training step, separately for the light samples (walk,
@@ -20,7 +20,7 @@ at the default cadence F is ``1 + ((F - 1) light + full) / (F N)``: the whole-ru
 noise on a shared 2-core machine.
 
 The same per-sample cost is reported for SharpnessMonitor (8 Lanczos steps, the default), amortized at its default
-``every_n_steps=50``.
+``every_n_steps=40``.
 
 Usage:
     python benchmarks/bench_overhead.py               # about 7 minutes on 2 CPU cores
@@ -169,7 +169,7 @@ def main() -> None:
     print(f"alerting (walk group every 5 steps + DriftAlert): {walk:.2f} steps per sample, {1 + walk / 5:.3f}x")
     curvature = statistics.median(sharpness_cost)
     print(f"SharpnessMonitor (8 Lanczos steps): {curvature:.2f} steps per sample, ", end="")
-    print(f"every_n_steps=50 {1 + curvature / 50:.3f}x, every_n_steps=20 {1 + curvature / 20:.3f}x")
+    print(f"every_n_steps=40 {1 + curvature / 40:.3f}x, every_n_steps=100 {1 + curvature / 100:.3f}x")
 
 
 if __name__ == "__main__":

@@ -55,12 +55,12 @@ class SharpnessMonitor(Callback):
         >>> import torch.nn.functional as F
         >>> from connmon.callbacks import DriftAlert, SharpnessMonitor
         >>> loss_fn = lambda module, batch: F.cross_entropy(module(batch[0]).flatten(0, 1), batch[1].flatten())
-        >>> callbacks = [SharpnessMonitor(loss_fn, every_n_steps=50), DriftAlert()]
+        >>> callbacks = [SharpnessMonitor(loss_fn, every_n_steps=40), DriftAlert()]
         >>> trainer = L.Trainer(callbacks=callbacks, logger=False, enable_progress_bar=False)
     """
 
     def __init__(
-        self, loss_fn: Callable[[LightningModule, Any], Tensor], every_n_steps: int = 50, lanczos_steps: int = 8
+        self, loss_fn: Callable[[LightningModule, Any], Tensor], every_n_steps: int = 40, lanczos_steps: int = 8
     ) -> None:
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable as loss_fn(pl_module, batch), got loss_fn={loss_fn!r}")
@@ -82,7 +82,7 @@ class SharpnessMonitor(Callback):
         """On fit: start on, unless the strategy shards the parameters (FSDP, DeepSpeed), which is not supported."""
         if stage != "fit":
             return
-        self.off = None
+        self.off, self.samples, self.last_values = None, 0, {}
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
         if not plain:
