@@ -350,12 +350,14 @@ def edge_of_stability_rule(
 
     The ratio is the curvature of the loss against the optimizer's edge of stability (:mod:`connmon.curvature`):
     1 is where, on the quadratic model, the step starts to oscillate with a growing amplitude, for any model,
-    optimizer or learning rate, so the bound comes from theory and is scale-free. On the AdamW runs of
-    ``benchmarks/bench_sharpness.py`` (16 runs, sampled every 20 steps), above 1 on two samples in a row warned 6
-    of 6 divergences at a median of 97 steps ahead (17-285) and never fired on the 8 healthy runs, which include
-    warmup runs and the copy task's phase change; a single sample above 1 fired on 2 of those 8. It also fired on
-    ramp runs that fell back to a worse plateau without diverging. benchmarks/README.md has the tables and the
-    caveats (1-5 seeds per setting, AdamW only). Full-batch training can hover at the edge for long stretches without
+    optimizer or learning rate, so the bound comes from theory and is scale-free. On the 16 AdamW runs of
+    ``benchmarks/bench_sharpness.py``, above 1 on two samples in a row warned 6 of 6 divergences, a median of 83
+    steps ahead sampling every 40 steps (91 every 20), and never fired on the 8 healthy runs, which include warmup
+    runs and the copy task's phase change; a single sample above 1 fired on 2 of those 8 every 20 steps. It also
+    fired on ramp runs that fell back to a worse plateau without diverging. SGD with momentum hovers at the edge
+    before it diverges (ratio 1.1-2): every 40 steps the two-sample rule missed both SGD divergences, every 20 it
+    warned both; with SGD sample every 20 steps or pass ``consecutive=1``. benchmarks/README.md has the tables and
+    the caveats (1-5 seeds per setting). Full-batch training can hover at the edge for long stretches without
     diverging (Cohen et al. 2021), so this rule is for mini-batch training.
 
     Example:
