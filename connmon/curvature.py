@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from connmon._options import check_int
 from connmon.functional._lanczos import largest_eigenvalue
 
 __all__ = ["Sharpness", "StepGeometry", "sharpness_ratio", "step_geometry"]
@@ -203,8 +204,7 @@ def sharpness_ratio(
         >>> 0 < result.ratio < 1, result.converged
         (True, True)
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be an int >= 1, got steps={steps!r}")
+    check_int("steps", steps)
     geometry = step_geometry(optimizer)
     params = geometry.params
     devices = {p.device for p in params}

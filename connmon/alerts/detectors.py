@@ -22,6 +22,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from connmon._options import check_int
+
 __all__ = ["CUSUM", "Detection", "Detector", "Direction", "EWMAZScore", "Growth", "NonFinite", "Threshold"]
 
 Direction = Literal["rise", "fall", "both"]
@@ -101,8 +103,7 @@ class Threshold(Detector):
 
     def __init__(self, bound: float, direction: Direction = "rise", consecutive: int = 1) -> None:
         _check_direction(direction)
-        if isinstance(consecutive, bool) or not isinstance(consecutive, int) or consecutive < 1:
-            raise ValueError(f"consecutive must be an int >= 1, got consecutive={consecutive!r}")
+        check_int("consecutive", consecutive)
         self.bound, self.direction, self.consecutive = float(bound), direction, consecutive
         self.streak = 0  # successive values across the bound so far
 

@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from connmon._options import check_int
 from connmon.curvature import sharpness_ratio
 
 RATIO_KEY = "connmon/sharpness_ratio"
@@ -64,9 +65,8 @@ class SharpnessMonitor(Callback):
     ) -> None:
         if not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable as loss_fn(pl_module, batch), got loss_fn={loss_fn!r}")
-        for name, value in (("every_n_steps", every_n_steps), ("lanczos_steps", lanczos_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {name}={value!r}")
+        check_int("every_n_steps", every_n_steps)
+        check_int("lanczos_steps", lanczos_steps)
         self.loss_fn, self.every_n_steps, self.lanczos_steps = loss_fn, every_n_steps, lanczos_steps
         self.off: str | None = None  # why the monitor is off for this run, if it is
         self.samples = 0

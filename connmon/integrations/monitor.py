@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from connmon._options import check_int
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
@@ -118,15 +119,15 @@ class Monitor:
         wandb: Any = None,
         alerts: AlertRunner | None = None,
     ) -> None:
-        _check_int("every_n_steps", every_n_steps)
-        _check_int("num_sequences", num_sequences)
-        _check_int("max_tokens", max_tokens, optional=True)
-        _check_int("spectrum_k", spectrum_k)
-        _check_int("figures_every_n_samples", figures_every_n_samples, optional=True)
-        _check_int("edge_samples", edge_samples, optional=True)
-        _check_int("edge_queries", edge_queries, optional=True)
-        _check_int("edge_lanczos_steps", edge_lanczos_steps, optional=True)
-        _check_int("full_every_n_samples", full_every_n_samples)
+        check_int("every_n_steps", every_n_steps)
+        check_int("num_sequences", num_sequences)
+        check_int("max_tokens", max_tokens, optional=True)
+        check_int("spectrum_k", spectrum_k)
+        check_int("figures_every_n_samples", figures_every_n_samples, optional=True)
+        check_int("edge_samples", edge_samples, optional=True)
+        check_int("edge_queries", edge_queries, optional=True)
+        check_int("edge_lanczos_steps", edge_lanczos_steps, optional=True)
+        check_int("full_every_n_samples", full_every_n_samples)
         diagnostics = (diagnostics,) if isinstance(diagnostics, str) else diagnostics
         if not isinstance(diagnostics, Sequence) or not diagnostics or any(d not in DIAGNOSTICS for d in diagnostics):
             raise ValueError(
@@ -437,15 +438,6 @@ class Monitor:
                 figures["connmon/figures/gaps_by_depth"] = depth_figure(depth, f"step {step}")
             if figures:
                 self.sink.figures(step, figures)
-
-
-def _check_int(name: str, value: object, *, optional: bool = False) -> None:
-    """An integer option >= 1 (or None where ``optional``); the error names the valid values and the one seen."""
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        valid = "an integer >= 1" + (" or None" if optional else "")
-        raise ValueError(f"{name} must be {valid}, got {name}={value!r}")
 
 
 def _device_of(model: nn.Module) -> torch.device:

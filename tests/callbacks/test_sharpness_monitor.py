@@ -208,7 +208,7 @@ def test_a_hugging_face_model_held_by_a_lightning_module(tmp_path):
 def test_bad_options_are_refused_with_the_value():
     with pytest.raises(ValueError, match="loss_fn must be callable"):
         SharpnessMonitor("loss")
-    with pytest.raises(ValueError, match="every_n_steps must be an int >= 1, got every_n_steps=0"):
+    with pytest.raises(ValueError, match="every_n_steps must be an integer >= 1, got every_n_steps=0"):
         SharpnessMonitor(gpt_loss, every_n_steps=0)
     with pytest.raises(ValueError, match="lanczos_steps"):
         SharpnessMonitor(gpt_loss, lanczos_steps=True)
