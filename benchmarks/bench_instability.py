@@ -43,6 +43,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -57,6 +58,8 @@ from torch import nn
 
 import connmon
 from connmon.alerts import CUSUM, AllOf, EWMAZScore, Rule, RuleSet, Threshold, default_rules
+from connmon.callbacks.sharpness_monitor import RATIO_KEY
+from connmon.curvature import sharpness_ratio
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
@@ -227,7 +230,13 @@ def sample(
     return {k: v for k, v in out.items() if not any(k.startswith(f"connmon/{n}") for n in names)}
 
 
-def train(config: dict, steps: int, every: int, spectrum: bool = False, per_head: bool = False) -> dict:
+def next_token_loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+
+
+def train(
+    config: dict, steps: int, every: int, spectrum: bool = False, per_head: bool = False, sharpness_every: int = 0
+) -> dict:
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)  # saturated softmax otherwise slows the run about 2x
     example = example_module()
@@ -244,13 +253,13 @@ def train(config: dict, steps: int, every: int, spectrum: bool = False, per_head
     transport.measure_edges = False
     groups = [WalkMetrics(depth), transport, DriftMetrics(depth), *([SpectrumMetrics(depth)] if spectrum else [])]
     gen = torch.Generator().manual_seed(config["seed"])
-    losses, grad_norms, samples = [], [], {}
+    losses, grad_norms, samples, ratios = [], [], {}, {}
     start = time.perf_counter()
     for step in range(steps):
         idx, target, _ = next_batch(config, step, optimizer, data, gen)
         if step % every == 0:
             samples[step] = sample(model, idx, groups, ["stochasticity_gap", "reconstruction_error"], per_head)
-        loss = nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+        loss = next_token_loss(model, idx, target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
@@ -258,11 +267,18 @@ def train(config: dict, steps: int, every: int, spectrum: bool = False, per_head
         if not math.isfinite(losses[-1]):
             break
         optimizer.step()
+        if sharpness_every and (step + 1) % sharpness_every == 0:  # as SharpnessMonitor: after the optimizer step
+            loss_fn = functools.partial(next_token_loss, model, idx, target)
+            try:
+                ratios[step + 1] = sharpness_ratio(loss_fn, optimizer, steps=8, model=model, seed=step + 1).ratio
+            except Exception as error:  # SharpnessMonitor turns itself off here; so does the suite
+                sharpness_every, ratios["off"] = 0, repr(error)
     return {
         **config,
         "loss": losses,
         "grad_norm": grad_norms,
         "samples": samples,
+        "sharpness": ratios,
         "seconds": time.perf_counter() - start,
     }
 
@@ -309,7 +325,13 @@ def per_step(run: dict, key: str) -> dict[int, dict[str, float]]:
 
 
 def samples(run: dict) -> dict[int, dict[str, float]]:
-    return {int(step): values for step, values in run["samples"].items()}
+    """A run's series as DriftAlert sees it: the attention samples, and the sharpness ratio at its own steps."""
+    series = {int(step): dict(values) for step, values in run["samples"].items()}
+    for step, ratio in run.get("sharpness", {}).items():
+        if step == "off":
+            continue
+        series.setdefault(int(step), {})[RATIO_KEY] = ratio
+    return dict(sorted(series.items()))
 
 
 def one(rule: Rule) -> Callable[[], RuleSet]:
@@ -572,6 +594,9 @@ def main() -> None:
     parser.add_argument("--spectrum", action="store_true", help="sample the spectrum group too (slower)")
     parser.add_argument("--wide", action="store_true", help="the wider suite: every variant in VARIANTS")
     parser.add_argument("--per-head", action="store_true", help="record each head's attention entropy too")
+    parser.add_argument(
+        "--sharpness-every", type=int, default=0, help="SharpnessMonitor's ratio every this many steps (0: off)"
+    )
     parser.add_argument("--variants", nargs="*", help="with --wide, only these variants")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path, nargs="*", help="saved runs (several files are merged)")
@@ -588,6 +613,7 @@ def main() -> None:
                 args.every,
                 args.spectrum,
                 args.per_head,
+                args.sharpness_every,
             )
             for c in configs
         ]
