@@ -57,13 +57,24 @@ import torch
 from torch import nn
 
 import connmon
-from connmon.alerts import CUSUM, AllOf, EWMAZScore, Rule, RuleSet, Threshold, default_rules
+from connmon.alerts import (
+    CUSUM,
+    AllOf,
+    EWMAZScore,
+    Rule,
+    RuleSet,
+    Threshold,
+    attention_collapse_rules,
+    default_rules,
+    edge_of_stability_rule,
+)
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
 from connmon.curvature import sharpness_ratio
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
 K, M, LEARNED, SMOOTH, WINDOW, REGIME = 1.5, 10, 0.9, 10, 300, 100
+SHARPNESS_EVERY = 40  # SharpnessMonitor's default cadence, the README's recommendation
 FLOORS = (0.02, 0.05, 0.1, 0.2)  # min_std of the floored log z-score candidates
 
 
@@ -325,17 +336,24 @@ def per_step(run: dict, key: str) -> dict[int, dict[str, float]]:
 
 
 def samples(run: dict) -> dict[int, dict[str, float]]:
-    """A run's series as DriftAlert sees it: the attention samples, and the sharpness ratio at its own steps."""
-    series = {int(step): dict(values) for step, values in run["samples"].items()}
-    for step, ratio in run.get("sharpness", {}).items():
-        if step == "off":
-            continue
-        series.setdefault(int(step), {})[RATIO_KEY] = ratio
-    return dict(sorted(series.items()))
+    """A run's series as DriftAlert sees it with the recommended callbacks.
+
+    Every attention sample, and the sharpness ratio every ``SHARPNESS_EVERY`` steps (when the suite recorded it).
+    """
+    return fed(run, 1, SHARPNESS_EVERY, 0)
 
 
 def one(rule: Rule) -> Callable[[], RuleSet]:
     return lambda: RuleSet([rule])
+
+
+def default_rules_set() -> RuleSet:
+    return RuleSet(default_rules())
+
+
+def with_collapse_rules() -> RuleSet:
+    """The defaults with the opt-in attention rules: the default rules of earlier versions, and the edge rule."""
+    return RuleSet(default_rules() + attention_collapse_rules())
 
 
 BASELINES: dict[str, tuple[str, Callable[[], RuleSet]]] = {
@@ -400,6 +418,7 @@ def evaluate(runs: list[dict]) -> None:
         f"earlier than that, or on a run that never diverged); -: no warning\n"
     )
     by_variant(ramp)
+    setups(ramp, [r for r in runs if r["arm"].startswith("const-")])
     combinations(ramp)
     diverged = [r for r in ramp if r["divergence"] is not None]
     keys = set().union(*(set(v) for r in ramp for v in r["samples"].values()))
@@ -450,20 +469,21 @@ def loss_rule() -> Rule:
 
 
 def with_loss(within: int) -> RuleSet:
-    """Each default geometric rule required to coincide with the loss rule (``AllOf``) within ``within`` steps."""
-    rules = default_rules()
-    kept = [r for r in rules if r.name in ("non-finite attention", "attention logits growing early")]
+    """The defaults, and each opt-in attention rule required to coincide with the loss rule within ``within`` steps."""
     joint = [AllOf(f"{r.name} with the loss rising", [r, loss_rule()], within=within, cooldown=r.cooldown)
-             for r in rules if r.name in ("attention entropy collapsing", "attention logits surging")]  # fmt: skip
-    return RuleSet(kept + joint)
+             for r in attention_collapse_rules()]  # fmt: skip
+    return RuleSet(default_rules() + joint)
 
 
 COMBINATIONS: dict[str, Callable[[], RuleSet]] = {
-    "default rules": lambda: RuleSet(default_rules()),
+    "default rules": default_rules_set,
+    "default rules + attention_collapse_rules()": with_collapse_rules,
     "loss rule alone": lambda: RuleSet([loss_rule()]),
-    "default rules and the loss rule, each alone": lambda: RuleSet([*default_rules(), loss_rule()]),
-    "AllOf(geometric, loss) within 50 steps": lambda: with_loss(50),
-    "AllOf(geometric, loss) within 100 steps": lambda: with_loss(100),
+    "default rules + attention_collapse_rules() + the loss rule, each alone": lambda: RuleSet(
+        [*default_rules(), *attention_collapse_rules(), loss_rule()]
+    ),
+    "default rules + AllOf(attention rule, loss) within 50 steps": lambda: with_loss(50),
+    "default rules + AllOf(attention rule, loss) within 100 steps": lambda: with_loss(100),
 }
 
 
@@ -574,8 +594,93 @@ def regime(constant: list[dict]) -> None:
         print(f"| {run['arm']} | {run['seed']} | {final:.3f} | {bad} | {logit:.3g} | {entropy:.3g} | {alert} |")
 
 
-def default_rules_set() -> RuleSet:
-    return RuleSet(default_rules())
+def edge_rule(bound: float = 1.0, consecutive: int = 2) -> Callable[[], RuleSet]:
+    return one(edge_of_stability_rule(bound, consecutive))
+
+
+# (rules, attention sampled every, sharpness sampled every, its phase): what a user's callbacks would feed them.
+# Attention every 1 means every recorded sample (``--every``); None: that monitor is absent.
+SETUPS: dict[str, tuple[Callable[[], RuleSet], int | None, int | None, int]] = {
+    "defaults, SharpnessMonitor every 40 (recommended)": (default_rules_set, 1, 40, 0),
+    "defaults, SharpnessMonitor every 40, sampled at steps 20 mod 40": (default_rules_set, 1, 40, 20),
+    "defaults, SharpnessMonitor every 20": (default_rules_set, 1, 20, 0),
+    "defaults, SharpnessMonitor every 40, attention every 100": (default_rules_set, 100, 40, 0),
+    "defaults, no SharpnessMonitor": (default_rules_set, 1, None, 0),
+    "defaults + attention_collapse_rules(), no SharpnessMonitor (the previous defaults)": (
+        with_collapse_rules,
+        1,
+        None,
+        0,
+    ),
+    "defaults + attention_collapse_rules(), SharpnessMonitor every 40": (with_collapse_rules, 1, 40, 0),
+    "edge rule alone, every 40": (edge_rule(), None, 40, 0),
+    "edge rule alone, every 40 at steps 20 mod 40": (edge_rule(), None, 40, 20),
+    "edge rule alone, every 20": (edge_rule(), None, 20, 0),
+    "edge rule, one sample, every 40": (edge_rule(consecutive=1), None, 40, 0),
+    "edge rule, one sample, every 40 at steps 20 mod 40": (edge_rule(consecutive=1), None, 40, 20),
+    "edge rule, one sample, every 20": (edge_rule(consecutive=1), None, 20, 0),
+    "edge rule above 0.7, two samples, every 40": (edge_rule(0.7), None, 40, 0),
+    "edge rule above 0.7, two samples, every 40 at steps 20 mod 40": (edge_rule(0.7), None, 40, 20),
+}
+
+
+def fed(run: dict, attention: int | None, sharpness: int | None, phase: int) -> dict[int, dict[str, float]]:
+    """The values DriftAlert would see from a ConnectionMonitor and a SharpnessMonitor at these cadences.
+
+    ``attention``: attention samples every this many steps; ``sharpness``: the ratio at the steps equal to ``phase``
+    modulo it. None: that monitor is absent.
+    """
+    series: dict[int, dict[str, float]] = {}
+    if attention is not None:
+        series.update({int(s): dict(v) for s, v in run["samples"].items() if int(s) % attention == 0})
+    if sharpness is not None:
+        for s, ratio in run.get("sharpness", {}).items():
+            if s != "off" and int(s) % sharpness == phase:
+                series.setdefault(int(s), {})[RATIO_KEY] = ratio
+    return dict(sorted(series.items()))
+
+
+def bad_regime(constant: list[dict]) -> dict[int, bool]:
+    """Which constant-LR runs ended on a worse plateau (learned less than 75% of the lowest LR's median drop)."""
+    lowest = min(r["peak"] for r in constant)
+    plateau = math.log(example_module().VOCAB)
+    best = statistics.median(statistics.fmean(r["loss"][-20:]) for r in constant if r["peak"] == lowest)
+    finals = {id(r): statistics.fmean(r["loss"][-20:]) for r in constant}
+    return {key: not (plateau - final) >= 0.75 * (plateau - best) for key, final in finals.items()}
+
+
+def setups(ramp: list[dict], constant: list[dict]) -> None:
+    """Rule sets as a user's callbacks would feed them: divergences warned, false alarms, the regime alert."""
+    if not any(run.get("sharpness") for run in ramp):
+        return
+    print("\n### Alert setups: rule sets at a ConnectionMonitor's and a SharpnessMonitor's cadence\n")
+    print(
+        "| setup | divergences warned | median lead | leads | false alarms: ramp runs | alerts: controls and "
+        "warmups (copy task) | bad const-LR runs alerted by step 25 | alerts on good const-LR runs |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    bad = bad_regime(constant) if constant else {}
+    for name, (rules, attention, sharpness, phase) in SETUPS.items():
+        leads, ramp_false, healthy, copy = [], 0, 0, 0
+        for run in ramp:
+            lead, fa = score(alert_steps(rules, fed(run, attention, sharpness, phase)), run["divergence"])
+            leads += [lead] if run["divergence"] is not None and lead is not None else []
+            if run["arm"] == "ramp":
+                ramp_false += fa
+            else:
+                healthy, copy = healthy + fa, copy + (fa if run.get("variant") == "copy task" else 0)
+        regime_hits, good_alerts = 0, 0
+        for run in constant:
+            steps = alert_steps(rules, fed(run, attention, sharpness, phase))
+            if bad[id(run)]:
+                regime_hits += any(s <= 25 for s in steps)
+            else:
+                good_alerts += len(steps)
+        diverged = sum(run["divergence"] is not None for run in ramp)
+        median = f"{statistics.median(leads):g}" if leads else "-"
+        cells = [name, f"{len(leads)}/{diverged}", median, ", ".join(map(str, sorted(leads))), str(ramp_false)]
+        cells += [f"{healthy} ({copy})", f"{regime_hits}/{sum(bad.values())}", str(good_alerts)]
+        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:

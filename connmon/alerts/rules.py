@@ -20,7 +20,17 @@ from typing import Any, Literal
 
 from connmon.alerts.detectors import Detector, EWMAZScore, Growth, NonFinite, Threshold
 
-__all__ = ["Alert", "AllOf", "Level", "Rule", "RuleSet", "default_rules", "edge_of_stability_rule", "logit_bound_rule"]
+__all__ = [
+    "Alert",
+    "AllOf",
+    "Level",
+    "Rule",
+    "RuleSet",
+    "attention_collapse_rules",
+    "default_rules",
+    "edge_of_stability_rule",
+    "logit_bound_rule",
+]
 
 Level = Literal["INFO", "WARN", "ERROR"]
 LEVELS: tuple[Level, ...] = ("INFO", "WARN", "ERROR")
@@ -293,53 +303,69 @@ def _feed(rule: Rule, state: _RuleState, values: Mapping[str, float], step: int)
 
 
 def default_rules() -> list[Rule]:
-    """DriftAlert's default rules: scale-free, each relative to its own layer's history.
+    """DriftAlert's default rules: scale-free, none tuned to one model's level.
 
-    Chosen on ``benchmarks/bench_instability.py`` (benchmarks/README.md has the tables).
+    Chosen on the 41-run instability suite of ``benchmarks/bench_instability.py`` (benchmarks/README.md has the
+    tables): widths, depths, AdamW and SGD with momentum, a Markov corpus and a copy task whose induction head forms
+    in a healthy phase change, smooth and staircase LR ramps, qk-norm controls and warmup runs, 3 seeds each.
 
     * ``non-finite attention`` (ERROR, stops the run): a layer's max attention logit is NaN or infinite, which
       only a non-finite forward produces.
-    * ``attention entropy collapsing`` (WARN): a layer's attention entropy falls more than 4 standard deviations
-      below its exponentially weighted baseline, on the log scale, with the spread floored at 0.02 (a drop of at
-      least about 8%), so the near-constant entropy of nearly uniform attention during warmup cannot fire on a
-      wobble (Zhai et al. 2023, entropy collapse). In the suite: 3/3 divergences warned (leads 32, 2, 27 steps
-      sampling every 5 steps), no false alarm.
-    * ``attention logits surging`` (WARN): a layer's max attention logit jumps more than 4 floored standard
-      deviations above its slow baseline on the log scale (``alpha=0.05``, spread floored at 0.2: at least about
-      2.2x the baseline), the attention-logit growth of Dehghani et al. 2023 and Wortsman et al. 2023 measured
-      against the layer's own level. In the suite: 2/3 divergences (leads 7, 17), no false alarm.
     * ``attention logits growing early`` (WARN, steps <= 100 only): a layer's max logit has tripled since the first
-      sample, the sign of an LR too high for the run to learn well.
+      sample, the sign of an LR too high for the run to learn well (the regime alert: it fired at steps 5-10 on
+      every constant-LR run that ended on a worse plateau, sampling every 5 steps, and on no good run).
     * ``past the edge of stability`` (WARN, :func:`edge_of_stability_rule`): the optimizer's step is past its edge
       of stability on two samples in a row. It watches ``connmon/sharpness_ratio``, which only the opt-in
       :class:`connmon.callbacks.SharpnessMonitor` logs, so without one it never fires.
 
-    The fixed bound of earlier versions (max logit above 30: leads 32-52 in the suite) is not scale-free: a healthy
-    pretrained all-MiniLM-L6-v2 sits near 34 in layer 0. It is available as :func:`logit_bound_rule`. No geometric
-    diagnostic, the connection spectrum included, warned earlier than entropy without false alarms, so none is in
-    the defaults.
-
-    On the wider suite (widths, depths, SGD, a copy task, a staircase ramp, warmup runs; 41 runs, 3 seeds each) they
-    warned 10 of 13 divergences, median 12 steps ahead, with no alert on any qk-norm control or warmup run outside
-    the copy task, but raised 16 false alarms around the copy task's induction head forming (a healthy phase change;
-    the attention sharpens before the loss falls). A z-score on the logged loss did as well there; :class:`AllOf`
-    combines the two (fewer false alarms, less lead). benchmarks/README.md has the tables and the trade-offs.
+    The attention rules of earlier versions, entropy collapsing and logits surging, are opt-in
+    (:func:`attention_collapse_rules`): on the suite they warned late (a median of about 12 steps ahead, sampling
+    every 5 steps) and fired during the copy task's healthy phase change, where the curvature rule led by more and
+    stayed quiet. The fixed bound of the first version (max logit above 30) is opt-in too (:func:`logit_bound_rule`):
+    a healthy pretrained all-MiniLM-L6-v2 sits near 34 in layer 0. No geometric diagnostic, the connection spectrum
+    included, led divergence without false alarms, so none is a default.
 
     Example:
         >>> from connmon.alerts import default_rules
-        >>> [rule.name for rule in default_rules()]  # doctest: +NORMALIZE_WHITESPACE
-        ['non-finite attention', 'attention entropy collapsing', 'attention logits surging',
-         'attention logits growing early', 'past the edge of stability']
+        >>> [rule.name for rule in default_rules()]
+        ['non-finite attention', 'attention logits growing early', 'past the edge of stability']
     """
     logits = "connmon/max_attention_logit/L*"
+    return [
+        Rule("non-finite attention", logits, NonFinite(), level="ERROR", cooldown=0),
+        Rule("attention logits growing early", logits, Growth(3.0), until=100, cooldown=1000),
+        edge_of_stability_rule(),
+    ]
+
+
+def attention_collapse_rules(level: Level = "WARN") -> list[Rule]:
+    """Opt-in rules on attention sharpening fast: entropy collapsing and logits surging, each against its own layer.
+
+    * ``attention entropy collapsing``: a layer's attention entropy falls more than 4 standard deviations below its
+      exponentially weighted baseline, on the log scale, with the spread floored at 0.02 (a drop of at least about
+      8%), so the near-constant entropy of nearly uniform attention during warmup cannot fire on a wobble (Zhai et
+      al. 2023, entropy collapse).
+    * ``attention logits surging``: a layer's max attention logit jumps more than 4 floored standard deviations
+      above its slow baseline on the log scale (``alpha=0.05``, spread floored at 0.2: at least about 2.2x the
+      baseline), the attention-logit growth of Dehghani et al. 2023 and Wortsman et al. 2023.
+
+    What they tell is true (the attention of a layer sharpened abruptly) but it is not a forecast: on the 41-run
+    suite they warned 10 of 13 divergences only a median of 12 steps ahead (sampling every 5 steps; at every 100
+    steps, almost never), and they fired 16 times while the copy task's induction head formed, a healthy phase
+    change in which attention sharpens before the loss falls. Use them where the task has no such phase change,
+    or at ``level="INFO"``, or gated by the loss with :class:`AllOf`.
+
+    Example:
+        >>> from connmon.alerts import RuleSet, attention_collapse_rules, default_rules
+        >>> rules = RuleSet(default_rules() + attention_collapse_rules(level="INFO"))
+        >>> [rule.name for rule in attention_collapse_rules()]
+        ['attention entropy collapsing', 'attention logits surging']
+    """
     entropy = EWMAZScore(4.0, "fall", log=True, min_std=0.02)
     surge = EWMAZScore(4.0, "rise", alpha=0.05, log=True, min_std=0.2)
     return [
-        Rule("non-finite attention", logits, NonFinite(), level="ERROR", cooldown=0),
-        Rule("attention entropy collapsing", "connmon/attention_entropy/L*", entropy),
-        Rule("attention logits surging", logits, surge, cooldown=500),
-        Rule("attention logits growing early", logits, Growth(3.0), until=100, cooldown=1000),
-        edge_of_stability_rule(),
+        Rule("attention entropy collapsing", "connmon/attention_entropy/L*", entropy, level),
+        Rule("attention logits surging", "connmon/max_attention_logit/L*", surge, level, cooldown=500),
     ]
 
 

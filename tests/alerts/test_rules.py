@@ -3,7 +3,16 @@ import math
 
 import pytest
 
-from connmon.alerts import AllOf, EWMAZScore, NonFinite, Rule, RuleSet, Threshold, default_rules
+from connmon.alerts import (
+    AllOf,
+    EWMAZScore,
+    NonFinite,
+    Rule,
+    RuleSet,
+    Threshold,
+    attention_collapse_rules,
+    default_rules,
+)
 
 
 def test_a_rule_watches_every_matching_key_with_its_own_detector_and_alerts_once_per_cooldown():
@@ -114,3 +123,29 @@ def test_all_of_state_round_trips_mid_run():
 def test_all_of_rejects_bad_arguments(make, message):
     with pytest.raises(ValueError, match=message):
         make(Rule("a", "x", Threshold(1.0)))
+
+
+def test_attention_collapse_rules_are_opt_in_and_fire_on_a_collapse_not_on_a_warmup_wobble():
+    entropy, logit = "connmon/attention_entropy/L00", "connmon/max_attention_logit/L00"
+    # nearly uniform attention during warmup: entropy wobbles by 0.01 nats, logits near 1; then layer 0 collapses
+    calm = [{entropy: 4.15 + 0.01 * (-1) ** i, logit: 1.0 + 0.02 * (-1) ** i} for i in range(30)]
+    collapse = [{entropy: 2.0, logit: 6.0}]
+    steps = range(200, 200 + 5 * 31, 5)  # past the regime rule's first 100 steps
+    opt_in, defaults = RuleSet(attention_collapse_rules(level="INFO")), RuleSet(default_rules())
+    fired = [
+        (a.rule, a.step, a.level) for s, v in zip(steps, calm + collapse, strict=True) for a in opt_in.update(v, s)
+    ]
+    assert fired == [("attention entropy collapsing", 350, "INFO"), ("attention logits surging", 350, "INFO")]
+    assert [a for s, v in zip(steps, calm + collapse, strict=True) for a in defaults.update(v, s)] == []
+    assert {r.name for r in default_rules()}.isdisjoint(r.name for r in attention_collapse_rules())
+
+
+def test_a_checkpoint_of_the_earlier_default_rules_resumes_under_the_current_ones():
+    earlier = RuleSet(default_rules() + attention_collapse_rules())  # what DriftAlert() held before they were opt-in
+    earlier.update({"connmon/max_attention_logit/L00": 1.0, "connmon/attention_entropy/L00": 4.0}, 0)
+    current = RuleSet(default_rules())
+    current.load_state_dict(json.loads(json.dumps(earlier.state_dict())))
+    assert current.update({"connmon/max_attention_logit/L00": 2.0}, 5) == []
+    assert [a.rule for a in current.update({"connmon/max_attention_logit/L00": 3.5}, 10)] == [
+        "attention logits growing early"  # the restored baseline (1.0 at step 0), not a fresh one
+    ]
