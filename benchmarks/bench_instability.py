@@ -270,6 +270,12 @@ def train(
         idx, target, _ = next_batch(config, step, optimizer, data, gen)
         if step % every == 0:
             samples[step] = sample(model, idx, groups, ["stochasticity_gap", "reconstruction_error"], per_head)
+        if sharpness_every and step and step % sharpness_every == 0:  # as SharpnessMonitor: on the batch about to
+            loss_fn = functools.partial(next_token_loss, model, idx, target)  # be trained on, before its step
+            try:
+                ratios[step] = sharpness_ratio(loss_fn, optimizer, steps=8, model=model, seed=step).ratio
+            except Exception as error:  # SharpnessMonitor turns itself off here; so does the suite
+                sharpness_every, ratios["off"] = 0, repr(error)
         loss = next_token_loss(model, idx, target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -278,12 +284,6 @@ def train(
         if not math.isfinite(losses[-1]):
             break
         optimizer.step()
-        if sharpness_every and (step + 1) % sharpness_every == 0:  # as SharpnessMonitor: after the optimizer step
-            loss_fn = functools.partial(next_token_loss, model, idx, target)
-            try:
-                ratios[step + 1] = sharpness_ratio(loss_fn, optimizer, steps=8, model=model, seed=step + 1).ratio
-            except Exception as error:  # SharpnessMonitor turns itself off here; so does the suite
-                sharpness_every, ratios["off"] = 0, repr(error)
     return {
         **config,
         "loss": losses,

@@ -13,6 +13,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from connmon._options import check_int
+from connmon.capture import paused
 from connmon.curvature import sharpness_ratio
 
 RATIO_KEY = "connmon/sharpness_ratio"
@@ -22,10 +23,14 @@ EIGENVALUE_KEY = "connmon/sharpness_eigenvalue"
 class SharpnessMonitor(Callback):
     """Logs how close the optimizer's step is to its edge of stability, every ``every_n_steps`` optimizer steps.
 
-    After a sampled optimizer step it computes :func:`connmon.curvature.sharpness_ratio` on the batch just trained on
-    (``loss_fn(pl_module, batch)``, its last micro-batch under gradient accumulation) with the optimizer's state
-    after that step, and logs ``connmon/sharpness_ratio`` (1 is the edge of stability: on the quadratic model the
-    next steps oscillate with a growing amplitude past it) and ``connmon/sharpness_eigenvalue``
+    Before the optimizer step that follows every ``every_n_steps``-th one, it computes
+    :func:`connmon.curvature.sharpness_ratio` on the batch that step is about to train on (``loss_fn(pl_module,
+    batch)``, its first micro-batch under gradient accumulation), with the parameters, optimizer state and learning
+    rate that step will use: the stability of the step about to be taken. (The batch just trained on reads lower once
+    the run is past the edge, because the step on it damped its own sharpest direction: on the instability suite's
+    runs it crossed 1 up to 80 steps later than a fresh batch; benchmarks/README.md.) It logs
+    ``connmon/sharpness_ratio`` (1 is the edge of stability: on the quadratic model the steps oscillate with a
+    growing amplitude past it) and ``connmon/sharpness_eigenvalue``
     (``lambda_max(U^1/2 H U^1/2)``) to every logger at ``trainer.global_step``. Under DDP each process measures its
     own batch and the values are averaged (the mean of the processes' top eigenvalues is at least the top eigenvalue
     of their mean Hessian, so it errs towards an early warning). :class:`DriftAlert` sees the values on the steps
@@ -43,9 +48,11 @@ class SharpnessMonitor(Callback):
     Args:
         loss_fn: the batch's scalar loss, ``loss_fn(pl_module, batch)`` (for example
             ``lambda module, batch: F.cross_entropy(module(batch[0]), batch[1])``). It is called once per sample,
-            outside ``training_step``, so that a ``training_step`` that logs or updates metrics is not run twice. It
-            sees the batch as ``training_step`` left it (a key popped there is gone).
-        every_n_steps: sample after every this-many-th optimizer step.
+            outside ``training_step``, so that a ``training_step`` that logs or updates metrics is not run twice, and
+            before it: it sees the batch as the dataloader gave it (on the model's device). A capture that a
+            :class:`ConnectionMonitor` armed for the same step records nothing of these forwards.
+        every_n_steps: sample every this many optimizer steps (after step ``every_n_steps``, ``2 every_n_steps``,
+            ...; logged at that step).
         lanczos_steps: Hessian-vector products per sample (see :func:`connmon.curvature.sharpness_ratio`).
 
     Raises:
@@ -71,7 +78,7 @@ class SharpnessMonitor(Callback):
         self.off: str | None = None  # why the monitor is off for this run, if it is
         self.samples = 0
         self.last_values: dict[str, float] = {}
-        self._step_at_batch_start = 0
+        self._last_step: int | None = None  # the step last measured (once, however many micro-batches)
         self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
 
     def add_listener(self, listener: Callable[[Trainer, int, dict[str, float]], None]) -> None:
@@ -82,23 +89,18 @@ class SharpnessMonitor(Callback):
         """On fit: start on, unless the strategy shards the parameters (FSDP, DeepSpeed), which is not supported."""
         if stage != "fit":
             return
-        self.off, self.samples, self.last_values = None, 0, {}
+        self.off, self.samples, self.last_values, self._last_step = None, 0, {}, None
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
         if not plain:
             self._turn_off(f"the {type(strategy).__name__} shards or wraps the parameters; single-device and DDP only")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Remember the step count, to tell whether this batch ends an optimizer step."""
-        self._step_at_batch_start = trainer.global_step
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        """After a sampled optimizer step: measure on this batch, sync, log, notify the listeners."""
+        """On the first micro-batch after every ``every_n_steps``-th optimizer step: measure, sync, log, notify."""
         step = trainer.global_step
-        if self.off is not None or step == self._step_at_batch_start or step % self.every_n_steps:
+        if self.off is not None or step == 0 or step % self.every_n_steps or step == self._last_step:
             return
+        self._last_step = step
         ratio, constant, failure = self._measure(trainer, pl_module, batch)
         measured = failure is None
         total = torch.tensor([ratio if measured else 0.0, float(measured), float(not measured)],
@@ -124,7 +126,7 @@ class SharpnessMonitor(Callback):
         if len(trainer.optimizers) != 1:
             return math.nan, math.nan, f"it needs exactly one optimizer, and the run has {len(trainer.optimizers)}"
         try:
-            with trainer.precision_plugin.train_step_context():
+            with trainer.precision_plugin.train_step_context(), paused():
                 result = sharpness_ratio(
                     lambda: self.loss_fn(pl_module, batch),
                     trainer.optimizers[0],

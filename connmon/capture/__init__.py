@@ -31,7 +31,7 @@ from connmon.capture.adapters.base import Adapter
 from connmon.capture.adapters.kernel import FusedQKVAttention, KernelAttention, projections, warn_unreadable
 from connmon.capture.adapters.torch_mha import TorchMultiheadAttention
 from connmon.capture.record import AttentionRecord, reconstruction_error
-from connmon.capture.session import CaptureSession, Layer
+from connmon.capture.session import CaptureSession, Layer, paused
 
 __all__ = [
     "ADAPTERS",
@@ -42,6 +42,7 @@ __all__ = [
     "armed",
     "attention_layers",
     "capture",
+    "paused",
     "reconstruction_error",
     "register_adapter",
 ]

@@ -27,6 +27,33 @@ from connmon.capture.scores import attention_scores
 # The largest reconstruction error of an exact record, per dtype the module computed in: far above the round-off
 # of that dtype over a layer (float32 ~1e-7, bf16 ~1e-2) and far below what a module that is not a walk gives.
 RECONSTRUCTION_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+_PAUSED = [0]  # > 0 inside paused(): armed sessions record nothing (the forwards run unchanged, as always)
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Forwards run inside the block are not recorded by any armed capture (nested blocks allowed).
+
+    For work that runs the model between a capture's arming and the forward it is meant to record, such as
+    :class:`connmon.callbacks.SharpnessMonitor`'s Hessian-vector products.
+
+    Example:
+        >>> import torch
+        >>> import connmon.capture as cc
+        >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dropout=0.0, batch_first=True)
+        >>> model = torch.nn.TransformerEncoder(layer, 1)
+        >>> with cc.armed(model) as session:
+        ...     with cc.paused():
+        ...         _ = model(torch.randn(1, 4, 8))  # not recorded
+        ...     _ = model(torch.randn(1, 4, 8))  # recorded
+        >>> len(session.records)
+        1
+    """
+    _PAUSED[0] += 1
+    try:
+        yield
+    finally:
+        _PAUSED[0] -= 1
 
 
 @dataclass
@@ -101,8 +128,8 @@ class CaptureSession:
             self.skip(module, f"recording failed ({type(error).__name__}: {error})")
 
     def wants(self, module: nn.Module) -> bool:
-        """Whether ``module`` is armed here and not recorded yet."""
-        return id(module) in self.layers and id(module) not in self.done
+        """Whether ``module`` is armed here, not recorded yet, and recording is not :func:`paused`."""
+        return not _PAUSED[0] and id(module) in self.layers and id(module) not in self.done
 
     def pending(self, module: nn.Module) -> _Pending:
         """The pieces gathered so far for ``module`` (created on first use)."""

@@ -68,7 +68,7 @@ def sharpness_run(out: Path) -> None:
     local = {}
 
     class Direct(L.Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # as the monitor: before step 3
             if trainer.global_step == 2 and 2 not in local:
                 ratio = sharpness_ratio(lambda: loss_fn(pl_module, batch), trainer.optimizers[0], steps=8, seed=2)
                 local[2] = ratio.ratio

@@ -27,14 +27,10 @@ class Direct(L.Callback):
 
     def __init__(self, every_n_steps: int, loss_fn=gpt_loss) -> None:
         self.every_n_steps, self.loss_fn, self.ratios = every_n_steps, loss_fn, {}
-        self.start = 0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.start = trainer.global_step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        step = trainer.global_step
-        if step != self.start and step % self.every_n_steps == 0:
+        step = trainer.global_step  # before the next optimizer step, on the batch it is about to train on
+        if step and step % self.every_n_steps == 0 and step not in self.ratios:
             with trainer.precision_plugin.train_step_context():
                 result = sharpness_ratio(lambda: self.loss_fn(pl_module, batch), trainer.optimizers[0], steps=8,
                                          model=pl_module, seed=step)  # fmt: skip
@@ -57,9 +53,9 @@ def logged(tmp_path, key=RATIO):
     return {int(row["step"]): float(row[key]) for row in read_csv(tmp_path) if row.get(key)}
 
 
-def test_logs_the_ratio_of_connmon_curvature_after_every_sampled_optimizer_step(tmp_path):
+def test_logs_the_ratio_of_connmon_curvature_of_the_step_after_every_sampled_one(tmp_path):
     monitor, direct = SharpnessMonitor(gpt_loss, every_n_steps=2), Direct(2)
-    fit(tmp_path, [monitor, direct])
+    fit(tmp_path, [monitor, direct], max_steps=7)
     values = logged(tmp_path)
     assert sorted(values) == [2, 4, 6] and monitor.samples == 3
     assert values == pytest.approx(direct.ratios, rel=1e-6)  # the CSV holds float32-rounded text
@@ -102,7 +98,7 @@ def test_training_is_bitwise_the_same_with_the_monitor(tmp_path):
         runs[name] = module.state_dict()
     assert runs["plain"].keys() == runs["monitored"].keys()
     assert all(torch.equal(runs["plain"][k], runs["monitored"][k]) for k in runs["plain"])
-    assert len(logged(tmp_path / "monitored")) == 4
+    assert len(logged(tmp_path / "monitored")) == 3  # steps 2, 4, 6: none after the last step
 
 
 def test_the_connection_monitor_reads_the_same_with_it_listed_before_after_or_absent(tmp_path):
@@ -120,8 +116,10 @@ def test_the_connection_monitor_reads_the_same_with_it_listed_before_after_or_ab
 
 def test_sampled_once_per_optimizer_step_under_gradient_accumulation(tmp_path):
     monitor = SharpnessMonitor(gpt_loss, every_n_steps=1)
-    trainer = fit(tmp_path, [monitor], max_steps=3, accumulate_grad_batches=2)
-    assert trainer.global_step == 3 and sorted(logged(tmp_path)) == [1, 2, 3]
+    direct = Direct(1)
+    trainer = fit(tmp_path, [monitor, direct], max_steps=4, accumulate_grad_batches=2)
+    assert trainer.global_step == 4 and sorted(logged(tmp_path)) == [1, 2, 3]  # none after the last step
+    assert logged(tmp_path) == pytest.approx(direct.ratios, rel=1e-6)  # on each step's first micro-batch
 
 
 def test_drift_alert_default_rules_warn_past_the_edge_of_stability_on_two_samples_in_a_row(tmp_path):
@@ -175,7 +173,7 @@ def test_a_compiled_model_has_no_double_backward_so_it_is_turned_off_and_trains_
 
 def test_bf16_mixed_precision_measures_a_finite_ratio_in_the_training_autocast(tmp_path):
     monitor = SharpnessMonitor(gpt_loss, every_n_steps=2)
-    fit(tmp_path, [monitor], max_steps=4, precision="bf16-mixed")
+    fit(tmp_path, [monitor], max_steps=5, precision="bf16-mixed")
     values = logged(tmp_path)
     assert sorted(values) == [2, 4] and all(math.isfinite(v) and v > 0 for v in values.values())
 
@@ -200,7 +198,7 @@ def test_a_hugging_face_model_held_by_a_lightning_module(tmp_path):
         return module.model(input_ids=batch[0], labels=batch[0]).loss
 
     monitor, direct = SharpnessMonitor(hf_loss, every_n_steps=2), Direct(2, hf_loss)
-    fit(tmp_path, [monitor, direct], module=LitHF(), max_steps=4)
+    fit(tmp_path, [monitor, direct], module=LitHF(), max_steps=5)
     values = logged(tmp_path)
     assert sorted(values) == [2, 4] and values == pytest.approx(direct.ratios, rel=1e-6)
 

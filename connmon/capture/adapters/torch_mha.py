@@ -43,6 +43,8 @@ class TorchMultiheadAttention(Adapter):
             return []
 
         def hook(mod: nn.MultiheadAttention, args: tuple, kwargs: dict, output: tuple) -> None:
+            if not session.wants(mod):
+                return
             bound = dict(zip(_PARAMETERS, args, strict=False)) | kwargs
             query, key, value = bound["query"], bound["key"], bound["value"]
             if not (query is key and key is value):
