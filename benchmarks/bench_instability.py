@@ -604,6 +604,7 @@ SETUPS: dict[str, tuple[Callable[[], RuleSet], int | None, int | None, int]] = {
     "defaults, SharpnessMonitor every 40 (recommended)": (default_rules_set, 1, 40, 0),
     "defaults, SharpnessMonitor every 40, sampled at steps 20 mod 40": (default_rules_set, 1, 40, 20),
     "defaults, SharpnessMonitor every 20": (default_rules_set, 1, 20, 0),
+    "defaults, SharpnessMonitor every 40, attention every 25": (default_rules_set, 25, 40, 0),
     "defaults, SharpnessMonitor every 40, attention every 100": (default_rules_set, 100, 40, 0),
     "defaults, no SharpnessMonitor": (default_rules_set, 1, None, 0),
     "defaults + attention_collapse_rules(), no SharpnessMonitor (the previous defaults)": (

@@ -19,11 +19,13 @@ Usage:
     python benchmarks/bench_sharpness.py --set sgd --save /tmp/sgd.json       # SGD with momentum: 2 ramps, 2 controls
     python benchmarks/bench_sharpness.py --load /tmp/sharpness.json /tmp/phase.json   # the tables again, merged
     python benchmarks/bench_sharpness.py --check   # the estimator against a dense Hessian (a few seconds)
+    python benchmarks/bench_sharpness.py --batch-choice   # the next batch or the one just trained on (3 runs, ~12 min)
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import statistics
@@ -158,6 +160,65 @@ def train(config: dict, steps: int, every: int, iterations: int, start: float, p
     return {**config, "loss": losses, "ratio": ratio, "seconds": time.perf_counter() - begin}
 
 
+def batch_choice(seed: int, start: int, until: int, every: int = 10) -> dict:
+    """The ratio at the same parameters on two batches: the one the next step trains on, and the one just trained on.
+
+    A base ramp run (bench_instability's; seed ``seed``) is trained to ``until``; from ``start`` on, every ``every``
+    steps, both are measured before the step (8 Lanczos steps, the same seed). What SharpnessMonitor measures is the
+    first (the stability of the step about to be taken).
+    """
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    example = example_module()
+    config = {**BASE, "variant": "base", "arm": "ramp", "seed": seed, "start": 1e-3, "peak": 1e-1, "ramp": 1500}
+    data = corpus(config, example)
+    torch.manual_seed(seed)
+    model = GPT(example.VOCAB, example.TOKENS, False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-1, betas=(BETA1, 0.999), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    losses, pairs, previous = [], {}, None
+    for step in range(until):
+        idx, target, _ = next_batch(config, step, optimizer, data, gen)
+        if step >= start and step % every == 0 and previous is not None:
+            pairs[step] = (
+                ratio_of(model, (idx, target), optimizer, 8, step),
+                ratio_of(model, previous, optimizer, 8, step),
+            )
+        loss = gpt_loss(model, (idx, target))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            break
+        optimizer.step()
+        previous = (idx, target)
+    return {"seed": seed, "pairs": pairs, "divergence": divergence(losses)}
+
+
+def batch_choice_table(results: list[dict]) -> None:
+    """When each choice of batch first reads above 1 twice in a row, and how the two compare before that."""
+    print(
+        "\n| seed | divergence | next batch: above 1 twice from step | batch just trained on: from step | "
+        "median ratio (just trained / next) before the first |"
+    )
+    print("|---|---|---|---|---|")
+    for result in results:
+        pairs = {int(s): v for s, v in result["pairs"].items()}
+        steps = sorted(pairs)
+
+        crossings = [
+            next((b for a, b in itertools.pairwise(steps) if pairs[a][i] > 1 and pairs[b][i] > 1), None) for i in (0, 1)
+        ]
+        before = min((c for c in crossings if c is not None), default=steps[-1] + 1)
+        quotients = [pairs[s][1] / pairs[s][0] for s in steps if s < before]
+        median = f"{statistics.median(quotients):.2f}" if quotients else "-"
+        print(f"| {result['seed']} | {result['divergence']} | {crossings[0]} | {crossings[1]} | {median} |")
+
+
+def _batch_choice(job: tuple) -> dict:
+    return batch_choice(*job)
+
+
 def _train(job: tuple) -> dict:
     return train(*job)
 
@@ -251,9 +312,23 @@ def main() -> None:
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path, nargs="*", help="saved runs (several files are merged)")
     parser.add_argument("--check", action="store_true", help="only compare the estimator with a dense Hessian")
+    parser.add_argument(
+        "--batch-choice", action="store_true", help="only compare the next batch with the one just trained on"
+    )
     args = parser.parse_args()
     if args.check:
         check_against_dense()
+        return
+    if args.batch_choice:
+        if args.load:
+            results = [r for path in args.load for r in json.loads(path.read_text())]
+        else:
+            jobs = [(0, 1000, 1330), (1, 1150, 1410), (2, 1100, 1350)]  # to just past each base ramp's divergence
+            with get_context("spawn").Pool(args.processes) as pool:
+                results = pool.map(_batch_choice, jobs)
+            if args.save:
+                args.save.write_text(json.dumps(results))
+        batch_choice_table(results)
         return
     if args.load:
         runs = [run for path in args.load for run in json.loads(path.read_text())]
