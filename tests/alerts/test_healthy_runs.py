@@ -75,12 +75,12 @@ def test_fine_tuning_minilm_at_a_sane_lr_raises_no_default_alert(tmp_path):
     monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
     sharpness = SharpnessMonitor(classification_loss, every_n_steps=20)  # the edge-of-stability rule is a default
     trainer = L.Trainer(
-        max_steps=40, callbacks=[monitor, sharpness, alert], logger=False, enable_progress_bar=False,
+        max_steps=41, callbacks=[monitor, sharpness, alert], logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
     )  # fmt: skip
     module = FineTune(path)
     trainer.fit(module, loader)
-    assert monitor.samples == 20 and sharpness.samples == 2 and sharpness.off is None
+    assert monitor.samples == 21 and sharpness.samples == 2 and sharpness.off is None  # steps 20 and 40
     assert sum(module.losses[-10:]) < sum(module.losses[:10])  # it learns: a real fine-tune, not a frozen model
     assert list(alert.alerts) == []  # the fixed "logits above 30" bound fired at step 0 here (layer 0: 34.3)
 
