@@ -26,9 +26,10 @@ class SharpnessMonitor(Callback):
     Before the optimizer step that follows every ``every_n_steps``-th one, it computes
     :func:`connmon.curvature.sharpness_ratio` on the batch that step is about to train on (``loss_fn(pl_module,
     batch)``, its first micro-batch under gradient accumulation), with the parameters, optimizer state and learning
-    rate that step will use: the stability of the step about to be taken. (The batch just trained on reads lower once
-    the run is past the edge, because the step on it damped its own sharpest direction: on the instability suite's
-    runs it crossed 1 up to 80 steps later than a fresh batch; benchmarks/README.md.) It logs
+    rate that step will use: the stability of the step about to be taken. (The batch just trained on reads 5-25%
+    higher while the run is healthy and lower once it is past the edge: on three diverging runs it first read above 1
+    twice in a row 10-50 steps later than the next batch; ``python benchmarks/bench_sharpness.py --batch-choice``.)
+    It logs
     ``connmon/sharpness_ratio`` (1 is the edge of stability: on the quadratic model the steps oscillate with a
     growing amplitude past it) and ``connmon/sharpness_eigenvalue``
     (``lambda_max(U^1/2 H U^1/2)``) to every logger at ``trainer.global_step``. Under DDP each process measures its
