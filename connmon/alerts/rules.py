@@ -121,9 +121,10 @@ class AllOf:
     sample at which each member has fired at most ``within`` steps earlier, with its own level and cooldown. The
     alert carries the evidence that completed it (the member that fired at that sample).
 
-    On the instability suite of benchmarks/README.md (41 runs), the default geometric rules together with a z-score
-    on the logged loss (``within=50``) raised 5 false alarms, against 19 for the geometric rules alone and 7 for the
-    loss rule alone, and warned 10 of 13 divergences, but at a median of 6.5 steps ahead (12 and 14.5 alone).
+    On the instability suite of benchmarks/README.md (41 runs), the attention rules (:func:`attention_collapse_rules`)
+    together with a z-score on the logged loss (``within=50``) raised 5 false alarms, against 19 for the attention
+    rules alone and 7 for the loss rule alone, and warned 10 of 13 divergences, but at a median of 6.5 steps ahead
+    (12 and 14.5 alone).
 
     Args:
         name: what the alert is called.
