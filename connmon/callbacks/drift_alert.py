@@ -36,9 +36,10 @@ class DriftAlert(Callback):
     :func:`connmon.alerts.default_rules`. A :class:`SharpnessMonitor`'s samples are shown to the rules on their own
     steps, its keys only, so a rule over ``connmon/sharpness_ratio`` sees each measurement once.
 
-    An alert can come no sooner than the monitor's next sample. On the instability suite of benchmarks/README.md
-    the default rules warned 2-32 steps before divergence, so alerting wants a dense, light monitor, such as
-    ``ConnectionMonitor(every_n_steps=5, diagnostics=("walk",))`` (the walk group holds entropy and max logit).
+    An alert can come no sooner than the monitors' next sample. The default rules' divergence warning comes from a
+    :class:`SharpnessMonitor` (every 20 steps on the instability suite of benchmarks/README.md: a median of 68 steps
+    ahead); their regime alert wants attention samples in the first 100 steps, such as
+    ``ConnectionMonitor(every_n_steps=25, diagnostics=("walk",))`` (the walk group holds the max logit).
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
