@@ -89,6 +89,18 @@ def ratio_of(model: nn.Module, batch: tuple, optimizer: torch.optim.AdamW, steps
     return sharpness_ratio(lambda: gpt_loss(model, batch), optimizer, steps=steps, model=model, seed=seed).ratio
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, losses: list[float]) -> bool:
+    """One step on ``batch``, its loss appended to ``losses``; False (and no step) once the loss is not finite."""
+    loss = gpt_loss(model, batch)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    losses.append(loss.item())
+    if not math.isfinite(losses[-1]):
+        return False
+    optimizer.step()
+    return True
+
+
 def check_against_dense() -> None:
     """The shipped estimate against a dense ``P^-1/2 H P^-1/2``: a 1-layer, width-8 GPT (1224 parameters, float64)."""
     torch.manual_seed(0)
@@ -148,15 +160,10 @@ def train(config: dict, steps: int, every: int, iterations: int, start: float, p
     begin = time.perf_counter()
     for step in range(steps):
         idx, target, _ = next_batch(config, step, optimizer, data, gen)
-        loss = gpt_loss(model, (idx, target))
         if step % every == 0 and step > 0:
             ratio[step] = ratio_of(model, (idx, target), optimizer, iterations, step)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
+        if not train_step(model, optimizer, (idx, target), losses):
             break
-        optimizer.step()
     return {**config, "loss": losses, "ratio": ratio, "seconds": time.perf_counter() - begin}
 
 
@@ -184,13 +191,8 @@ def batch_choice(seed: int, start: int, until: int, every: int = 10) -> dict:
                 ratio_of(model, (idx, target), optimizer, 8, step),
                 ratio_of(model, previous, optimizer, 8, step),
             )
-        loss = gpt_loss(model, (idx, target))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        losses.append(loss.item())
-        if not math.isfinite(losses[-1]):
+        if not train_step(model, optimizer, (idx, target), losses):
             break
-        optimizer.step()
         previous = (idx, target)
     return {"seed": seed, "pairs": pairs, "divergence": divergence(losses)}
 
