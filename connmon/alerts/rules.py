@@ -312,10 +312,10 @@ def default_rules() -> list[Rule]:
 
     * ``non-finite attention`` (ERROR, stops the run): a layer's max attention logit is NaN or infinite, which
       only a non-finite forward produces.
-    * ``attention logits growing early`` (WARN, steps <= 100 only): a layer's max logit has tripled since the first
+    * ``attention logits growing early`` (WARN, steps <= 50 only): a layer's max logit has tripled since the first
       sample, the sign of an LR too high for the run to learn well (the regime alert: on the suite it fired by step
       25 on every constant-LR run that ended on a worse plateau, sampling attention every 5 or 25 steps, and on no
-      good one; it also fired once while a copy-task run's induction head formed).
+      good one; watching until step 100, it also fired once while a copy-task run's induction head formed).
     * ``past the edge of stability`` (WARN, :func:`edge_of_stability_rule`): the optimizer's step is past its edge
       of stability on two samples in a row. It watches ``connmon/sharpness_ratio``, which only the opt-in
       :class:`connmon.callbacks.SharpnessMonitor` logs, so without one it never fires.
@@ -336,7 +336,7 @@ def default_rules() -> list[Rule]:
     logits = "connmon/max_attention_logit/L*"
     return [
         Rule("non-finite attention", logits, NonFinite(), level="ERROR", cooldown=0),
-        Rule("attention logits growing early", logits, Growth(3.0), until=100, cooldown=1000),
+        Rule("attention logits growing early", logits, Growth(3.0), until=50, cooldown=1000),
         edge_of_stability_rule(),
     ]
 

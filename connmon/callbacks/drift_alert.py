@@ -38,7 +38,7 @@ class DriftAlert(Callback):
 
     An alert can come no sooner than the monitors' next sample. The default rules' divergence warning comes from a
     :class:`SharpnessMonitor` (every 20 steps on the instability suite of benchmarks/README.md: a median of 68 steps
-    ahead); their regime alert wants attention samples in the first 100 steps, such as
+    ahead); their regime alert wants attention samples in the first 50 steps, such as
     ``ConnectionMonitor(every_n_steps=25, diagnostics=("walk",))`` (the walk group holds the max logit).
 
     Args:

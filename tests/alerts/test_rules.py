@@ -130,7 +130,7 @@ def test_attention_collapse_rules_are_opt_in_and_fire_on_a_collapse_not_on_a_war
     # nearly uniform attention during warmup: entropy wobbles by 0.01 nats, logits near 1; then layer 0 collapses
     calm = [{entropy: 4.15 + 0.01 * (-1) ** i, logit: 1.0 + 0.02 * (-1) ** i} for i in range(30)]
     collapse = [{entropy: 2.0, logit: 6.0}]
-    steps = range(200, 200 + 5 * 31, 5)  # past the regime rule's first 100 steps
+    steps = range(200, 200 + 5 * 31, 5)  # past the regime rule's first 50 steps
     opt_in, defaults = RuleSet(attention_collapse_rules(level="INFO")), RuleSet(default_rules())
     fired = [
         (a.rule, a.step, a.level) for s, v in zip(steps, calm + collapse, strict=True) for a in opt_in.update(v, s)
