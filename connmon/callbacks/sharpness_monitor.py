@@ -29,10 +29,9 @@ class SharpnessMonitor(Callback):
     rate that step will use: the stability of the step about to be taken. (The batch just trained on reads 5-25%
     higher while the run is healthy and lower once it is past the edge: on three diverging runs it first read above 1
     twice in a row 10-50 steps later than the next batch; ``python benchmarks/bench_sharpness.py --batch-choice``.)
-    It logs
-    ``connmon/sharpness_ratio`` (1 is the edge of stability: on the quadratic model the steps oscillate with a
-    growing amplitude past it) and ``connmon/sharpness_eigenvalue``
-    (``lambda_max(U^1/2 H U^1/2)``) to every logger at ``trainer.global_step``. Under DDP each process measures its
+    It logs ``connmon/sharpness_ratio`` (1 is the edge of stability: on the quadratic model the steps oscillate with
+    a growing amplitude past it) and ``connmon/sharpness_eigenvalue`` (``lambda_max(U^1/2 H U^1/2)``) to every
+    logger at ``trainer.global_step``. Under DDP each process measures its
     own batch and the values are averaged (the mean of the processes' top eigenvalues is at least the top eigenvalue
     of their mean Hessian, so it errs towards an early warning). :class:`DriftAlert` sees the values on the steps
     they are measured; its default rules alert when the ratio is above 1 on two samples in a row
