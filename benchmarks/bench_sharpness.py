@@ -40,7 +40,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from connmon.alerts import EWMAZScore, Rule, RuleSet, Threshold
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
-from connmon.curvature import sharpness_ratio
+from connmon.curvature import UpdateProbe, sharpness_ratio
 
 BETA1 = 0.9
 THRESHOLD = (2 + 2 * BETA1) / (1 - BETA1)  # 38: lr * lambda_max(P^-1 H) at the edge of stability
@@ -137,7 +137,15 @@ def check_against_dense() -> None:
         print(f"sharpness_ratio, {steps} Lanczos steps: {found:.6f} (relative difference {error:.1e})")
 
 
-def train(config: dict, steps: int, every: int, iterations: int, start: float, peak: float, ramp: int) -> dict:
+def train(
+    config: dict, steps: int, every: int, iterations: int, start: float, peak: float, ramp: int, update_every: int = 0
+) -> dict:
+    """One run; Lanczos every ``every`` steps and, with ``update_every``, both readings along the update as often.
+
+    At a sampled step ``s`` every estimate is taken at the same parameters (after ``s`` optimizer steps): Lanczos and
+    the difference reading on batch ``s`` (before training on it), the secant reading after its backward, before
+    the optimizer step; both update readings along the update of step ``s - 1``.
+    """
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     example = example_module()
@@ -156,15 +164,45 @@ def train(config: dict, steps: int, every: int, iterations: int, start: float, p
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], betas=(BETA1, 0.999), weight_decay=0.0)
     gen = torch.Generator().manual_seed(config["seed"])
-    losses, ratio = [], {}
+    losses, ratio, readings, probes = [], {}, {"difference": {}, "secant": {}}, None
+    seconds = {"lanczos": 0.0, "difference": 0.0, "secant": 0.0}
     begin = time.perf_counter()
     for step in range(steps):
         idx, target, _ = next_batch(config, step, optimizer, data, gen)
+        clock = time.perf_counter()
         if step % every == 0 and step > 0:
             ratio[step] = ratio_of(model, (idx, target), optimizer, iterations, step)
-        if not train_step(model, optimizer, (idx, target), losses):
+        seconds["lanczos"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        if probes is not None:
+            loss_fn = lambda batch=(idx, target): gpt_loss(model, batch)  # noqa: E731
+            readings["difference"][step] = probes[0].difference(loss_fn, model=model, seed=step).ratio
+        seconds["difference"] += time.perf_counter() - clock
+        loss = gpt_loss(model, (idx, target))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
             break
-    return {**config, "loss": losses, "ratio": ratio, "seconds": time.perf_counter() - begin}
+        clock = time.perf_counter()
+        if probes is not None:
+            readings["secant"][step] = probes[1].secant().ratio
+            probes = None
+        if update_every and (step + 1) % update_every == 0:
+            probes = (UpdateProbe(optimizer), UpdateProbe(optimizer))
+        seconds["secant"] += time.perf_counter() - clock
+        optimizer.step()
+        if probes is not None:
+            for probe in probes:
+                probe.stepped()
+    return {
+        **config,
+        "loss": losses,
+        "ratio": ratio,
+        "readings": readings,
+        "cost_seconds": seconds,
+        "seconds": time.perf_counter() - begin,
+    }
 
 
 def batch_choice(seed: int, start: int, until: int, every: int = 10) -> dict:
@@ -306,6 +344,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--iterations", type=int, default=8, help="Lanczos steps per sample")
+    parser.add_argument(
+        "--update-every", type=int, default=0, help="also read the curvature along the update this often (0: never)"
+    )
     parser.add_argument("--start", type=float, default=1e-3)
     parser.add_argument("--peak", type=float, default=1e-1)
     parser.add_argument("--ramp", type=int, default=1500)
@@ -335,7 +376,10 @@ def main() -> None:
     if args.load:
         runs = [run for path in args.load for run in json.loads(path.read_text())]
     else:
-        jobs = [(c, args.steps, args.every, args.iterations, args.start, args.peak, args.ramp) for c in SETS[args.set]]
+        jobs = [
+            (c, args.steps, args.every, args.iterations, args.start, args.peak, args.ramp, args.update_every)
+            for c in SETS[args.set]
+        ]
         with get_context("spawn").Pool(args.processes) as pool:
             runs = pool.map(_train, jobs)
         for run in runs:

@@ -42,6 +42,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -50,7 +51,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from connmon._options import check_int
 from connmon.functional._lanczos import largest_eigenvalue
 
-__all__ = ["Sharpness", "StepGeometry", "sharpness_ratio", "step_geometry"]
+__all__ = [
+    "READINGS",
+    "Reading",
+    "Sharpness",
+    "StepGeometry",
+    "UpdateProbe",
+    "UpdateSharpness",
+    "check_optimizer",
+    "sharpness_ratio",
+    "step_geometry",
+]
 
 _TOL = 1e-3  # Ritz residual, relative, below which the top value counts as converged
 
@@ -104,17 +115,15 @@ def step_geometry(optimizer: torch.optim.Optimizer) -> StepGeometry:
         >>> geometry.step_sizes, round(geometry.constant, 4)  # 2 (1 + 0.9) / (1 + 1.8)
         ([0.1], 1.3571)
     """
-    groups = optimizer.param_groups
-    if any(group.get("maximize", False) for group in groups):
-        raise ValueError("maximize=True is not supported: the edge of stability is stated for a minimized loss")
-    if isinstance(optimizer, torch.optim.SGD):
-        return _sgd(optimizer)
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return _adam(optimizer)
-    raise ValueError(
-        f"{type(optimizer).__name__} is not supported: connmon knows the edge of stability of SGD (with or without "
-        "momentum), Adam and AdamW"
-    )
+    sizes, constant = _step_sizes(optimizer)
+    params, step_sizes, decay = [], [], []
+    for p, size, wd in sizes:
+        params.append(p)
+        step_sizes.append(size)
+        decay.append(wd)
+    if not params and _kind(optimizer) == "adam":
+        raise ValueError(f"{type(optimizer).__name__} has not stepped yet: there is no preconditioner to measure with")
+    return StepGeometry(params, step_sizes, decay, constant)
 
 
 def _one(groups: list[dict], key: str) -> object:
@@ -124,26 +133,28 @@ def _one(groups: list[dict], key: str) -> object:
     return groups[0][key]
 
 
-def _sgd(optimizer: torch.optim.SGD) -> StepGeometry:
-    groups = optimizer.param_groups
-    beta, nesterov = float(_one(groups, "momentum")), bool(_one(groups, "nesterov"))
-    constant = 2 * (1 + beta) / (1 + 2 * beta) if nesterov else 2 * (1 + beta)
-    params, sizes, decay = [], [], []
-    for group in groups:
+def _sgd_constant(optimizer: torch.optim.SGD) -> float:
+    beta, nesterov = float(_one(optimizer.param_groups, "momentum")), bool(_one(optimizer.param_groups, "nesterov"))
+    return 2 * (1 + beta) / (1 + 2 * beta) if nesterov else 2 * (1 + beta)
+
+
+def _sgd_sizes(optimizer: torch.optim.SGD) -> Iterator[tuple[Tensor, float, float]]:
+    beta = float(_one(optimizer.param_groups, "momentum"))
+    for group in optimizer.param_groups:
         dampening = group["dampening"] if beta else 0.0
         for p in group["params"]:
             if p.requires_grad:
-                params.append(p)
-                sizes.append(float(group["lr"]) * (1 - dampening))
-                decay.append(float(group["weight_decay"]))
-    return StepGeometry(params, sizes, decay, constant)
+                yield p, float(group["lr"]) * (1 - dampening), float(group["weight_decay"])
 
 
-def _adam(optimizer: torch.optim.Adam | torch.optim.AdamW) -> StepGeometry:
+def _adam_constant(optimizer: torch.optim.Adam | torch.optim.AdamW) -> float:
+    return 2 * (1 + float(_one(optimizer.param_groups, "betas")[0]))
+
+
+def _adam_sizes(optimizer: torch.optim.Adam | torch.optim.AdamW) -> Iterator[tuple[Tensor, Tensor, float]]:
     groups = optimizer.param_groups
     beta1, beta2 = (float(b) for b in _one(groups, "betas"))
     coupled = not isinstance(optimizer, torch.optim.AdamW) and not any(g.get("decoupled_weight_decay") for g in groups)
-    params, sizes, decay = [], [], []
     for group in groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})
@@ -151,12 +162,46 @@ def _adam(optimizer: torch.optim.Adam | torch.optim.AdamW) -> StepGeometry:
                 continue  # a parameter the optimizer has not moved yet: not part of the step
             second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
             v_hat = second / (1 - beta2 ** float(state["step"]))
-            params.append(p)
-            sizes.append(float(group["lr"]) * (1 - beta1) / (v_hat.sqrt() + group["eps"]))
-            decay.append(float(group["weight_decay"]) if coupled else 0.0)
-    if not params:
-        raise ValueError(f"{type(optimizer).__name__} has not stepped yet: there is no preconditioner to measure with")
-    return StepGeometry(params, sizes, decay, 2 * (1 + beta1))
+            yield (
+                p,
+                float(group["lr"]) * (1 - beta1) / (v_hat.sqrt() + group["eps"]),
+                (float(group["weight_decay"]) if coupled else 0.0),
+            )
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Whether connmon knows ``optimizer``'s edge of stability: a ValueError that says why not, else nothing.
+
+    Example:
+        >>> import torch
+        >>> from connmon.curvature import check_optimizer
+        >>> check_optimizer(torch.optim.Adagrad([torch.nn.Parameter(torch.zeros(1))]))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Adagrad is not supported: connmon knows the edge of stability of SGD (with or without ...
+    """
+    _kind(optimizer)
+
+
+def _kind(optimizer: torch.optim.Optimizer) -> str:
+    """``"sgd"`` or ``"adam"``, or a ValueError naming what is supported."""
+    if any(group.get("maximize", False) for group in optimizer.param_groups):
+        raise ValueError("maximize=True is not supported: the edge of stability is stated for a minimized loss")
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adam"
+    raise ValueError(
+        f"{type(optimizer).__name__} is not supported: connmon knows the edge of stability of SGD (with or without "
+        "momentum), Adam and AdamW"
+    )
+
+
+def _step_sizes(optimizer: torch.optim.Optimizer) -> tuple[Iterator[tuple[Tensor, Tensor | float, float]], float]:
+    """``(parameter, U, coupled weight decay)`` one parameter at a time (no list of ``U``), and ``c``."""
+    if _kind(optimizer) == "sgd":
+        return _sgd_sizes(optimizer), _sgd_constant(optimizer)
+    return _adam_sizes(optimizer), _adam_constant(optimizer)
 
 
 def sharpness_ratio(
@@ -275,3 +320,239 @@ def _training_state_kept(model: nn.Module | None, device: torch.device) -> Itera
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
+
+
+Reading = Literal["difference", "secant"]
+READINGS: tuple[Reading, ...] = ("difference", "secant")
+
+
+@dataclass(frozen=True)
+class UpdateSharpness:
+    """The curvature along the optimizer's own update against the edge of stability.
+
+    Attributes:
+        ratio: ``R / c``: 1 is the edge of stability when the update lies along the top direction (past the edge it
+            does: the iterates oscillate along it), below it otherwise.
+        curvature: ``R = u^T (H + decay) u / u^T U^-1 u``, the Rayleigh quotient of ``U^1/2 (H + decay) U^1/2`` at
+            ``U^-1/2 u``: a lower bound of what :func:`sharpness_ratio` estimates, times ``c``.
+        constant: ``c``, the momentum's stability constant.
+        reading: how ``u^T H u`` was read: ``"difference"`` (three forwards) or ``"secant"`` (two gradients).
+    """
+
+    ratio: float
+    curvature: float
+    constant: float
+    reading: Reading
+
+
+class UpdateProbe:
+    """The curvature along one optimizer update ``u = theta_{t+1} - theta_t``, read without a double backward.
+
+    Create it just before ``optimizer.step()`` (it copies the parameters the optimizer updates: one copy of them, the
+    probe's only memory), call :meth:`stepped` just after, then read ``u^T H u`` one of two ways:
+
+    * :meth:`difference`: three forwards of a loss, at ``theta_{t+1} - u``, ``theta_{t+1}`` and ``theta_{t+1} + u``,
+      with ``u^T H u = L(theta + u) + L(theta - u) - 2 L(theta)`` (exact on a quadratic; the third-order term cancels).
+      Run under ``no_grad`` on the model's own kernels, fused, flash or compiled alike, on a batch of your choice
+      (the next one: the curvature where the next step is taken).
+    * :meth:`secant`: after the next backward and before the next ``optimizer.step()``, from the gradient that
+      backward left in ``.grad`` and the one :meth:`stepped` saw, ``u^T H u = u . (g_{t+1} - g_t)`` (exact on a
+      quadratic with one batch). No forward at all; the two gradients are of different batches, so batch noise adds
+      to it. ``g_t`` is the gradient in ``.grad`` when the probe is created: clipping it by its norm before the step
+      is undone (clipping by value is not).
+
+    The parameters are left exactly as they were (bitwise): the points are written into the parameters in place and
+    the saved copy is written back. A probe reads once.
+
+    Args:
+        optimizer: an SGD, Adam or AdamW optimizer about to step (see :func:`step_geometry`).
+
+    Raises:
+        ValueError: for an optimizer without a known edge of stability.
+
+    Example:
+        >>> import torch
+        >>> from connmon.curvature import UpdateProbe
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> w = torch.nn.Parameter(torch.randn(3))
+        >>> h = torch.tensor([1.0, 4.0, 9.0])
+        >>> loss_fn = lambda: 0.5 * (h * w * w).sum()  # a quadratic: H = diag(1, 4, 9)
+        >>> optimizer = torch.optim.SGD([w], lr=0.1)
+        >>> loss_fn().backward()
+        >>> probe = UpdateProbe(optimizer)
+        >>> optimizer.step()
+        >>> probe.stepped()
+        >>> u = -0.1 * h * w.grad  # what plain SGD stepped: R = u^T H u / (u^T u / lr)
+        >>> round(probe.difference(loss_fn).curvature / (0.1 * (h * u * u).sum() / (u * u).sum()).item(), 5)
+        1.0
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        _kind(optimizer)
+        self.optimizer = optimizer
+        self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        with torch.no_grad():
+            self._before = [p.detach().clone() for p in self.params]
+            self._grad_square = _grad_square(self.params)  # to undo a clipping by norm before the step
+        self._norm: float | None = None  # u^T U^-1 u
+        self._decay = 0.0  # u^T (wd I) u, coupled weight decay
+        self._slope = math.nan  # g_t . u
+        self._constant = math.nan
+        self._used = False
+
+    def stepped(self) -> None:
+        """After ``optimizer.step()``: ``u``, ``u^T U^-1 u`` (the step sizes of the step just taken) and ``g_t . u``.
+
+        Raises:
+            ValueError: if the update is zero (a learning rate of 0, or every gradient None).
+        """
+        sizes, self._constant = _step_sizes(self.optimizer)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        sums = _Sums(4)  # u^T U^-1 u, u^T u wd, g_t . u, |g_t|^2 (clipped, if it was)
+        with torch.no_grad():
+            for p, size, wd in sizes:
+                u = self._update(index[id(p)])
+                squares = u * u
+                step_size = _local(size) if isinstance(size, Tensor) else size
+                sums.add(p, (squares / step_size).sum(dtype=torch.float64), wd * squares.sum(dtype=torch.float64))
+                if p.grad is not None:
+                    grad = _wide(_local(p.grad))
+                    sums.add(p, 0, 0, (grad * u).sum(dtype=torch.float64), grad.square().sum(dtype=torch.float64))
+        norm, decay, slope, clipped = sums.total()
+        if not norm > 0:
+            raise ValueError("the optimizer's update is zero (learning rate 0, or no gradient): no direction to read")
+        if self._grad_square > 0 and clipped > 0:
+            slope *= math.sqrt(self._grad_square / clipped)  # g_t as the probe saw it, before any clipping by norm
+        self._norm, self._decay, self._slope = norm, decay, slope
+
+    def difference(
+        self, loss_fn: Callable[[], Tensor], *, model: nn.Module | None = None, seed: int = 0
+    ) -> UpdateSharpness:
+        """``u^T H u`` from three forwards of ``loss_fn()`` at ``theta - u``, ``theta``, ``theta + u`` (``theta`` now).
+
+        Each forward runs under ``no_grad`` with the random streams forked and reseeded with ``seed`` (one dropout
+        mask for the three points; the training run's streams untouched) and ``model``'s buffers (batch-norm
+        statistics) restored afterwards when ``model`` is given. The parameters are restored bitwise, also when
+        ``loss_fn`` raises.
+
+        Raises:
+            ValueError: if :meth:`stepped` was not called, the probe was read before, or the loss is not a scalar.
+        """
+        self._check()
+        device = self.params[0].device if self.params else torch.device("cpu")
+        losses = []
+        with _training_state_kept(model, device), torch.no_grad():
+            state = "now"  # which point the parameters hold: now, before (theta - u), ahead (theta + u)
+            try:
+                losses.append(_scalar(loss_fn, seed))
+                for p, saved in zip(self.params, self._before, strict=True):  # the parameters at theta - u
+                    now = p.detach().clone()
+                    p.copy_(saved)
+                    saved.copy_(now)  # the probe's copy holds theta now
+                state = "before"
+                losses.append(_scalar(loss_fn, seed))
+                for p, saved in zip(self.params, self._before, strict=True):  # theta + u = 2 theta - (theta - u)
+                    p.neg_().add_(saved, alpha=2)
+                state = "ahead"
+                losses.append(_scalar(loss_fn, seed))
+            finally:
+                if state != "now":
+                    for p, saved in zip(self.params, self._before, strict=True):
+                        p.copy_(saved)
+                self._used = True
+        now, before, ahead = losses
+        return self._result(ahead + before - 2 * now, "difference")
+
+    def secant(self) -> UpdateSharpness:
+        """``u^T H u = u . (g_{t+1} - g_t)``, with ``g_{t+1}`` the gradient in ``.grad`` now (after the next backward).
+
+        Raises:
+            ValueError: if :meth:`stepped` was not called, or the probe was read before.
+        """
+        self._check()
+        sums = _Sums(1)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    sums.add(p, (_wide(_local(p.grad)) * self._update(i)).sum(dtype=torch.float64))
+        self._used = True
+        (slope,) = sums.total()
+        return self._result(slope - self._slope, "secant")
+
+    def _update(self, i: int) -> Tensor:
+        """``u`` of parameter ``i`` (its local shard), in float32 at least."""
+        return _wide(_local(self.params[i]).detach()) - _wide(_local(self._before[i]))
+
+    def _check(self) -> None:
+        if self._norm is None:
+            raise ValueError("call stepped() after optimizer.step() before reading the probe")
+        if self._used:
+            raise ValueError("this probe was read already: create one per optimizer step")
+
+    def _result(self, curvature: float, reading: Reading) -> UpdateSharpness:
+        value = (curvature + self._decay) / self._norm
+        return UpdateSharpness(value / self._constant, value, self._constant, reading)
+
+
+def _grad_square(params: list[Tensor]) -> float:
+    sums = _Sums(1)
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                sums.add(p, _wide(_local(p.grad)).square().sum(dtype=torch.float64))
+    return sums.total()[0]
+
+
+class _Sums:
+    """Sums over parameters kept on their device (one host copy at the end), added across the shards of sharded ones.
+
+    A sharded parameter (a DTensor, as FSDP2 makes) contributes its local shard; those parts are summed across the
+    processes of its 1-D device mesh. Replicated parameters (DDP) hold the same values everywhere and are not.
+    """
+
+    def __init__(self, count: int) -> None:
+        self.plain: list[Tensor | float] = [0.0] * count
+        self.sharded: list[Tensor | float] = [0.0] * count
+        self.group: Any = None
+
+    def add(self, p: Tensor, *values: Tensor | float) -> None:
+        target = self.plain
+        if hasattr(p, "device_mesh"):
+            mesh = p.device_mesh
+            if mesh.ndim != 1:
+                raise ValueError(f"parameters sharded over a {mesh.ndim}-D device mesh are not supported (1-D only)")
+            self.group, target = mesh.get_group(), self.sharded
+        for i, value in enumerate(values):
+            target[i] = target[i] + value
+
+    def total(self) -> list[float]:
+        def stacked(values: list[Tensor | float]) -> Tensor:
+            tensors = [v for v in values if isinstance(v, Tensor)]
+            device = tensors[0].device if tensors else torch.device("cpu")
+            return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
+
+        plain = stacked(self.plain)
+        if self.group is not None:
+            sharded = stacked(self.sharded)
+            torch.distributed.all_reduce(sharded, group=self.group)
+            plain = plain.to(sharded.device) + sharded
+        return plain.tolist()
+
+
+def _wide(tensor: Tensor) -> Tensor:
+    """float32 for half-precision tensors, the tensor itself otherwise."""
+    return tensor.to(torch.promote_types(tensor.dtype, torch.float32))
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """A sharded parameter's local shard (a DTensor's ``to_local()``), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _scalar(loss_fn: Callable[[], Tensor], seed: int) -> float:
+    torch.manual_seed(seed)
+    loss = loss_fn()
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        raise ValueError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
+    return float(loss.detach().to(torch.float64))

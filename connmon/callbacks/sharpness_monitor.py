@@ -2,145 +2,198 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from connmon._options import check_int
-from connmon.capture import paused
-from connmon.curvature import sharpness_ratio
+from connmon._cost import summary
+from connmon.integrations.sharpness import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessSampler
 
-RATIO_KEY = "connmon/sharpness_ratio"
-EIGENVALUE_KEY = "connmon/sharpness_eigenvalue"
+__all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
 
 
 class SharpnessMonitor(Callback):
     """Logs how close the optimizer's step is to its edge of stability, every ``every_n_steps`` optimizer steps.
 
-    Before the optimizer step that follows every ``every_n_steps``-th one, it computes
-    :func:`connmon.curvature.sharpness_ratio` on the batch that step is about to train on (``loss_fn(pl_module,
-    batch)``, its first micro-batch under gradient accumulation), with the parameters, optimizer state and learning
-    rate that step will use: the stability of the step about to be taken. (The batch just trained on reads 5-25%
-    higher while the run is healthy and lower once it is past the edge: on three diverging runs it first read above 1
-    twice in a row 10-50 steps later than the next batch; ``python benchmarks/bench_sharpness.py --batch-choice``.)
+    The estimate is :class:`connmon.integrations.sharpness.SharpnessSampler`'s (the same in every entry point):
+
+    * ``estimator="secant"`` (the default): the curvature along the optimizer's own update, from the gradients of
+      the step before a sampled one and of the sampled one (:meth:`connmon.curvature.UpdateProbe.secant`). No
+      forward, no double backward and no ``loss_fn``: it runs with any attention kernel (flash, fused), compiled
+      models, mixed precision and gradient accumulation, and costs one copy of the parameters held for one step.
+    * ``estimator="difference"``: the same curvature from three forwards of ``loss_fn`` on the sampled step's first
+      micro-batch (:meth:`connmon.curvature.UpdateProbe.difference`), on the model's own kernels.
+    * ``estimator="lanczos"``: the top of the preconditioned Hessian's spectrum
+      (:func:`connmon.curvature.sharpness_ratio`) on the sampled step's first micro-batch, by double backward
+      through SDPA's math kernel: about ``lanczos_steps + 1`` double backward passes per sample.
+
     It logs ``connmon/sharpness_ratio`` (1 is the edge of stability: on the quadratic model the steps oscillate with
-    a growing amplitude past it) and ``connmon/sharpness_eigenvalue`` (``lambda_max(U^1/2 H U^1/2)``) to every
-    logger at ``trainer.global_step``. Under DDP each process measures its
-    own batch and the values are averaged (the mean of the processes' top eigenvalues is at least the top eigenvalue
-    of their mean Hessian, so it errs towards an early warning). :class:`DriftAlert` sees the values on the steps
-    they are measured; its default rules alert when the ratio is above 1 on two samples in a row
+    a growing amplitude past it) and ``connmon/sharpness_eigenvalue`` to every logger at the sampled step, with
+    what it costs: ``connmon/overhead/curvature`` (its time over the training time, synchronized on accelerators)
+    and ``connmon/overhead`` (every connmon monitor of the run); the end of the fit says it in one line. Under DDP
+    each process reads its own value and the mean is logged. :class:`DriftAlert` sees the ratio on the steps it is
+    measured; its default rules alert when it is above 1 on two samples in a row
     (:func:`connmon.alerts.edge_of_stability_rule`).
 
-    Nothing of the training run changes: the estimate uses :func:`torch.autograd.grad` (``.grad`` untouched), forks
-    the random streams, restores the module's buffers, and runs SDPA's math kernel (the fused kernels have no double
-    backward). It costs about ``lanczos_steps + 1`` double backward passes of one batch per sample: measure it with
-    ``python benchmarks/bench_overhead.py``. An optimizer without a known edge of stability (see
-    :func:`connmon.curvature.step_geometry`), a model with an operation without a double backward (a compiled
-    model, a flash-attention kernel), running out of memory or any other error turns the monitor off for the run
-    with one warning that says why, on every process alike; the training run goes on.
+    Nothing of the training run changes: parameters, gradients, optimizer state, random streams and buffers are
+    bitwise as they were. An optimizer without a known edge of stability (see
+    :func:`connmon.curvature.step_geometry`), a sharding strategy (FSDP, DeepSpeed), running out of memory or any
+    other error turns the monitor off for the run with one warning that says why, on every process alike; the
+    training run goes on.
 
     Args:
         loss_fn: the batch's scalar loss, ``loss_fn(pl_module, batch)`` (for example
-            ``lambda module, batch: F.cross_entropy(module(batch[0]), batch[1])``). It is called once per sample,
-            outside ``training_step``, so that a ``training_step`` that logs or updates metrics is not run twice, and
-            before it: it sees the batch as the dataloader gave it (on the model's device). A capture that a
-            :class:`ConnectionMonitor` armed for the same step records nothing of these forwards.
-        every_n_steps: sample every this many optimizer steps (after step ``every_n_steps``, ``2 every_n_steps``,
-            ...; logged at that step).
-        lanczos_steps: Hessian-vector products per sample (see :func:`connmon.curvature.sharpness_ratio`).
+            ``lambda module, batch: F.cross_entropy(module(batch[0]), batch[1])``); needed by ``"difference"`` and
+            ``"lanczos"`` only. It is called outside ``training_step`` and before it, on the batch as the dataloader
+            gave it (on the model's device). A capture that a :class:`ConnectionMonitor` armed for the same step
+            records nothing of these forwards.
+        every_n_steps: sample at optimizer steps ``every_n_steps``, ``2 every_n_steps``, ...
+        estimator: ``"secant"``, ``"difference"`` or ``"lanczos"``.
+        lanczos_steps: Hessian-vector products per sample with ``"lanczos"``.
+        budget: None, or the fraction of training time the samples may take (e.g. 0.01): the monitor then samples
+            every ``k``-th of those steps, ``k`` chosen from the measured costs (the same on every process, saved in
+            checkpoints, said once per change).
 
     Raises:
-        ValueError: for a ``loss_fn`` that is not callable or a count below 1.
+        ValueError: for a ``loss_fn`` that is not callable, an estimator that needs one and has none, or an invalid
+            option.
 
     Example:
         >>> import lightning as L
-        >>> import torch.nn.functional as F
         >>> from connmon.callbacks import DriftAlert, SharpnessMonitor
-        >>> loss_fn = lambda module, batch: F.cross_entropy(module(batch[0]).flatten(0, 1), batch[1].flatten())
-        >>> callbacks = [SharpnessMonitor(loss_fn, every_n_steps=40), DriftAlert()]
+        >>> callbacks = [SharpnessMonitor(every_n_steps=20), DriftAlert()]
         >>> trainer = L.Trainer(callbacks=callbacks, logger=False, enable_progress_bar=False)
     """
 
     def __init__(
-        self, loss_fn: Callable[[LightningModule, Any], Tensor], every_n_steps: int = 40, lanczos_steps: int = 8
+        self,
+        loss_fn: Callable[[LightningModule, Any], Tensor] | None = None,
+        every_n_steps: int = 20,
+        estimator: Estimator = "secant",
+        lanczos_steps: int = 8,
+        budget: float | None = None,
     ) -> None:
-        if not callable(loss_fn):
+        if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable as loss_fn(pl_module, batch), got loss_fn={loss_fn!r}")
-        check_int("every_n_steps", every_n_steps)
-        check_int("lanczos_steps", lanczos_steps)
-        self.loss_fn, self.every_n_steps, self.lanczos_steps = loss_fn, every_n_steps, lanczos_steps
-        self.off: str | None = None  # why the monitor is off for this run, if it is
-        self.samples = 0
-        self.last_values: dict[str, float] = {}
-        self._last_step: int | None = None  # the step last measured (once, however many micro-batches)
+        self.sampler = SharpnessSampler(every_n_steps, estimator, lanczos_steps, budget, owner="SharpnessMonitor")
+        if loss_fn is None and estimator != "secant":
+            raise ValueError(f"estimator={estimator!r} reads a loss: pass loss_fn=..., or use estimator='secant'")
+        self.loss_fn = loss_fn
+        self._restored = False  # load_state_dict ran since the last fit began: keep its state
         self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
+
+    @property
+    def every_n_steps(self) -> int:
+        """The cadence (before any budget stride)."""
+        return self.sampler.every_n_steps
+
+    @property
+    def estimator(self) -> Estimator:
+        """How the curvature is read."""
+        return self.sampler.estimator
+
+    @property
+    def off(self) -> str | None:
+        """Why the monitor is off for this run, or None."""
+        return self.sampler.off
+
+    @property
+    def samples(self) -> int:
+        """Samples taken in this run."""
+        return self.sampler.samples
+
+    @property
+    def last_values(self) -> dict[str, float]:
+        """The values of the latest sample, as logged."""
+        return self.sampler.last_values
 
     def add_listener(self, listener: Callable[[Trainer, int, dict[str, float]], None]) -> None:
         """Call ``listener(trainer, step, values)`` on every process after each sample is logged (synced values)."""
         self._listeners.append(listener)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """On fit: start on, unless the strategy shards the parameters (FSDP, DeepSpeed), which is not supported."""
+        """On fit: start afresh (unless a checkpoint was loaded); a sharding strategy is not supported."""
         if stage != "fit":
             return
-        self.off, self.samples, self.last_values, self._last_step = None, 0, {}, None
+        if not self._restored:
+            self.sampler.reset()
+        self._restored = False
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
         if not plain:
-            self._turn_off(f"the {type(strategy).__name__} shards or wraps the parameters; single-device and DDP only")
+            self.sampler.turn_off(
+                f"the {type(strategy).__name__} shards or wraps the parameters; single-device and DDP only"
+            )
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Watch the optimizer's steps (one optimizer only) and start the cost clock."""
+        if self.sampler.off is not None:
+            return
+        if len(trainer.optimizers) != 1:
+            self.sampler.turn_off(f"it needs exactly one optimizer, and the run has {len(trainer.optimizers)}")
+            return
+        self.sampler.attach(trainer.optimizers[0], pl_module.device)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """On the first micro-batch after every ``every_n_steps``-th optimizer step: measure, sync, log, notify."""
-        step = trainer.global_step
-        if self.off is not None or step == 0 or step % self.every_n_steps or step == self._last_step:
+        """Before a sampled step's first forward: the ``"difference"`` and ``"lanczos"`` readings."""
+        if self.sampler.estimator == "secant" or self.sampler.off is not None:
             return
-        self._last_step = step
-        ratio, constant, failure = self._measure(trainer, pl_module, batch)
-        measured = failure is None
-        total = torch.tensor([ratio if measured else 0.0, float(measured), float(not measured)],
-                             dtype=torch.float64, device=pl_module.device)  # fmt: skip
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(total)  # every process takes part in exactly one reduction per sample
-        summed, count, failed = total.tolist()
-        if failed:
-            self._turn_off(failure or "it failed on another process (that process's warning says why)")
+        with trainer.precision_plugin.train_step_context():
+            values = self.sampler.before_forward(trainer.global_step, lambda: self.loss_fn(pl_module, batch), pl_module)
+        self._publish(trainer, trainer.global_step, values)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        """After the backward, before the step: the ``"secant"`` reading, and the parameters copied before a sample."""
+        self._publish(trainer, trainer.global_step, self.sampler.before_step(trainer.global_step))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Say what the monitor cost (console, and the W&B run's summary)."""
+        _say_cost(trainer, self.sampler.clock, "SharpnessMonitor")
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Remove the optimizer hook if the run fails."""
+        self.sampler.detach()
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Remove the optimizer hook and drop any parameter copy."""
+        if stage == "fit":
+            self.sampler.detach()
+            self._restored = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """Samples taken and the budget's stride."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self._restored = True
+        self.sampler.load_state_dict(state_dict)
+
+    def _publish(self, trainer: Trainer, step: int, values: dict[str, float] | None) -> None:
+        if values is None:
             return
-        ratio = summed / count
-        values = {RATIO_KEY: ratio, EIGENVALUE_KEY: ratio * constant}
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=step)
-        self.samples += 1
-        self.last_values = values
         for listener in self._listeners:
-            listener(trainer, step, values)
+            listener(trainer, step, {k: values[k] for k in (RATIO_KEY, EIGENVALUE_KEY)})
 
-    def _measure(self, trainer: Trainer, pl_module: LightningModule, batch: Any) -> tuple[float, float, str | None]:
-        """This process's ratio and stability constant, or the reason it could not measure them."""
-        if len(trainer.optimizers) != 1:
-            return math.nan, math.nan, f"it needs exactly one optimizer, and the run has {len(trainer.optimizers)}"
-        try:
-            with trainer.precision_plugin.train_step_context(), paused():
-                result = sharpness_ratio(
-                    lambda: self.loss_fn(pl_module, batch),
-                    trainer.optimizers[0],
-                    steps=self.lanczos_steps,
-                    model=pl_module,
-                    seed=trainer.global_step,
-                )
-        except torch.OutOfMemoryError:
-            torch.cuda.empty_cache()
-            return math.nan, math.nan, "it ran out of memory (it holds a double-backward graph of one batch)"
-        except Exception as error:  # never end the training run
-            return math.nan, math.nan, f"{type(error).__name__}: {error}"
-        return result.ratio, result.constant, None
 
-    def _turn_off(self, why: str) -> None:
-        self.off = why
-        rank_zero_warn(f"SharpnessMonitor is off for the rest of this run: {why}")
+def _say_cost(trainer: Trainer, clock: Any, owner: str) -> None:
+    """The cost line at the end of a fit: rank zero's console, and ``connmon/overhead/<part>`` in the W&B summary."""
+    clock.stop()
+    if not trainer.is_global_zero:
+        return
+    rank_zero_info(f"connmon: {summary(clock, owner)}")
+    if clock.sections:
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                try:
+                    logger.experiment.summary[f"connmon/overhead/{clock.part}"] = clock.fraction
+                except Exception:  # a W&B error must not end the run
+                    pass

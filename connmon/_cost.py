@@ -1,0 +1,206 @@
+"""What a monitor costs: the time spent in connmon against the training time on the same clock, and a budget.
+
+Every monitor holds a :class:`CostClock`. Its sections (:meth:`CostClock.measuring`) enclose all of the monitor's
+work on a sampled step; on an accelerator the device is synchronized at both ends of a section, so asynchronous
+kernels are counted where they run (and a section's start waits for the training work queued before it, which is
+not counted). The training time is the wall time since :meth:`CostClock.start` minus connmon's time, so
+``fraction`` is connmon's time over the time the training would have taken without it.
+
+A ``budget`` (a fraction such as 0.01) sets the stride of a monitor's costly part, the smallest one that keeps its
+mean cost per step inside the budget: :func:`stride_for`. Every process decides from the same figures (the
+largest across processes, :func:`agreed`), so the stride is the same everywhere.
+
+Example:
+    >>> from connmon._cost import stride_for
+    >>> stride_for(budget=0.01, cost=0.5, interval=2.0)  # 0.5 s every 2 s of training is 25%: every 25th sample
+    25
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+
+class CostClock:
+    """Seconds spent in connmon, and the training time around them, on one clock.
+
+    Args:
+        part: what it measures, in the logged key ``connmon/overhead/<part>`` (``"attention"``, ``"curvature"``).
+        device: where the work runs; CUDA (or another accelerator) is synchronized at each section's ends.
+
+    Example:
+        >>> import time
+        >>> from connmon._cost import CostClock
+        >>> clock = CostClock("attention")
+        >>> clock.start()
+        >>> with clock.measuring():
+        ...     time.sleep(0.01)
+        >>> clock.spent >= 0.01
+        True
+        >>> clock.stop()
+    """
+
+    def __init__(self, part: str = "connmon", device: torch.device | str = "cpu") -> None:
+        self.part = part
+        self.device = torch.device(device)
+        self.spent = 0.0
+        self.sections = 0
+        self._started: float | None = None
+        _RUNNING.discard(self)
+
+    def start(self) -> None:
+        """Start the training clock (a new run): nothing spent yet."""
+        self.spent, self.sections, self._started = 0.0, 0, time.perf_counter()
+        _RUNNING.add(self)
+
+    def stop(self) -> None:
+        """The run ended: this clock no longer counts towards :func:`total_fraction`."""
+        _RUNNING.discard(self)
+
+    def to(self, device: torch.device | str) -> CostClock:
+        """Synchronize ``device`` from now on."""
+        self.device = torch.device(device)
+        return self
+
+    @contextlib.contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Count the block as connmon's time (synchronizing the device at both ends)."""
+        self._synchronize()
+        begin = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._synchronize()
+            self.spent += time.perf_counter() - begin
+            self.sections += 1
+
+    @property
+    def training(self) -> float:
+        """Seconds of training since :meth:`start`, connmon's own excluded."""
+        if self._started is None:
+            return 0.0
+        return max(time.perf_counter() - self._started - self.spent, 0.0)
+
+    @property
+    def fraction(self) -> float:
+        """The time spent in connmon over the training time (NaN before any training time has passed)."""
+        training = self.training
+        return self.spent / training if training > 0 else math.nan
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda" and torch.cuda.is_available():
+            torch.cuda.synchronize(self.device)
+        elif self.device.type not in ("cpu", "meta"):
+            module = getattr(torch, self.device.type, None)
+            if module is not None and hasattr(module, "synchronize"):
+                module.synchronize()
+
+
+_RUNNING: weakref.WeakSet[CostClock] = weakref.WeakSet()  # the clocks of the monitors of the runs now training
+
+
+def total_fraction() -> float:
+    """All running monitors' time over the training time of this process (the earliest clock's start on).
+
+    Example:
+        >>> from connmon._cost import CostClock, total_fraction
+        >>> clock = CostClock("attention")
+        >>> clock.start()
+        >>> total_fraction() >= 0
+        True
+        >>> clock.stop()
+    """
+    clocks = [clock for clock in _RUNNING if clock._started is not None]
+    if not clocks:
+        return math.nan
+    spent = sum(clock.spent for clock in clocks)
+    training = time.perf_counter() - min(clock._started for clock in clocks) - spent
+    return spent / training if training > 0 else math.nan
+
+
+def overhead_values(clock: CostClock) -> dict[str, float]:
+    """``connmon/overhead`` (every running monitor) and ``connmon/overhead/<part>`` (this one), as logged.
+
+    Example:
+        >>> from connmon._cost import CostClock, overhead_values
+        >>> clock = CostClock("curvature")
+        >>> clock.start()
+        >>> sorted(overhead_values(clock))
+        ['connmon/overhead', 'connmon/overhead/curvature']
+        >>> clock.stop()
+    """
+    values = {"connmon/overhead": total_fraction(), f"connmon/overhead/{clock.part}": clock.fraction}
+    return {key: value for key, value in values.items() if math.isfinite(value)}
+
+
+def summary(clock: CostClock, owner: str) -> str:
+    """One line for the end of a run: what the monitor cost, in percent of training time.
+
+    Example:
+        >>> from connmon._cost import CostClock, summary
+        >>> summary(CostClock("attention"), "ConnectionMonitor")
+        'ConnectionMonitor cost nothing measurable (no sample was taken)'
+    """
+    if clock.sections == 0 or not math.isfinite(clock.fraction):
+        return f"{owner} cost nothing measurable (no sample was taken)"
+    return (
+        f"{owner} cost {100 * clock.fraction:.2f}% of training time ({clock.spent:.2f} s in connmon against "
+        f"{clock.training:.1f} s of training)"
+    )
+
+
+def stride_for(budget: float, cost: float, interval: float) -> int:
+    """The smallest stride ``k`` with ``cost / (k * interval) <= budget``.
+
+    Args:
+        budget: the fraction of training time the costly part may take.
+        cost: seconds one costly sample takes.
+        interval: seconds of training between two candidate samples.
+
+    Example:
+        >>> from connmon._cost import stride_for
+        >>> stride_for(0.05, cost=0.1, interval=10.0)  # 1% already: every candidate sample
+        1
+    """
+    if not (cost > 0 and interval > 0 and math.isfinite(cost) and math.isfinite(interval)):
+        return 1
+    return max(1, math.ceil(cost / (budget * interval) - 1e-9))
+
+
+def agreed(*values: float, device: torch.device | str = "cpu") -> list[float]:
+    """The largest of each value across processes (``torch.distributed``, if initialized), so all decide alike.
+
+    Example:
+        >>> from connmon._cost import agreed
+        >>> agreed(0.5, 2.0)
+        [0.5, 2.0]
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def check_budget(budget: object) -> None:
+    """A budget is None or a fraction in (0, 1).
+
+    Example:
+        >>> from connmon._cost import check_budget
+        >>> check_budget(2)
+        Traceback (most recent call last):
+        ...
+        ValueError: budget must be None or a fraction of training time in (0, 1) such as 0.01, got budget=2
+    """
+    if budget is None:
+        return
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < 1:
+        raise ValueError(
+            f"budget must be None or a fraction of training time in (0, 1) such as 0.01, got budget={budget!r}"
+        )

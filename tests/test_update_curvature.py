@@ -1,0 +1,244 @@
+"""The curvature along the optimizer's update (UpdateProbe) against its definition.
+
+``R = u^T (H + wd) u / u^T U^-1 u`` with ``u`` the update the optimizer took, ``H`` a dense float64 Hessian and ``U``
+written out by hand per optimizer (tests/test_curvature.py); exact on a quadratic; never above the top eigenvalue
+that sharpness_ratio estimates, and equal to it when the update lies along the top direction.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from connmon.curvature import UpdateProbe, sharpness_ratio
+from tests.test_curvature import CASES, adam_step, batch, dense_hessian, loss_of, reference, sgd_step, tiny_gpt, trained
+
+
+def probed_step(model, optimizer, data):
+    """One training step on ``data`` with a probe around it; returns the probe and the update it saw (float64)."""
+    optimizer.zero_grad()
+    loss_of(model, data).backward()
+    probe = UpdateProbe(optimizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.step()
+    probe.stepped()
+    return probe, torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before, strict=True)])
+
+
+def directional(model, optimizer, data, u, step_size, constant, decay):
+    """``u^T (H + wd) u / u^T U^-1 u / c`` from the dense Hessian at the parameters now."""
+    params = list(model.parameters())
+    sizes = torch.cat([step_size(group, p).reshape(-1) for group in optimizer.param_groups for p in group["params"]])
+    hessian = dense_hessian(model, params, data)
+    return ((u @ hessian @ u + decay * u @ u) / (u @ (u / sizes))).item() / constant
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_difference_reading_equals_the_dense_float64_rayleigh_quotient_along_the_update(case):
+    make, kind, constant, decay = CASES[case]
+    model = tiny_gpt()
+    for group in (optimizer := make(model.parameters())).param_groups:
+        group["lr"] *= 1e-3  # a small step: the second difference's fourth-order term is negligible
+    trained(model, optimizer)
+    probe, u = probed_step(model, optimizer, batch(3))
+    data = batch(7)
+    step_size = adam_step(optimizer) if kind == "adam" else sgd_step
+    expected = directional(model, optimizer, data, u, step_size, constant, decay)
+    result = probe.difference(lambda: loss_of(model, data), model=model)
+    lanczos = reference(model, optimizer, data, step_size, constant, decay)  # lambda_max(U^1/2 (H + wd) U^1/2) / c
+    # errors against the spectrum's scale: along some updates the curvature is near 0 (or below)
+    assert result.ratio == pytest.approx(expected, abs=1e-6 * lanczos) and result.reading == "difference"
+    assert result.constant == pytest.approx(constant) and result.curvature == pytest.approx(result.ratio * constant)
+    assert result.ratio <= lanczos * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("case", ["Adam", "SGD momentum", "SGD Nesterov", "AdamW (decoupled decay left out)"])
+def test_secant_reading_on_one_batch_equals_the_rayleigh_quotient_to_first_order(case):
+    make, kind, constant, decay = CASES[case]
+    model = tiny_gpt()
+    optimizer = make(model.parameters())
+    for group in optimizer.param_groups:
+        group["lr"] *= 1e-3
+    data = batch(7)
+    trained(model, optimizer)
+    probe, u = probed_step(model, optimizer, data)
+    optimizer.zero_grad()
+    loss_of(model, data).backward()  # the next gradient, on the same batch: only the Hessian's change is left
+    step_size = adam_step(optimizer) if kind == "adam" else sgd_step
+    expected = directional(model, optimizer, data, u, step_size, constant, decay)
+    lanczos = reference(model, optimizer, data, step_size, constant, decay)
+    assert probe.secant().ratio == pytest.approx(expected, abs=1e-3 * lanczos)  # the Hessian moves along u: first order
+
+
+@pytest.mark.parametrize(
+    ("optimizer_name", "momentum", "nesterov"),
+    [("sgd", 0.0, False), ("sgd", 0.9, False), ("sgd", 0.9, True), ("adam", 0.0, False), ("adam", 0.9, False)],
+)
+def test_both_readings_are_exact_on_a_quadratic_and_reach_the_edge_along_the_top_direction(
+    optimizer_name, momentum, nesterov
+):
+    gen = torch.Generator().manual_seed(0)
+    basis, _ = torch.linalg.qr(torch.randn(5, 5, dtype=torch.float64, generator=gen))
+    a = basis @ torch.diag(torch.tensor([0.1, 0.5, 1.0, 2.0, 4.0], dtype=torch.float64)) @ basis.T
+    x = nn.Parameter(torch.randn(5, dtype=torch.float64, generator=gen))
+    if optimizer_name == "sgd":
+        optimizer = torch.optim.SGD([x], lr=0.3, momentum=momentum, nesterov=nesterov)
+    else:
+        optimizer = torch.optim.Adam([x], lr=0.05, betas=(momentum, 0.999))
+    loss = lambda: 0.5 * x @ a @ x  # noqa: E731
+    readings = []
+    for step in range(60):
+        optimizer.zero_grad()
+        loss().backward()
+        probe = UpdateProbe(optimizer)
+        before = x.detach().clone()
+        optimizer.step()
+        probe.stepped()
+        u = x.detach() - before
+        sizes = adam_step(optimizer)(optimizer.param_groups[0], x) if optimizer_name == "adam" else 0.3
+        exact = (u @ a @ u / (u @ (u / sizes))).item() / probe._constant
+        if step % 2:
+            readings.append((probe.difference(loss).ratio, exact))
+        else:
+            optimizer.zero_grad()
+            loss().backward()
+            readings.append((probe.secant().ratio, exact))
+    assert all(found == pytest.approx(exact, rel=1e-9) for found, exact in readings)
+    top = sharpness_ratio(loss, optimizer, steps=5).ratio
+    assert all(exact <= top * (1 + 1e-9) for _, exact in readings)
+
+
+def test_along_the_top_eigenvector_the_reading_is_the_lanczos_ratio():
+    a = torch.diag(torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64))
+    x = nn.Parameter(torch.tensor([0.0, 0.0, 1.0], dtype=torch.float64))  # the top direction: the update stays on it
+    optimizer = torch.optim.SGD([x], lr=0.5, momentum=0.9)
+    loss = lambda: 0.5 * x @ a @ x  # noqa: E731
+    loss().backward()
+    probe = UpdateProbe(optimizer)
+    optimizer.step()
+    probe.stepped()
+    assert probe.difference(loss).ratio == pytest.approx(sharpness_ratio(loss, optimizer, steps=3).ratio, rel=1e-12)
+    assert probe.difference.__self__ is probe  # (bound method) a probe reads once:
+    with pytest.raises(ValueError, match="read already"):
+        probe.secant()
+
+
+def noisy_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 1))
+
+
+def test_difference_leaves_parameters_grads_buffers_random_streams_and_mode_bitwise_as_they_were():
+    model = noisy_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    nn.functional.mse_loss(model(x), y).backward()
+    probe = UpdateProbe(optimizer)
+    optimizer.step()
+    probe.stepped()
+    saved = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    grads = [p.grad.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    result = probe.difference(lambda: nn.functional.mse_loss(model(x), y), model=model, seed=3)
+    assert math.isfinite(result.ratio)
+    assert torch.equal(torch.get_rng_state(), rng) and model.training
+    assert all(torch.equal(a, b) for a, b in zip(saved, (*model.parameters(), *model.buffers()), strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
+
+
+def test_one_dropout_mask_for_the_three_points():
+    """With one mask, a loss linear in the parameters has no curvature whatever the dropout draws."""
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(6, 1))
+    x = torch.randn(32, 6)
+    loss = lambda: nn.functional.dropout(x, 0.5) @ weight  # noqa: E731
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    loss().sum().backward()
+    probe = UpdateProbe(optimizer)
+    optimizer.step()
+    probe.stepped()
+    assert probe.difference(lambda: loss().sum()).curvature == pytest.approx(0.0, abs=1e-4)
+
+
+@pytest.mark.parametrize("fail_at", [2, 3])
+def test_parameters_are_restored_bitwise_when_the_loss_raises_at_a_perturbed_point(fail_at):
+    model = tiny_gpt().float()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe, _ = probed_step(model, optimizer, batch())
+    saved = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def loss_fn():
+        calls.append(1)
+        if len(calls) == fail_at:
+            raise RuntimeError("boom")
+        return loss_of(model, batch())
+
+    with pytest.raises(RuntimeError, match="boom"):
+        probe.difference(loss_fn)
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+
+
+def test_runs_on_the_fused_attention_kernel_and_a_compiled_model():
+    """No double backward: the flash kernel (which has none) and torch.compile give the math kernel's reading."""
+    model = tiny_gpt().float()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe, _ = probed_step(model, optimizer, batch())
+    before = [b.clone() for b in probe._before]  # a probe reads once: read one three times from the same copy
+    readings = {}
+    compiled = torch.compile(model, backend="aot_eager")
+    runs = {
+        "math": (model, SDPBackend.MATH),
+        "flash": (model, SDPBackend.FLASH_ATTENTION),
+        "compiled": (compiled, SDPBackend.FLASH_ATTENTION),
+    }
+    saved = [p.detach().clone() for p in model.parameters()]
+    for name, (net, backend) in runs.items():
+        probe._used, probe._before = False, [b.clone() for b in before]
+        with sdpa_kernel(backend):
+            readings[name] = probe.difference(lambda net=net: loss_of(net, batch())).ratio
+        assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    assert readings["flash"] == pytest.approx(readings["math"], rel=2e-2)
+    assert readings["compiled"] == pytest.approx(readings["flash"], rel=2e-2)
+
+
+def test_clipping_the_gradient_by_its_norm_before_the_step_is_undone():
+    a = torch.diag(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    results = {}
+    for clip in (False, True):
+        x = nn.Parameter(torch.tensor([1.0, 1.0], dtype=torch.float64))
+        optimizer = torch.optim.SGD([x], lr=0.1)
+        (0.5 * x @ a @ x).backward()
+        probe = UpdateProbe(optimizer)  # sees the gradient as the backward left it
+        if clip:
+            torch.nn.utils.clip_grad_norm_([x], 0.1)
+        optimizer.step()
+        probe.stepped()
+        optimizer.zero_grad()
+        (0.5 * x @ a @ x).backward()
+        results[clip] = probe.secant().ratio
+    assert results[True] == pytest.approx(results[False], rel=1e-12)
+
+
+def test_misuse_is_refused_with_the_reason():
+    w = nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match="RMSprop is not supported"):
+        UpdateProbe(torch.optim.RMSprop([w]))
+    optimizer = torch.optim.SGD([w], lr=0.0)
+    probe = UpdateProbe(optimizer)
+    with pytest.raises(ValueError, match=r"call stepped\(\) after optimizer.step\(\)"):
+        probe.secant()
+    w.sum().backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="update is zero"):
+        probe.stepped()
+    optimizer.param_groups[0]["lr"] = 0.1
+    probe = UpdateProbe(optimizer)
+    optimizer.step()
+    probe.stepped()
+    with pytest.raises(ValueError, match=r"scalar tensor, got a tensor of shape \(2,\)"):
+        probe.difference(lambda: w * 2)
