@@ -52,6 +52,7 @@ class CostClock:
         self.spent = 0.0
         self.sections = 0
         self._started: float | None = None
+        self._depth = 0  # sections nest (a recording inside a sample): only the outermost counts
         _RUNNING.discard(self)
 
     def start(self) -> None:
@@ -70,12 +71,24 @@ class CostClock:
 
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
-        """Count the block as connmon's time (synchronizing the device at both ends)."""
+        """Count the block as connmon's time (synchronizing the device at both ends); nested blocks count once.
+
+        Inside a ``torch.compile`` trace (a capture hook traced into a graph) nothing is timed.
+        """
+        if self._depth or torch.compiler.is_compiling():
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
         self._synchronize()
         begin = time.perf_counter()
+        self._depth = 1
         try:
             yield
         finally:
+            self._depth = 0
             self._synchronize()
             self.spent += time.perf_counter() - begin
             self.sections += 1

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import WandbLogger  # imports wandb only when a r
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from connmon.callbacks._cost import say_cost
 from connmon.integrations.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
 
 
@@ -49,6 +50,13 @@ class ConnectionMonitor(Callback):
         full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample
             (1: on every sample). With the defaults they are logged every 2500 steps, the rest every 100: a full sample
             costs about 9x a light one (benchmarks/README.md).
+        budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample the
+            monitor sets ``full_every_n_samples`` from the measured costs of its light and full samples against the
+            training step's time (the same on every process, saved in checkpoints, said once per change).
+
+    Every sample also logs what the monitor costs: ``connmon/overhead/attention`` (its time, synchronized on
+    accelerators, over the training time) and ``connmon/overhead`` (every connmon monitor of the run); the end of
+    the fit says it in one line (and in the W&B run's summary).
 
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
@@ -76,6 +84,7 @@ class ConnectionMonitor(Callback):
         edge_queries: int | None = 16,
         full_every_n_samples: int = 25,
         edge_lanczos_steps: int | None = 32,
+        budget: float | None = None,
     ) -> None:
         if probe_fn is not None and not callable(probe_fn):
             raise ValueError(f"probe_fn must be callable, got probe_fn={probe_fn!r}")
@@ -155,8 +164,13 @@ class ConnectionMonitor(Callback):
             self.monitor.finish(self._sample_step)
             return
         if self.probe is not None and stepped and self.monitor.due(trainer.global_step):
-            self._run_probe(pl_module)  # the model after global_step optimizer steps
+            with self.monitor.clock.measuring():  # the probe's forward is connmon's cost too
+                self._run_probe(pl_module)  # the model after global_step optimizer steps
             self.monitor.finish(trainer.global_step)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Say what the monitor cost (console, and the W&B run's summary)."""
+        say_cost(trainer, self.monitor.clock, "ConnectionMonitor")
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove every hook if the run fails."""

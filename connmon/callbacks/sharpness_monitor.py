@@ -6,12 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
-from connmon._cost import summary
+from connmon.callbacks._cost import say_cost
 from connmon.integrations.sharpness import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessSampler
 
 __all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
@@ -153,7 +151,7 @@ class SharpnessMonitor(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Say what the monitor cost (console, and the W&B run's summary)."""
-        _say_cost(trainer, self.sampler.clock, "SharpnessMonitor")
+        say_cost(trainer, self.sampler.clock, "SharpnessMonitor")
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove the optimizer hook if the run fails."""
@@ -182,18 +180,3 @@ class SharpnessMonitor(Callback):
                 logger.log_metrics(values, step=step)
         for listener in self._listeners:
             listener(trainer, step, {k: values[k] for k in (RATIO_KEY, EIGENVALUE_KEY)})
-
-
-def _say_cost(trainer: Trainer, clock: Any, owner: str) -> None:
-    """The cost line at the end of a fit: rank zero's console, and ``connmon/overhead/<part>`` in the W&B summary."""
-    clock.stop()
-    if not trainer.is_global_zero:
-        return
-    rank_zero_info(f"connmon: {summary(clock, owner)}")
-    if clock.sections:
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                try:
-                    logger.experiment.summary[f"connmon/overhead/{clock.part}"] = clock.fraction
-                except Exception:  # a W&B error must not end the run
-                    pass

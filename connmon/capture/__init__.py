@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from connmon._cost import CostClock
 from connmon.capture.adapters.base import Adapter
 from connmon.capture.adapters.kernel import FusedQKVAttention, KernelAttention, projections, warn_unreadable
 from connmon.capture.adapters.torch_mha import TorchMultiheadAttention
@@ -124,6 +125,7 @@ def armed(
     layers: list[Layer] | None = None,
     dtype: torch.dtype = torch.float32,
     on_record: Callable[[AttentionRecord], None] | None = None,
+    cost_clock: CostClock | None = None,
 ) -> Iterator[CaptureSession]:
     """Arm a capture for the forwards run inside the block; every hook is removed on exit, also on error.
 
@@ -134,6 +136,8 @@ def armed(
         layers: the layers to arm (default: :func:`attention_layers`).
         dtype: record dtype, float32 or float64.
         on_record: called with each record as soon as its layer finishes, instead of keeping it.
+        cost_clock: a :class:`connmon._cost.CostClock` that counts the recording work inside the forwards (the
+            monitors' cost figure).
 
     Yields:
         The :class:`~connmon.capture.session.CaptureSession`; its ``records`` fill as the forward runs.
@@ -159,7 +163,7 @@ def armed(
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got dtype={dtype}")
     model = getattr(model, "_orig_mod", model)  # torch.compile wraps the module; hooks go on the original
     layers = attention_layers(model) if layers is None else layers
-    session = CaptureSession(layers, num_sequences, max_tokens, dtype, on_record)
+    session = CaptureSession(layers, num_sequences, max_tokens, dtype, on_record, cost_clock)
     handles = []
     with contextlib.ExitStack() as stack:
         try:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from connmon._cost import CostClock
 from connmon.capture.record import AttentionRecord, reconstruction_error
 from connmon.capture.scores import attention_scores
 
@@ -93,8 +94,10 @@ class CaptureSession:
         max_tokens: int | None,
         dtype: torch.dtype,
         on_record: Callable[[AttentionRecord], None] | None,
+        cost_clock: CostClock | None = None,
     ) -> None:
         self.layers = {id(layer.module): layer for layer in layers}
+        self.cost_clock = cost_clock
         self.num_sequences = num_sequences
         self.max_tokens = max_tokens
         self.dtype = dtype
@@ -119,13 +122,17 @@ class CaptureSession:
     def guarded(self, module: nn.Module) -> Iterator[None]:
         """Run recording work for ``module`` in full precision; an error there skips it with one warning.
 
-        Autocast is switched off inside (the records are float32), and no error escapes into the user's forward.
+        Autocast is switched off inside (the records are float32), and no error escapes into the user's forward. The
+        time spent inside counts as connmon's on the session's ``cost_clock``.
         """
         try:
-            with full_precision(), torch.no_grad():
+            with self._measuring(), full_precision(), torch.no_grad():
                 yield
         except Exception as error:  # the user's forward must go on whatever a record's bookkeeping hits
             self.skip(module, f"recording failed ({type(error).__name__}: {error})")
+
+    def _measuring(self) -> contextlib.AbstractContextManager:
+        return self.cost_clock.measuring() if self.cost_clock is not None else contextlib.nullcontext()
 
     def wants(self, module: nn.Module) -> bool:
         """Whether ``module`` is armed here, not recorded yet, and recording is not :func:`paused`."""

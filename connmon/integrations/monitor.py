@@ -18,11 +18,13 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from connmon._cost import CostClock, agreed, check_budget, overhead_values, summary
 from connmon._options import check_int
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
 from connmon.capture.session import Layer
+from connmon.integrations.sharpness import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
 
 Diagnostic = Literal["walk", "transport", "spectrum", "drift"]
@@ -42,6 +44,7 @@ SAMPLING_OPTIONS = (
     "edge_queries",
     "full_every_n_samples",
     "edge_lanczos_steps",
+    "budget",
 )
 
 
@@ -74,11 +77,25 @@ class Monitor:
         edge_queries: query rows for ``edge_isometry_gap`` (None: every row).
         full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample.
         edge_lanczos_steps: Lanczos steps per sampled edge (None: one ``d x d`` decomposition per edge).
+        budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample the
+            monitor sets ``full_every_n_samples`` from the measured costs of its light and full samples and the
+            training step's time (the largest figures across processes, so the same everywhere; saved in
+            :meth:`state_dict`; said once per change).
         log: called as ``log(values, step=step)`` with a dict of floats on rank zero after each sample, e.g.
             ``wandb.log`` or ``accelerator.log``; None to log the scalars to ``wandb`` (or nowhere).
         wandb: a W&B run (``wandb.init(...)``) for histograms, figures and alerts, logged with ``step=step``.
         alerts: an :class:`connmon.alerts.AlertRunner` run on every sample; its stop requests set
             :attr:`should_stop`.
+        optimizer: the training's optimizer, for ``sharpness``.
+        sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
+            optimizer's edge of stability on its own cadence, logged and shown to ``alerts`` like the attention
+            values (``connmon/sharpness_ratio``). It watches ``optimizer.step()`` through the optimizer's hooks.
+        loss_fn: ``loss_fn(model, batch)``, the batch's scalar loss, for a ``sharpness`` estimator that reads one
+            (``"difference"``, ``"lanczos"``); pass the batch as ``monitor.step(step, batch=batch)``.
+
+    Every sample's values include what the monitor costs, ``connmon/overhead/attention`` (its time over the
+    training time since :meth:`attach`) and ``connmon/overhead`` (all connmon monitors running);
+    :meth:`cost_summary` says it in one line.
 
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
@@ -115,9 +132,13 @@ class Monitor:
         edge_queries: int | None = 16,
         full_every_n_samples: int = 25,
         edge_lanczos_steps: int | None = 32,
+        budget: float | None = None,
         log: LogFn | None = None,
         wandb: Any = None,
         alerts: AlertRunner | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        sharpness: SharpnessSampler | None = None,
+        loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
     ) -> None:
         check_int("every_n_steps", every_n_steps)
         check_int("num_sequences", num_sequences)
@@ -128,6 +149,21 @@ class Monitor:
         check_int("edge_queries", edge_queries, optional=True)
         check_int("edge_lanczos_steps", edge_lanczos_steps, optional=True)
         check_int("full_every_n_samples", full_every_n_samples)
+        check_budget(budget)
+        if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
+            raise ValueError(
+                "sharpness must be a connmon.integrations.sharpness.SharpnessSampler or None, got "
+                f"{type(sharpness).__name__}"
+            )
+        if sharpness is not None and optimizer is None:
+            raise ValueError("sharpness needs the optimizer it watches: pass optimizer=...")
+        if sharpness is not None and sharpness.estimator != "secant" and loss_fn is None:
+            raise ValueError(
+                f"sharpness estimator={sharpness.estimator!r} reads a loss: pass loss_fn=... (and "
+                "monitor.step(step, batch=batch)), or use estimator='secant'"
+            )
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable as loss_fn(model, batch), got loss_fn={loss_fn!r}")
         diagnostics = (diagnostics,) if isinstance(diagnostics, str) else diagnostics
         if not isinstance(diagnostics, Sequence) or not diagnostics or any(d not in DIAGNOSTICS for d in diagnostics):
             raise ValueError(
@@ -164,6 +200,8 @@ class Monitor:
         self.edge_queries = edge_queries
         self.edge_lanczos_steps = edge_lanczos_steps
         self.full_every_n_samples = full_every_n_samples
+        self.budget = budget
+        self.clock = CostClock("attention")
         self.log = log
         self.alerts = alerts
         self.log_on_every_rank = False  # an integration whose logger filters ranks itself sets this
@@ -183,20 +221,33 @@ class Monitor:
         self._armed: contextlib.ExitStack | None = None
         self._pending_drift_state: dict | None = None
         self._listeners: list[Callable[[int, dict[str, float]], None]] = []
+        self._costs = {True: [0.0, 0], False: [0.0, 0]}  # full?: [seconds, samples] this run
+        self._sample_began = 0.0  # the clock's spent seconds when the current sample was armed
+        self._first_step: int | None = None
+        self.sharpness = sharpness
+        self.loss_fn = loss_fn
+        self._optimizer = optimizer
+        self._step_now = 0  # the step of the latest monitor.step(): the one optimizer.step() completes
+        self._pre_hook: Any = None
         if model is not None:
             self.attach(model)
 
     # --- the plain-loop API ---------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def step(self, step: int, rule_values: Mapping[str, float] | None = None) -> Iterator[bool]:
-        """Wrap the forward of optimizer step ``step``; yields whether this step is sampled.
+    def step(self, step: int, rule_values: Mapping[str, float] | None = None, batch: Any = None) -> Iterator[bool]:
+        """Wrap the forward of optimizer step ``step`` (the steps taken so far); yields whether it is sampled.
 
         On a sampled step the capture is armed for the block and the sample is measured and logged when it ends.
         If the block raises, every hook is removed and nothing is logged. ``rule_values`` (say, the previous
         step's ``{"loss": ..., "grad_norm": ...}``) are shown to the alert rules beside the sample's keys.
+        ``batch`` is what ``loss_fn(model, batch)`` reads for a ``sharpness`` estimator that needs a loss.
         """
         model = self._model
+        self._step_now = step
+        if self.sharpness is not None and model is not None:
+            loss = None if self.loss_fn is None or batch is None else lambda: self.loss_fn(model, batch)
+            self._curvature(step, self.sharpness.before_forward(step, loss, model))
         sampled = model is not None and self.due(step)
         if not sampled:
             yield False
@@ -240,6 +291,13 @@ class Monitor:
         }
         self.metrics = {name: groups[name]() for name in self.diagnostics}
         self.to(_device_of(model))
+        self.clock.start()
+        self._costs, self._first_step = {True: [0.0, 0], False: [0.0, 0]}, None
+        if self.sharpness is not None and self._optimizer is not None:
+            self.sharpness.attach(self._optimizer, _device_of(model))
+            if self._pre_hook is not None:
+                self._pre_hook.remove()
+            self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
         if self._pending_drift_state is not None and "drift" in self.metrics:
             self.metrics["drift"].set_extra_state(self._pending_drift_state)
             self._pending_drift_state = None
@@ -249,11 +307,31 @@ class Monitor:
         """Move the accumulators to ``device`` (where the model lives)."""
         for metric in self.metrics.values():
             metric.to(device)
+        self.clock.to(device)
         return self
 
     def close(self) -> None:
-        """Remove every hook (a no-op unless a sample is armed)."""
+        """Remove every hook (the capture's, the optimizer's) and stop the cost clocks (the run is over)."""
         self.disarm()
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        if self.sharpness is not None:
+            self.sharpness.detach()
+        self.clock.stop()
+
+    def cost_summary(self) -> str:
+        """What the monitor (and its ``sharpness``) cost so far, in one line.
+
+        Example:
+            >>> import connmon
+            >>> connmon.Monitor(every_n_steps=10).cost_summary()
+            'connmon.Monitor cost nothing measurable (no sample was taken)'
+        """
+        line = summary(self.clock, self.owner)
+        if self.sharpness is not None:
+            line += "; " + summary(self.sharpness.clock, "its curvature samples")
+        return line
 
     def state_dict(self) -> dict[str, Any]:
         """Sampling cadence, each layer's previous sample (time drift) and the alert rules' state."""
@@ -263,12 +341,18 @@ class Monitor:
             "last_sampled_step": self.last_sampled_step,
             "drift": drift.get_extra_state() if drift is not None else self._pending_drift_state,
             "alerts": self.alerts.state_dict() if self.alerts is not None else None,
+            "full_every_n_samples": self.full_every_n_samples,
+            "sharpness": self.sharpness.state_dict() if self.sharpness is not None else None,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (before or after :meth:`attach`)."""
         self.samples = state_dict.get("samples", 0)
         self.last_sampled_step = state_dict.get("last_sampled_step", -1)
+        if self.budget is not None:  # the budget's choice; without a budget the constructor's option holds
+            self.full_every_n_samples = state_dict.get("full_every_n_samples", self.full_every_n_samples)
+        if self.sharpness is not None and state_dict.get("sharpness") is not None:
+            self.sharpness.load_state_dict(state_dict["sharpness"])
         drift_state = state_dict.get("drift")
         if drift_state is not None:
             if "drift" in self.metrics:
@@ -282,6 +366,8 @@ class Monitor:
         """Start the cadence and the time-drift references afresh (a new run)."""
         self.samples, self.last_sampled_step, self._pending_drift_state = 0, -1, None
         self.should_stop = False
+        if self.sharpness is not None:
+            self.sharpness.reset()
         if self._model is not None:
             self.attach(self._model)  # fresh accumulators: no drift reference
 
@@ -303,23 +389,27 @@ class Monitor:
     def arm(self, model: nn.Module) -> None:
         """Arm the capture on ``model`` until :meth:`disarm` (each layer is recorded once per arming)."""
         self.disarm()
-        stack = contextlib.ExitStack()
-        stack.enter_context(
-            armed(
-                model,
-                num_sequences=self.num_sequences,
-                max_tokens=self.max_tokens,
-                layers=self.selected,
-                on_record=self._consume,
+        self._sample_began = self.clock.spent
+        with self.clock.measuring():
+            stack = contextlib.ExitStack()
+            stack.enter_context(
+                armed(
+                    model,
+                    num_sequences=self.num_sequences,
+                    max_tokens=self.max_tokens,
+                    layers=self.selected,
+                    on_record=self._consume,
+                    cost_clock=self.clock,
+                )
             )
-        )
         self._armed = stack
 
     def disarm(self) -> None:
         """Remove the capture's hooks (a no-op when not armed)."""
         if self._armed is not None:
             stack, self._armed = self._armed, None
-            stack.close()
+            with self.clock.measuring():
+                stack.close()
 
     def finish(self, step: int, rule_values: Mapping[str, float] | None = None) -> dict[str, float]:
         """Sync, log and reset the sample just recorded, run the alert rules; returns the values logged.
@@ -328,6 +418,13 @@ class Monitor:
         (the trainer's own loss, gradient norm, ...) are shown to the alert rules beside the sample's keys; they are
         not logged here.
         """
+        with self.clock.measuring():
+            scalars = self._finish(step, rule_values)
+        if self.budget is not None:
+            self._rebudget(step, self._is_full(self.samples - 1))
+        return scalars
+
+    def _finish(self, step: int, rule_values: Mapping[str, float] | None) -> dict[str, float]:
         full = self._is_full()
         values: dict[str, Tensor] = {}
         broken: set[int] = set()
@@ -337,6 +434,9 @@ class Monitor:
             broken |= {index for index, count in enumerate(counts) if count > 0}
         broken_layers = {layer.index for layer in self.selected if layer.index in broken}
         scalars = self._scalars(values, broken_layers)
+        if self._first_step is None:
+            self._first_step = step
+        scalars.update(overhead_values(self.clock))
         if self.alerts is not None:
             alerts, stop = self.alerts.run({**(rule_values or {}), **scalars}, step, wandb=self.sink)
             self.should_stop = self.should_stop or stop
@@ -368,15 +468,66 @@ class Monitor:
             )
         return chosen
 
-    def _is_full(self) -> bool:
-        """Whether the current sample (number ``self.samples``, from 0) computes the costly diagnostics too."""
-        return self.samples % self.full_every_n_samples == 0
+    def _is_full(self, sample: int | None = None) -> bool:
+        """Whether sample number ``sample`` (from 0; default the current one) computes the costly diagnostics too."""
+        return (self.samples if sample is None else sample) % self.full_every_n_samples == 0
+
+    def _rebudget(self, step: int, full: bool) -> None:
+        """Set ``full_every_n_samples`` from the measured costs so that the samples fit the budget (all ranks alike)."""
+        spent = self.clock.spent - self._sample_began
+        self._costs[full][0] += spent
+        self._costs[full][1] += 1
+        (full_s, full_n), (light_s, light_n) = self._costs[True], self._costs[False]
+        if not full_n or not light_n:
+            return  # both kinds measured once before deciding
+        steps = max(step - (self._first_step or 0), 1)
+        full_cost, light_cost, step_time = agreed(
+            full_s / full_n, light_s / light_n, self.clock.training / steps, device=self.clock.device
+        )
+        allowed = self.budget * self.every_n_steps * step_time  # seconds a sample may cost on average
+        if light_cost >= allowed:
+            stride = 10**6  # not even the light samples fit: no more full ones (warned below)
+        else:
+            stride = max(1, math.ceil((full_cost - light_cost) / (allowed - light_cost) - 1e-9))
+        if stride != self.full_every_n_samples:
+            self.full_every_n_samples = stride
+            fits = (
+                f"a full sample every {stride} samples"
+                if stride < 10**6
+                else f"no full samples (light ones alone cost {100 * light_cost / allowed * self.budget:.2g}%: raise "
+                "every_n_steps)"
+            )
+            warn_rank_zero(
+                f"{self.owner}: budget {100 * self.budget:g}%: a full sample costs {full_cost:.3g} s, a light one "
+                f"{light_cost:.3g} s and a training step {step_time:.3g} s, so {fits}"
+            )
 
     def _active(self) -> list[LayerwiseMean]:
         full = self._is_full()
         if "transport" in self.metrics:
             self.metrics["transport"].measure_edges = full
         return [metric for name, metric in self.metrics.items() if full or name != "spectrum"]
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._curvature(self._step_now, self.sharpness.before_step(self._step_now))
+
+    def _curvature(self, step: int, values: dict[str, float] | None) -> None:
+        """Log a curvature sample and show it to the alert rules (every process; logged on rank zero)."""
+        if values is None:
+            return
+        values = dict(values)
+        if self.alerts is not None:
+            alerts, stop = self.alerts.run(values, step, wandb=self.sink)
+            self.should_stop = self.should_stop or stop
+            values.update(self.alerts.counts(alerts))
+        if is_rank_zero() or self.log_on_every_rank:
+            try:
+                if self.log is not None:
+                    self.log(dict(values), step=step)
+                elif self.sink is not None:
+                    self.sink.scalars(step, values)
+            except Exception as error:  # a logger must not end the training run
+                warn_rank_zero(f"connmon: log(values, step={step}) raised {type(error).__name__}: {error}")
 
     def _consume(self, record: AttentionRecord) -> None:
         for metric in self._active():

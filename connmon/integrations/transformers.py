@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -10,9 +11,13 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from connmon._cost import overhead_values, summary
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.integrations.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
+from connmon.integrations.sharpness import SharpnessSampler
+
+_LOG = logging.getLogger(__name__)
 
 STATE_FILE = "connmon_monitor.pt"  # written into each checkpoint-<step> folder
 STEP_KEY = "train/global_step"  # the step metric the Trainer's W&B integration defines
@@ -50,7 +55,17 @@ class ConnectionMonitorCallback(TrainerCallback):
         edge_queries: query rows for ``edge_isometry_gap`` (None: every row).
         full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample.
         edge_lanczos_steps: Lanczos steps per sampled edge (None: one ``d x d`` decomposition per edge).
+        budget: None, or the fraction of training time the samples may take: sets ``full_every_n_samples`` from
+            the measured costs (see :class:`connmon.Monitor`).
         alerts: an :class:`connmon.alerts.AlertRunner` (e.g. ``AlertRunner()`` for the default rules), or None.
+        sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler` with ``estimator="secant"``: the
+            curvature against the optimizer's edge of stability, read from the Trainer's own gradients (after
+            clipping, before ``optimizer.step()``) and logged as ``connmon/sharpness_ratio`` through
+            ``trainer.log``, shown to ``alerts`` on its steps. The Trainer hands callbacks no batch, so the
+            estimators that read a loss are not available here.
+
+    Every sample logs what connmon costs (``connmon/overhead``, ``connmon/overhead/attention``,
+    ``connmon/overhead/curvature``); the end of training logs it once more and says it at INFO level.
 
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
@@ -81,15 +96,27 @@ class ConnectionMonitorCallback(TrainerCallback):
         edge_queries: int | None = 16,
         full_every_n_samples: int = 25,
         edge_lanczos_steps: int | None = 32,
+        budget: float | None = None,
         alerts: AlertRunner | None = None,
+        sharpness: SharpnessSampler | None = None,
     ) -> None:
         if not isinstance(trainer, Trainer):
             raise ValueError(
                 f"trainer must be the transformers.Trainer whose log carries the values, got {type(trainer).__name__}"
             )
+        if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
+            raise ValueError(f"sharpness must be a SharpnessSampler or None, got {type(sharpness).__name__}")
+        if sharpness is not None and sharpness.estimator != "secant":
+            raise ValueError(
+                f"sharpness estimator={sharpness.estimator!r} reads a loss on the step's batch, which the Trainer does "
+                "not hand to callbacks: use SharpnessSampler(estimator='secant')"
+            )
         self.trainer = trainer
         arguments = locals()
         self.monitor = Monitor(**{name: arguments[name] for name in SAMPLING_OPTIONS}, alerts=alerts)
+        self.sharpness = sharpness
+        if sharpness is not None:
+            sharpness.owner = "ConnectionMonitorCallback (sharpness)"
         self.monitor.owner = "ConnectionMonitorCallback"
         self.monitor.log = self._log
         self.monitor.log_on_every_rank = True  # Trainer.log runs on every process; its reporters pick rank zero
@@ -101,13 +128,20 @@ class ConnectionMonitorCallback(TrainerCallback):
     ) -> None:
         """Find the attention layers, the W&B run, and the state saved in the checkpoint training resumes from."""
         self.monitor.reset()
+        if self.sharpness is not None:
+            self.sharpness.reset()
+            optimizer = kwargs.get("optimizer") or self.trainer.optimizer
+            self.sharpness.attach(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the torch optimizer
         if model is None or not self.monitor.attach(model):
             return
         self.monitor.sink = _wandb_sink(args)
         saved = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE
         if state.global_step > 0 and saved.is_file():
             device = next(model.parameters(), torch.empty(0)).device  # drift references live beside the model
-            self.monitor.load_state_dict(torch.load(saved, map_location=device, weights_only=True))
+            state = torch.load(saved, map_location=device, weights_only=True)
+            self.monitor.load_state_dict(state)
+            if self.sharpness is not None and state.get("curvature") is not None:
+                self.sharpness.load_state_dict(state["curvature"])
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
@@ -119,6 +153,24 @@ class ConnectionMonitorCallback(TrainerCallback):
             self.monitor.arm(model)
             # the Trainer has no exception hook: disarm when this forward ends, also when it raises
             self._guard = model.register_forward_hook(self._forward_done, always_call=True)
+
+    def on_pre_optimizer_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        """After the backward (and clipping), before the step: the curvature sample, logged and shown to the rules."""
+        if self.sharpness is None:
+            return
+        values = self.sharpness.before_step(state.global_step)
+        if values is None:
+            return
+        rules = dict(values)
+        if self.monitor.alerts is not None:
+            alerts, stop = self.monitor.alerts.run(rules, state.global_step, wandb=self.monitor.sink)
+            values = {**values, **self.monitor.alerts.counts(alerts)}
+            if stop:
+                control.should_training_stop = True
+                warn_rank_zero(f"ConnectionMonitorCallback stops training at step {state.global_step} (an alert)")
+        self._log(values, state.global_step)
 
     def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """The first micro-batch of an accumulation is done: stop recording."""
@@ -140,11 +192,24 @@ class ConnectionMonitorCallback(TrainerCallback):
         """Save the monitor's state beside the checkpoint (rank zero)."""
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if is_rank_zero() and folder.is_dir():
-            torch.save(self.monitor.state_dict(), folder / STATE_FILE)
+            state = self.monitor.state_dict()
+            state["curvature"] = self.sharpness.state_dict() if self.sharpness is not None else None
+            torch.save(state, folder / STATE_FILE)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        """Remove every hook."""
+        """Remove every hook; log and say what connmon cost."""
         self._forward_done()
+        clocks = [self.monitor.clock] + ([self.sharpness.clock] if self.sharpness is not None else [])
+        if any(clock.sections for clock in clocks):
+            self._log({k: v for clock in clocks for k, v in overhead_values(clock).items()}, state.global_step)
+        line = self.monitor.cost_summary()
+        if self.sharpness is not None:
+            line += "; " + summary(self.sharpness.clock, "its curvature samples")
+        _LOG.info("connmon: %s", line)
+        for clock in clocks:
+            clock.stop()
+        if self.sharpness is not None:
+            self.sharpness.detach()
 
     def _forward_done(self, *args: Any) -> None:
         self.monitor.disarm()

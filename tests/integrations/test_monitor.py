@@ -225,7 +225,7 @@ def test_every_entry_point_takes_the_sampling_options_with_the_same_defaults():
     def defaults(cls):
         return {name: p.default for name, p in inspect.signature(cls).parameters.items() if name in SAMPLING_OPTIONS}
 
-    sinks = ("model", "log", "wandb", "alerts")
+    sinks = ("model", "log", "wandb", "alerts", "optimizer", "sharpness", "loss_fn")  # the rest: the curvature
     monitor_options = {name for name in inspect.signature(connmon.Monitor).parameters if name not in sinks}
     assert monitor_options == set(SAMPLING_OPTIONS)
     assert defaults(ConnectionMonitor) == defaults(ConnectionMonitorCallback) == defaults(connmon.Monitor)
