@@ -195,6 +195,9 @@ def train(
         if probes is not None:
             for probe in probes:
                 probe.stepped()
+            with torch.no_grad():  # the step's loss change on its own batch against the first-order prediction
+                change = gpt_loss(model, (idx, target)).item() - losses[-1]
+            readings.setdefault("loss_rise", {})[step + 1] = 1 + change / -probes[1]._slope
     return {
         **config,
         "loss": losses,

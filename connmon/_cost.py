@@ -52,16 +52,19 @@ class CostClock:
         self.spent = 0.0
         self.sections = 0
         self._started: float | None = None
+        self._stopped: float | None = None
         self._depth = 0  # sections nest (a recording inside a sample): only the outermost counts
         _RUNNING.discard(self)
 
     def start(self) -> None:
         """Start the training clock (a new run): nothing spent yet."""
-        self.spent, self.sections, self._started = 0.0, 0, time.perf_counter()
+        self.spent, self.sections, self._started, self._stopped = 0.0, 0, time.perf_counter(), None
         _RUNNING.add(self)
 
     def stop(self) -> None:
-        """The run ended: this clock no longer counts towards :func:`total_fraction`."""
+        """The run ended: the training clock stops, and this clock no longer counts towards :func:`total_fraction`."""
+        if self._started is not None and self._stopped is None:
+            self._stopped = time.perf_counter()
         _RUNNING.discard(self)
 
     def to(self, device: torch.device | str) -> CostClock:
@@ -98,7 +101,8 @@ class CostClock:
         """Seconds of training since :meth:`start`, connmon's own excluded."""
         if self._started is None:
             return 0.0
-        return max(time.perf_counter() - self._started - self.spent, 0.0)
+        end = self._stopped if self._stopped is not None else time.perf_counter()
+        return max(end - self._started - self.spent, 0.0)
 
     @property
     def fraction(self) -> float:

@@ -87,6 +87,8 @@ class Rule:
         cooldown: steps after an alert during which this rule does not alert again, on any key.
         until: if set, values after this step are not tested (nor fed to the detector): a *regime* rule about the
             start of a run.
+        since: if set, values before this step are not tested (nor fed to the detector): a rule whose input means
+            nothing yet in a run's first steps.
 
     Raises:
         ValueError: for an unknown level or a negative cooldown.
@@ -102,6 +104,7 @@ class Rule:
     level: Level = "WARN"
     cooldown: int = 100
     until: int | None = None
+    since: int | None = None
 
     def __post_init__(self) -> None:
         if self.level not in LEVELS:
@@ -289,7 +292,7 @@ def _restored(rule: Rule | AllOf, saved: Mapping[str, Any]) -> _RuleState:
 
 def _feed(rule: Rule, state: _RuleState, values: Mapping[str, float], step: int) -> Alert | None:
     """Feed the rule's detectors their values (every matching key); the first firing as an Alert, or None."""
-    if rule.until is not None and step > rule.until:
+    if (rule.until is not None and step > rule.until) or (rule.since is not None and step < rule.since):
         return None
     fired: Alert | None = None
     for key in sorted(k for k in values if fnmatch.fnmatchcase(k, rule.keys)):
@@ -373,7 +376,7 @@ def attention_collapse_rules(level: Level = "WARN") -> list[Rule]:
 
 
 def edge_of_stability_rule(
-    bound: float = 1.0, consecutive: int = 2, level: Level = "WARN", cooldown: int = 100
+    bound: float = 1.0, consecutive: int = 2, level: Level = "WARN", cooldown: int = 100, since: int = 20
 ) -> Rule:
     """Alerts when ``connmon/sharpness_ratio`` (a :class:`connmon.callbacks.SharpnessMonitor`) stays above ``bound``.
 
@@ -389,6 +392,10 @@ def edge_of_stability_rule(
     benchmarks/README.md has the tables and the caveats. Full-batch training can hover at the edge for long
     stretches without diverging (Cohen et al. 2021), so this rule is for mini-batch training.
 
+    Values before step ``since`` (20) are not tested: Adam's second moment is then an average of fewer than 20
+    squared gradients, so some coordinates' step sizes are far too large, and a healthy run at LR 1e-3 reads 5-100
+    in its first five steps (``tests/callbacks/test_sharpness_monitor.py``); the ratio means nothing yet.
+
     Example:
         >>> from connmon.alerts import RuleSet, edge_of_stability_rule
         >>> rules = RuleSet([edge_of_stability_rule()])
@@ -397,7 +404,7 @@ def edge_of_stability_rule(
         [[], [], [], [200]]
     """
     detector = Threshold(bound, consecutive=consecutive)
-    return Rule("past the edge of stability", "connmon/sharpness_ratio", detector, level, cooldown)
+    return Rule("past the edge of stability", "connmon/sharpness_ratio", detector, level, cooldown, since=since)
 
 
 def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int = 500) -> Rule:

@@ -131,15 +131,134 @@ def test_lanczos_sampled_once_per_optimizer_step_under_gradient_accumulation(tmp
 
 def test_drift_alert_default_rules_warn_past_the_edge_of_stability_on_two_samples_in_a_row(tmp_path):
     series = {}
-    sharpness = SharpnessMonitor(every_n_steps=1)
+    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos")
     sharpness.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
     alert = DriftAlert(actions=("log",))
     with pytest.warns(UserWarning, match=r"connmon: past the edge of stability \[WARN\]: connmon/sharpness_ratio"):
-        fit(tmp_path, [sharpness, alert], module=LitGPT(lr=2.0), max_steps=5)
-    steps = sorted(series)
+        fit(tmp_path, [sharpness, alert], module=LitGPT(lr=2.0), max_steps=26)
+    steps = [s for s in sorted(series) if s >= 20]  # the rule starts at step 20
     expected = next(s for prev, s in itertools.pairwise(steps) if series[prev] > 1 and series[s] > 1)
     assert [a.step for a in alert.alerts] == [expected]  # the cooldown (100 steps) keeps it to one
     assert [a.rule for a in alert.alerts] == ["past the edge of stability"]
+
+
+class AdamGPT(LitGPT):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.parametrize("estimator", ["lanczos", "secant"])
+def test_no_default_alert_in_the_first_steps_of_a_healthy_adam_run_sampled_every_step(tmp_path, estimator):
+    series = {}
+    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator=estimator)
+    sharpness.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
+    alert = DriftAlert(actions=("log",))
+    fit(tmp_path, [sharpness, alert], module=AdamGPT(), max_steps=30)
+    if estimator == "lanczos":
+        assert max(series[s] for s in range(1, 4)) > 1  # Adam's young second moment: far above the edge at first
+    assert alert.total == 0 and len(series) == 29
+
+
+class Recorder(L.Callback):
+    """Parameters and gradients before every optimizer step (after its backward), and each step's first batch."""
+
+    def __init__(self) -> None:
+        self.params, self.grads, self.batches = {}, {}, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches.setdefault(trainer.global_step, batch)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.params[trainer.global_step] = [p.detach().clone() for p in pl_module.parameters()]
+        self.grads[trainer.global_step] = [p.grad.detach().clone() for p in pl_module.parameters()]
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1).double() for t in tensors])
+
+
+def test_secant_is_the_update_times_the_gradient_change_against_the_sgd_edge(tmp_path):
+    """Plain SGD, lr 1e-2: ratio = u.(g_s - g_{s-1}) / (u.u / lr) / 2 with u = theta_s - theta_{s-1}."""
+    series, recorder = {}, Recorder()
+    monitor = SharpnessMonitor(every_n_steps=2)
+    monitor.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
+    fit(tmp_path, [monitor, recorder], max_steps=7, accumulate_grad_batches=2)
+    assert sorted(series) == [2, 4, 6] and sorted(logged(tmp_path)) == [2, 4, 6]
+    for s, ratio in series.items():
+        u = flat(recorder.params[s]) - flat(recorder.params[s - 1])
+        expected = (u @ (flat(recorder.grads[s]) - flat(recorder.grads[s - 1]))) / (u @ u / 1e-2) / 2
+        assert ratio == pytest.approx(expected.item(), rel=1e-4)
+
+
+def test_difference_is_three_losses_along_the_update_on_the_step_batch(tmp_path):
+    series, recorder = {}, Recorder()
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="difference")
+    monitor.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
+    module = LitGPT()
+    fit(tmp_path, [monitor, recorder], module=module, max_steps=7)
+    names = [name for name, _ in module.named_parameters()]
+    for s, ratio in series.items():
+        now, before = recorder.params[s], recorder.params[s - 1]
+        points = {
+            "now": now,
+            "before": before,
+            "ahead": [(-b).add(n, alpha=2) for n, b in zip(now, before, strict=True)],
+        }
+        loss = {}
+        for key, values in points.items():
+            with torch.no_grad():
+                logits = torch.func.functional_call(
+                    module, dict(zip(names, values, strict=True)), (recorder.batches[s][0],)
+                )
+            loss[key] = nn.functional.cross_entropy(logits.flatten(0, 1), recorder.batches[s][1].flatten()).item()
+        u = flat(now) - flat(before)
+        expected = (loss["ahead"] + loss["before"] - 2 * loss["now"]) / (u @ u / 1e-2).item() / 2
+        assert ratio == pytest.approx(expected, rel=1e-6)  # u in float32 there, float64 here
+
+
+@pytest.mark.parametrize("estimator", ["secant", "difference"])
+def test_update_estimators_run_on_a_compiled_model_with_fused_attention_and_leave_training_unchanged(
+    tmp_path, estimator
+):
+    states = {}
+    for name in ("plain", "monitored"):
+        module = LitGPT()
+        module.model = torch.compile(module.model, backend="aot_eager")
+        callbacks = [SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator)] if name == "monitored" else []
+        fit(tmp_path / name, callbacks, module=module, max_steps=5)
+        states[name] = module.state_dict()
+    assert all(torch.equal(states["plain"][k], states["monitored"][k]) for k in states["plain"])
+    values = logged(tmp_path / "monitored")
+    assert sorted(values) == [2, 4] and all(math.isfinite(v) for v in values.values())
+
+
+def test_it_logs_what_it_costs_and_says_it_at_the_end(tmp_path, caplog):
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="lanczos")
+    with caplog.at_level("INFO"):
+        fit(tmp_path, [monitor], max_steps=7)
+    rows = [r for r in read_csv(tmp_path) if r.get("connmon/overhead/curvature")]
+    assert [int(r["step"]) for r in rows] == [2, 4, 6]
+    fractions = [float(r["connmon/overhead/curvature"]) for r in rows]
+    assert all(f > 0.1 for f in fractions)  # Lanczos costs many steps of this tiny model
+    assert [float(r["connmon/overhead"]) for r in rows] == pytest.approx(fractions, rel=0.05)  # the only monitor
+    assert monitor.sampler.clock.fraction == pytest.approx(fractions[-1], rel=0.5)
+    assert any("SharpnessMonitor cost" in r.getMessage() and "% of training time" in r.getMessage()
+               for r in caplog.records)  # fmt: skip
+
+
+def test_a_budget_thins_the_samples_the_same_way_and_resumes(tmp_path):
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", budget=0.05)
+    with pytest.warns(
+        UserWarning, match=r"SharpnessMonitor: budget 5%: a curvature sample costs .* so it samples every"
+    ):
+        fit(tmp_path, [monitor], max_steps=30)
+    stride = monitor.sampler.stride
+    assert stride > 1 and monitor.state_dict() == {"samples": monitor.samples, "stride": stride}
+    steps = sorted(logged(tmp_path))
+    assert steps[0] == 1 and all(s % stride == 0 for s in steps[2:] if s > steps[1] * stride)
+    fresh = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", budget=0.05)
+    fresh.load_state_dict(monitor.state_dict())
+    assert fresh.sampler.stride == stride and fresh.samples == monitor.samples
 
 
 class Adagrad(LitGPT):
