@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch import Tensor
 
 from connmon.callbacks._cost import say_cost
@@ -39,8 +39,9 @@ class SharpnessMonitor(Callback):
     (:func:`connmon.alerts.edge_of_stability_rule`).
 
     Nothing of the training run changes: parameters, gradients, optimizer state, random streams and buffers are
-    bitwise as they were. An optimizer without a known edge of stability (see
-    :func:`connmon.curvature.step_geometry`), a sharding strategy (FSDP, DeepSpeed), running out of memory or any
+    bitwise as they were. The update estimators also run under FSDP2 (``ModelParallelStrategy``: the sums over
+    sharded parameters add every process's shard). An optimizer without a known edge of stability (see
+    :func:`connmon.curvature.step_geometry`), another sharding strategy (FSDP1, DeepSpeed), running out of memory or any
     other error turns the monitor off for the run with one warning that says why, on every process alike; the
     training run goes on.
 
@@ -123,10 +124,10 @@ class SharpnessMonitor(Callback):
         self._restored = False
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
-        if not plain:
-            self.sampler.turn_off(
-                f"the {type(strategy).__name__} shards or wraps the parameters; single-device and DDP only"
-            )
+        fsdp2 = isinstance(strategy, ModelParallelStrategy)  # DTensor parameters: the update sums add their shards
+        if not plain and not (fsdp2 and self.sampler.estimator != "lanczos"):
+            supported = "single-device, DDP, and FSDP2 (ModelParallelStrategy) with the update estimators"
+            self.sampler.turn_off(f"the {type(strategy).__name__} shards or wraps the parameters; {supported}")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Watch the optimizer's steps (one optimizer only) and start the cost clock."""

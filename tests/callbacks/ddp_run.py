@@ -1,6 +1,6 @@
 """Standalone DDP run for test_ddp.py: Lightning's "ddp" strategy re-launches this script for rank 1.
 
-Usage: python tests/callbacks/ddp_run.py OUT_DIR [alert | sharpness | fsdp | fsdp2]
+Usage: python tests/callbacks/ddp_run.py OUT_DIR [alert | sharpness | secant ddp | secant fsdp2 | fsdp | fsdp2]
 
 ``fsdp2`` runs the same monitored fit under ModelParallelStrategy with FSDP2 ``fully_shard`` per Block (parameters
 sharded across the 2 CPU processes; each rank writes whether its Block parameters are sharded DTensors to
@@ -13,6 +13,9 @@ step it stopped at to OUT_DIR/rank<r>.txt (both must stop together, or the run h
 With ``sharpness``, a SharpnessMonitor samples at steps 2 and 4; each rank writes its own ratio at step 2 (computed
 directly) and the synced values to OUT_DIR/sharpness<r>.json. Its loss function raises on rank 1 at step 4: both
 ranks must turn the monitor off together and train on to step 6.
+
+With ``secant ddp`` or ``secant fsdp2``, the default SharpnessMonitor samples at steps 2, 4 and 6; each rank writes
+the synced values to OUT_DIR/secant-<mode><r>.json.
 """
 
 import os
@@ -74,7 +77,7 @@ def sharpness_run(out: Path) -> None:
                 local[2] = ratio.ratio
 
     synced = {}
-    monitor = SharpnessMonitor(loss_fn, every_n_steps=2)
+    monitor = SharpnessMonitor(loss_fn, every_n_steps=2, estimator="lanczos")
     monitor.add_listener(lambda trainer, step, values: synced.update({step: values["connmon/sharpness_ratio"]}))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=6, callbacks=[monitor, Direct()], logger=False,
@@ -83,6 +86,24 @@ def sharpness_run(out: Path) -> None:
     trainer.fit(LitGPT(), loader(batch_size=4))
     result = {"local": local[2], "synced": synced, "off": monitor.off, "step": trainer.global_step}
     (out / f"sharpness{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def secant_run(out: Path, mode: str) -> None:
+    """The default SharpnessMonitor (secant) under DDP or FSDP2: the synced ratios of steps 2, 4, 6 per rank."""
+    import json
+
+    from connmon.callbacks import SharpnessMonitor
+
+    synced = {}
+    monitor = SharpnessMonitor(every_n_steps=2)
+    monitor.add_listener(lambda trainer, step, values: synced.update({step: values["connmon/sharpness_ratio"]}))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy(mode), max_steps=7, callbacks=[monitor], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(LitGPT(sharded=mode == "fsdp2"), loader(batch_size=4))
+    result = {"synced": synced, "off": monitor.off}
+    (out / f"secant-{mode}{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def strategy(name: str):
@@ -107,6 +128,9 @@ if __name__ == "__main__":
         sys.exit(0)
     if sys.argv[2:] == ["sharpness"]:
         sharpness_run(out)
+        sys.exit(0)
+    if sys.argv[2:3] == ["secant"]:
+        secant_run(out, sys.argv[3])
         sys.exit(0)
     mode = sys.argv[2] if len(sys.argv) > 2 else "ddp"
     monitor = ConnectionMonitor(every_n_steps=2, edge_samples=None, edge_queries=None, figures_every_n_samples=None)

@@ -95,3 +95,17 @@ def test_ddp_sharpness_is_the_mean_of_the_ranks_and_a_failure_on_one_rank_turns_
     assert [r["synced"] for r in ranks] == [{"2": pytest.approx(mean, rel=1e-12)}] * 2  # step 4 failed on rank 1
     assert [r["step"] for r in ranks] == [6, 6]  # no hang, the run went on
     assert "out of luck on rank 1" in ranks[1]["off"] and "another process" in ranks[0]["off"]
+
+
+def test_the_secant_reading_is_the_same_under_ddp_and_fsdp2_sharded_parameters(tmp_path):
+    """The same data, the same global gradient: sharded parameters give the replicated run's ratios."""
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
+    runs = {}
+    for mode in ("ddp", "fsdp2"):
+        subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "secant", mode], check=True, timeout=300, env=env)
+        runs[mode] = [json.loads((tmp_path / f"secant-{mode}{r}.json").read_text()) for r in range(2)]
+    for mode, ranks in runs.items():
+        assert all(rank["off"] is None for rank in ranks), (mode, ranks)
+        assert ranks[0]["synced"] == ranks[1]["synced"] and sorted(ranks[0]["synced"]) == ["2", "4", "6"]
+    ddp, fsdp2 = runs["ddp"][0]["synced"], runs["fsdp2"][0]["synced"]
+    assert fsdp2 == pytest.approx(ddp, rel=1e-3)
