@@ -1,0 +1,140 @@
+"""One curvature definition in every entry point: Lightning, connmon.Monitor in a plain loop, the HF Trainer."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+import connmon
+from connmon.alerts import AlertRunner, edge_of_stability_rule
+from connmon.callbacks import SharpnessMonitor
+from connmon.integrations.sharpness import SharpnessSampler
+from tests.callbacks.lightning_models import LitGPT, loader
+
+RATIO = "connmon/sharpness_ratio"
+
+
+def lightning_ratios(estimator: str, max_steps: int = 7) -> dict[int, float]:
+    series = {}
+    monitor = SharpnessMonitor(lambda m, b: next_token_loss(m.model, b), every_n_steps=2, estimator=estimator)
+    monitor.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
+    trainer = L.Trainer(
+        max_steps=max_steps, callbacks=[monitor], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, accelerator="cpu",
+    )  # fmt: skip
+    trainer.fit(LitGPT(), loader())
+    return series
+
+
+def next_token_loss(model, batch):
+    idx, target = batch
+    return torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+
+
+def plain_loop(monitor_options: dict, max_steps: int = 7) -> tuple[dict[int, float], torch.nn.Module]:
+    """LitGPT's model, data and SGD in a plain loop, with connmon.Monitor's sharpness."""
+    module = LitGPT()
+    model = module.model
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    logged = {}
+    monitor = connmon.Monitor(
+        model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer,
+        log=lambda values, step: logged.update({step: values[RATIO]}) if RATIO in values else None, **monitor_options,
+    )  # fmt: skip
+    batches = iter(loader())
+    for step in range(max_steps):
+        batch = next(batches)
+        with monitor.step(step, batch=batch):
+            loss = next_token_loss(model, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
+    return logged, model
+
+
+@pytest.mark.parametrize("estimator", ["secant", "difference"])
+def test_a_plain_loop_logs_what_lightning_logs(estimator):
+    sampler = SharpnessSampler(every_n_steps=2, estimator=estimator)
+    loop, _ = plain_loop({"sharpness": sampler, "loss_fn": next_token_loss})
+    assert sorted(loop) == [2, 4, 6]
+    assert loop == pytest.approx(lightning_ratios(estimator), rel=1e-9)
+
+
+def test_the_plain_loop_trains_bitwise_the_same_and_leaves_no_hook():
+    _, plain = plain_loop({})
+    sampler = SharpnessSampler(every_n_steps=1)
+    _, monitored = plain_loop({"sharpness": sampler})
+    assert all(
+        torch.equal(a, b) for a, b in zip(plain.state_dict().values(), monitored.state_dict().values(), strict=True)
+    )
+    assert sampler.samples == 6 and sampler.optimizer._optimizer_step_post_hooks == {}
+
+
+def test_the_plain_loop_alert_rules_see_the_ratio():
+    seen = []
+    runner = AlertRunner([edge_of_stability_rule(since=0, consecutive=1, bound=0.0)], actions=(), on_alert=seen.append)
+    plain_loop({"sharpness": SharpnessSampler(every_n_steps=2), "alerts": runner})
+    assert [(a.key, a.step) for a in seen] == [(RATIO, 2)]  # the cooldown keeps it to one
+
+
+def test_plain_loop_options_are_checked():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="sharpness needs the optimizer it watches"):
+        connmon.Monitor(sharpness=SharpnessSampler())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="estimator='difference' reads a loss: pass loss_fn"):
+        connmon.Monitor(optimizer=optimizer, sharpness=SharpnessSampler(estimator="difference"))
+    with pytest.raises(ValueError, match="sharpness must be a connmon.integrations.sharpness.SharpnessSampler"):
+        connmon.Monitor(optimizer=optimizer, sharpness="secant")
+
+
+def test_the_hugging_face_trainer_logs_the_secant_of_its_own_gradients(tmp_path):
+    """AdamW under a linear LR schedule, clipped every step: ratio = u.(g_s - g_{s-1}) / (u.(u / U)) / 3.8."""
+    transformers = pytest.importorskip("transformers")
+    from connmon.integrations.transformers import ConnectionMonitorCallback
+    from tests.integrations.test_transformers import make_trainer
+
+    trainer = make_trainer(tmp_path, max_grad_norm=0.05)  # the reading sees the clipped gradients the step uses
+    seen = {}
+
+    class Recorder(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):  # after clipping, before the step
+            optimizer = trainer.optimizer.optimizer
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            v_hat = [
+                optimizer.state[p]["exp_avg_sq"] / (1 - 0.999 ** optimizer.state[p]["step"].item())
+                if p in optimizer.state else torch.zeros_like(p)
+                for p in params
+            ]  # fmt: skip
+            seen[state.global_step] = {
+                "theta": torch.cat([p.detach().reshape(-1).double() for p in params]),
+                "grad": torch.cat([p.grad.reshape(-1).double() for p in params]),
+                "root": torch.cat([v.reshape(-1).double().sqrt() + 1e-8 for v in v_hat]),  # after step global_step
+                "lr": optimizer.param_groups[0]["lr"],  # the next step's
+            }
+
+    callback = ConnectionMonitorCallback(trainer, every_n_steps=1000, sharpness=SharpnessSampler(every_n_steps=2))
+    trainer.add_callback(callback)
+    trainer.add_callback(Recorder())
+    trainer.train()
+    logged = {row["step"]: row for row in trainer.state.log_history if RATIO in row}
+    assert sorted(logged) == [2, 4]  # step 6 is the last: no step follows it
+    for s, row in logged.items():
+        u = seen[s]["theta"] - seen[s - 1]["theta"]
+        step_size = seen[s - 1]["lr"] * (1 - 0.9) / seen[s]["root"]
+        expected = (u @ (seen[s]["grad"] - seen[s - 1]["grad"])) / (u @ (u / step_size)) / 3.8
+        assert row[RATIO] == pytest.approx(expected.item(), rel=1e-4)
+        assert 0 < row["connmon/overhead/curvature"] < 1
+    optimizer = trainer.optimizer.optimizer
+    assert callback.sharpness.optimizer is optimizer and not optimizer._optimizer_step_post_hooks  # removed
+
+
+def test_the_hugging_face_callback_refuses_an_estimator_it_cannot_feed(tmp_path):
+    pytest.importorskip("transformers")
+    from connmon.integrations.transformers import ConnectionMonitorCallback
+    from tests.integrations.test_transformers import make_trainer
+
+    with pytest.raises(ValueError, match="which the Trainer does not hand to callbacks"):
+        ConnectionMonitorCallback(make_trainer(tmp_path), sharpness=SharpnessSampler(estimator="lanczos"))
