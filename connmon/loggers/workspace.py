@@ -3,7 +3,9 @@
 One section per diagnostic group, one line panel per diagnostic with every layer as a line (a regex over
 ``connmon/<metric>/(L<ll>|all)``, so the panel fits any depth) and the ``/all`` mean drawn thick; a section of
 histogram panels (one per layer: W&B draws a histogram series as a heatmap over steps), a section of the figures
-(media panels) and one of the alert counts. The keys are those the monitor logs, read from the metric classes.
+(media panels), one of the curvature (a SharpnessMonitor's ratio against the edge of stability) and of what every
+monitor costs (``connmon/overhead``), and one of the alert counts. The keys are those the monitor logs, read from
+the metric classes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ GROUPS = {"walk": WalkMetrics, "transport": TransportMetrics, "spectrum": Spectr
 HISTOGRAMS = ("head_isometry_gap_hist", "spectrum_modulus_hist")
 FIGURES = ("spectra", "gaps_by_depth")
 ALERTS = ("connmon/alerts/total", "connmon/alerts/count")
+CURVATURE = ("connmon/sharpness_ratio", "connmon/sharpness_eigenvalue")  # a SharpnessMonitor's (sharpness=)
+OVERHEAD = ("connmon/overhead", "connmon/overhead/attention", "connmon/overhead/curvature")  # every monitor's
 
 
 def metric_regex(metric: str, prefix: str = "") -> str:
@@ -101,6 +105,19 @@ def build_workspace(
     sections.append(ws.Section(name="connmon: histograms", panels=histograms, layout_settings=_grid(histograms)))
     figures = [wr.MediaBrowser(title=f, media_keys=[f"{prefix}connmon/figures/{f}"]) for f in FIGURES]
     sections.append(ws.Section(name="connmon: figures", panels=figures))
+    curvature = [
+        wr.LinePlot(title="sharpness ratio (1: the edge of stability)", x=x, y=[f"{prefix}{CURVATURE[0]}"]),
+        wr.LinePlot(title="sharpness eigenvalue", x=x, y=[f"{prefix}{CURVATURE[1]}"]),
+        wr.LinePlot(
+            title="connmon overhead (fraction of training time)",
+            x=x,
+            y=[f"{prefix}{key}" for key in OVERHEAD],
+            line_widths={f"{prefix}{OVERHEAD[0]}": 4.0},
+        ),
+    ]
+    sections.append(
+        ws.Section(name="connmon: curvature and cost", panels=curvature, is_open=True, layout_settings=_grid(curvature))
+    )
     alerts = [wr.LinePlot(title="connmon alerts", x=x, y=[f"{prefix}{key}" for key in ALERTS])]
     sections.append(ws.Section(name="connmon: alerts", panels=alerts, is_open=True))
     return ws.Workspace(entity=entity, project=project, name=name, sections=sections)
@@ -120,6 +137,6 @@ def workspace_spec(workspace: Any) -> dict[str, Any]:
         >>> from connmon.loggers.workspace import build_workspace, workspace_spec
         >>> spec = workspace_spec(build_workspace("my-team", "my-project", num_layers=2))
         >>> spec["project"], len(spec["spec"]["section"]["panelBankConfig"]["sections"])
-        ('my-project', 7)
+        ('my-project', 8)
     """
     return workspace._to_model().model_dump(mode="json", by_alias=True, exclude_none=True)

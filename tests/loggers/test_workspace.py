@@ -10,6 +10,7 @@ import torch
 
 import connmon
 from connmon.cli import main
+from connmon.integrations.sharpness import SharpnessSampler
 from connmon.loggers.workspace import build_workspace, workspace_spec
 from tests.capture.models import TinyGPT
 from tests.integrations.wandb_read import read_run
@@ -25,6 +26,7 @@ def logged_keys(tmp_path_factory) -> set[str]:
     run = wandb.init(project="connmon-test", mode="offline", dir=str(tmp_path_factory.mktemp("wandb")))
     torch.manual_seed(0)
     model = TinyGPT(n_layer=3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     monitor = connmon.Monitor(
         model,
         every_n_steps=1,
@@ -32,10 +34,17 @@ def logged_keys(tmp_path_factory) -> set[str]:
         figures_every_n_samples=1,
         wandb=run,
         alerts=connmon.alerts.AlertRunner(),
+        optimizer=optimizer,
+        sharpness=SharpnessSampler(every_n_steps=2),
     )
-    for step in range(2):
-        with monitor.step(step), torch.no_grad():
-            model(torch.randint(0, 50, (2, 12)))
+    for step in range(4):
+        ids = torch.randint(0, 50, (2, 12))
+        with monitor.step(step):
+            loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    monitor.close()
     files = run.dir
     run.finish()
     rows = [r["history"]["item"] for r in read_run(files) if r.get("type") == "history"]
@@ -55,7 +64,7 @@ def test_every_logged_key_has_exactly_one_panel_and_every_panel_a_key(logged_key
     sections = panels(spec)
     assert list(sections) == [
         "connmon: walk", "connmon: transport", "connmon: spectrum", "connmon: drift",
-        "connmon: histograms", "connmon: figures", "connmon: alerts",
+        "connmon: histograms", "connmon: figures", "connmon: curvature and cost", "connmon: alerts",
     ]  # fmt: skip
     keys = {prefix + key for key in logged_keys}
     shown: dict[str, int] = {}
@@ -92,7 +101,7 @@ def test_histogram_panels_follow_the_layer_count(logged_keys):
 def test_cli_prints_the_spec_offline_and_reports_a_missing_login(capsys, monkeypatch):
     assert main(["workspace", "--entity", "team", "--project", "proj", "--layers", "2", "--print"]) == 0
     spec = json.loads(capsys.readouterr().out)
-    assert spec["project"] == "proj" and len(panels(spec)) == 7
+    assert spec["project"] == "proj" and len(panels(spec)) == 8
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     assert main(["workspace", "--entity", "team", "--project", "proj", "--layers", "2"]) == 2
