@@ -1,29 +1,27 @@
-"""Training throughput with ConnectionMonitor against no monitor and against ``wandb.watch``, in the same run.
+"""Training throughput with connmon's monitors against no monitor and against ``wandb.watch``, in the same run.
 
-The model is the example's tiny GPT (4 layers, width 128, 4 heads, batch 16 x 64 tokens, CPU). Each configuration
-trains 201 steps; the timed window is steps 1..200 (step 0, which every monitor samples, is warm-up), so
-``every_n_steps=100`` samples twice in the window and ``every_n_steps=10`` twenty times. Configurations run
-alternately, ``--rounds`` times; the table gives median steps/s and the ratio of step time to the plain run.
+The model is the example's tiny GPT (4 layers, width 128, 4 heads, batch 16 x 64 tokens, AdamW, CPU). Each
+configuration trains 201 steps; the timed window is steps 1..200 (step 0, which every monitor samples, is warm-up).
+A step is timed from the first callback's batch start to the last callback's batch end, so every hook a monitor
+uses (batch start, before the optimizer step, batch end) falls inside it. Configurations run alternately,
+``--rounds`` times; the table gives median steps/s, the ratio of step time to the plain run, and beside it what the
+monitors themselves logged as ``connmon/overhead`` (their clocks' time over the training time, in the same run).
 
 * plain: no monitor (CSV logger).
 * ConnectionMonitor(every_n_steps=100) and (every_n_steps=10): the default diagnostics on the training forward.
-* alerting_5: ConnectionMonitor(every_n_steps=5, diagnostics=("walk",)) with DriftAlert, the alerting setup.
+* recipe (secant): README's alerting recipe, SharpnessMonitor(every_n_steps=20) (the secant estimator, the
+  default) + ConnectionMonitor(every_n_steps=25, diagnostics=("walk",)) + DriftAlert.
+* recipe (lanczos): the same with SharpnessMonitor(estimator="lanczos"), the recipe of earlier versions.
+* secant_1, difference_10, lanczos_10: one SharpnessMonitor alone at that cadence.
+* lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="lanczos", budget=0.05): the cadence it chooses.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
-* sharpness_10: SharpnessMonitor(every_n_steps=10) alone (the opt-in curvature; its default is every 40 steps).
 
-It also reports what one sampled step costs: the median time of the sampled steps of the ``every_n_steps=10`` run
-minus the median time of its other steps, in units of one training step, separately for the light samples (walk,
-head/OV transport, drift) and the full ones (also the spectrum group and the edge gap; that run uses
-``full_every_n_samples=10`` so that its window holds two). From those, the amortized overhead of ``every_n_steps=N``
-at the default cadence F is ``1 + ((F - 1) light + full) / (F N)``: the whole-run ratios cannot show it, because the
-200-step window of ``every_n_steps=100`` holds two light samples and no full one, and because they carry about 10%
-noise on a shared 2-core machine.
-
-The same per-sample cost is reported for SharpnessMonitor (8 Lanczos steps, the default), amortized at its default
-``every_n_steps=40``.
+It also reports what one sampled step costs in the ConnectionMonitor(every_n_steps=10) run (light and full samples,
+in training steps) and the extra peak memory of one curvature sample per estimator (resident set size in a fresh
+process: a training step, then a sample, against a training step alone).
 
 Usage:
-    python benchmarks/bench_overhead.py               # about 7 minutes on 2 CPU cores
+    python benchmarks/bench_overhead.py               # about 10 minutes on 2 CPU cores
     python benchmarks/bench_overhead.py --rounds 3
 """
 
@@ -95,10 +93,20 @@ def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
         every = int(config.split("_")[1])
         full = {"full_every_n_samples": 10} if every == 10 else {}  # 2 full samples in the window, to time them
         callbacks.append(ConnectionMonitor(every_n_steps=every, figures_every_n_samples=None, **full))
-    if config == "alerting_5":  # the setup DriftAlert wants: dense, walk group only
-        callbacks += [ConnectionMonitor(every_n_steps=5, diagnostics=("walk",)), DriftAlert(actions=("log",))]
-    if config == "sharpness_10":
-        callbacks.append(SharpnessMonitor(next_token_loss, every_n_steps=10))
+    if config.startswith("recipe"):
+        estimator = "lanczos" if "lanczos" in config else "secant"
+        callbacks += [
+            SharpnessMonitor(next_token_loss, every_n_steps=20, estimator=estimator),
+            ConnectionMonitor(every_n_steps=25, diagnostics=("walk",), figures_every_n_samples=None),
+            DriftAlert(actions=("log",)),
+        ]
+    for estimator in ("secant", "difference", "lanczos"):
+        if config.startswith(f"{estimator}_"):
+            callbacks.append(
+                SharpnessMonitor(next_token_loss, every_n_steps=int(config.split("_")[1]), estimator=estimator)
+            )
+    if config == "lanczos budget 5%":
+        callbacks.append(SharpnessMonitor(next_token_loss, every_n_steps=1, estimator="lanczos", budget=0.05))
     if config == "wandb.watch":
         logger = WandbLogger(project="connmon-bench", save_dir=str(workdir), mode="offline")
         logger.watch(model, log="all", log_freq=100)
@@ -109,7 +117,52 @@ def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
     trainer.fit(model, data)
     if config == "wandb.watch":
         logger.experiment.finish()
-    return clock.times
+    clocks = [cb.monitor.clock for cb in callbacks if isinstance(cb, ConnectionMonitor)]
+    clocks += [cb.sampler.clock for cb in callbacks if isinstance(cb, SharpnessMonitor)]
+    spent = sum(c.spent for c in clocks)
+    logged = spent / max(c.training for c in clocks) if clocks else 0.0
+    stride = [cb.sampler.stride * cb.every_n_steps for cb in callbacks if isinstance(cb, SharpnessMonitor)]
+    return clock.times, logged, stride[0] if stride else None
+
+
+def peak_memory(estimator: str | None) -> tuple[int, int]:
+    """Peak resident set size (bytes) of a fresh process before training, and after 3 steps and one sample (or none)."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, sys, torch
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import bench_overhead as b
+from connmon.curvature import UpdateProbe, sharpness_ratio
+torch.manual_seed(0)
+model = b.example.TinyGPT()
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+idx, target = next(iter(torch.utils.data.DataLoader(b.example.markov_corpus(64), batch_size=16)))
+loss_fn = lambda: b.next_token_loss(model, (idx, target))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+probe = None
+for step in range(3):
+    optimizer.zero_grad()
+    loss_fn().backward()
+    if step == 2 and {estimator!r} in ("secant", "difference"):
+        probe = UpdateProbe(optimizer)
+    optimizer.step()
+if probe is not None:
+    probe.stepped()
+if {estimator!r} == "difference":
+    probe.difference(loss_fn, model=model)
+elif {estimator!r} == "secant":
+    optimizer.zero_grad()
+    loss_fn().backward()  # the next step's backward, which a training step does anyway
+    probe.secant()
+elif {estimator!r} == "lanczos":
+    sharpness_ratio(loss_fn, optimizer, steps=8, model=model)
+print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = out.stdout.split()[-2:]
+    return int(before), int(after)
 
 
 def main() -> None:
@@ -119,57 +172,51 @@ def main() -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
     data = DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
-    configs = ["plain", "monitor_100", "monitor_10", "alerting_5", "wandb.watch", "sharpness_10"]
+    configs = [
+        "plain", "monitor_100", "monitor_10", "recipe (secant)", "recipe (lanczos)", "secant_1", "difference_10",
+        "lanczos_10", "lanczos budget 5%", "wandb.watch",
+    ]  # fmt: skip
     throughput: dict[str, list[float]] = {c: [] for c in configs}
+    logged: dict[str, list[float]] = {c: [] for c in configs}
+    strides: dict[str, int | None] = {}
     light_cost: list[float] = []
     full_cost: list[float] = []
-    walk_cost: list[float] = []
-    watch_cost: list[float] = []
-    sharpness_cost: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(args.rounds):
             for config in configs:
-                times = run(config, data, Path(tmp) / f"{round_}")
+                times, fraction, strides[config] = run(config, data, Path(tmp) / f"{round_}")
                 window = [times[s] for s in range(1, STEPS)]
                 throughput[config].append(len(window) / sum(window))
+                logged[config].append(fraction)
                 if config == "monitor_10":  # sample i at step 10 i; full when i % 10 == 0
                     step = statistics.median(times[s] for s in range(1, STEPS) if s % 10)
                     light_cost.extend((times[s] - step) / step for s in range(10, STEPS, 10) if s % 100)
                     full_cost.extend((times[s] - step) / step for s in range(100, STEPS, 100))
-                if config == "wandb.watch":  # it computes and logs its histograms at steps 100 and 200
-                    step = statistics.median(times[s] for s in range(1, STEPS) if s % 100)
-                    watch_cost.extend((times[s] - step) / step for s in range(100, STEPS, 100))
-                if config == "sharpness_10":  # it measures after the step that makes global_step a multiple of 10
-                    step = statistics.median(times[s] for s in range(1, STEPS) if (s + 1) % 10)
-                    sharpness_cost.extend((times[s] - step) / step for s in range(9, STEPS, 10))
-                if config == "alerting_5":
-                    step = statistics.median(times[s] for s in range(1, STEPS) if s % 5)
-                    walk_cost.extend((times[s] - step) / step for s in range(5, STEPS, 5))
                 print(f"round {round_ + 1}: {config} {throughput[config][-1]:.2f} steps/s", flush=True)
     base = statistics.median(throughput["plain"])
     print(f"\ntorch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {args.rounds} rounds, steps 1..200\n")
-    print("| configuration | steps/s (median) | step time vs plain |")
-    print("|---|---|---|")
+    print("| configuration | steps/s (median) | step time vs plain | connmon/overhead logged in the run |")
+    print("|---|---|---|---|")
     for config in configs:
         rate = statistics.median(throughput[config])
-        print(f"| {config} | {rate:.2f} | {base / rate:.3f}x |")
+        inside = f"{100 * statistics.median(logged[config]):.1f}%" if config not in ("plain", "wandb.watch") else "-"
+        if strides[config] is not None and "budget" in config:
+            inside += f" (it chose every {strides[config]} steps)"
+        print(f"| {config} | {rate:.2f} | {base / rate:.3f}x | {inside} |")
     light, full = statistics.median(light_cost), statistics.median(full_cost)
     print(f"\none sampled step costs, in training steps (every_n_steps=10 run): light {light:.2f}, full {full:.2f}")
     cadence = inspect.signature(ConnectionMonitor).parameters["full_every_n_samples"].default
     per_sample = ((cadence - 1) * light + full) / cadence
     print(f"amortized at the default full_every_n_samples={cadence} ({per_sample:.2f} steps per sample): ", end="")
     print(f"every_n_steps=100 {1 + per_sample / 100:.4f}x, every_n_steps=10 {1 + per_sample / 10:.3f}x")
-    watch = statistics.median(watch_cost)
-    print(
-        f"wandb.watch: each logging step costs {watch:.2f} training steps, {1 + watch / 100:.4f}x at log_freq=100 ",
-        end="",
-    )
-    print("(plus its per-step hooks, which only the whole-run ratio sees)")
-    walk = statistics.median(walk_cost)
-    print(f"alerting (walk group every 5 steps + DriftAlert): {walk:.2f} steps per sample, {1 + walk / 5:.3f}x")
-    curvature = statistics.median(sharpness_cost)
-    print(f"SharpnessMonitor (8 Lanczos steps): {curvature:.2f} steps per sample, ", end="")
-    print(f"every_n_steps=40 {1 + curvature / 40:.3f}x, every_n_steps=100 {1 + curvature / 100:.3f}x")
+    print("\n| curvature sample | peak RSS above the process before training, MB | extra, in training-step memory |")
+    print("|---|---|---|")
+    before, peak = peak_memory(None)
+    step = peak - before  # what training steps add to the process: activations, gradients, optimizer state
+    print(f"| none (3 training steps) | {step / 2**20:.1f} | - |")
+    for estimator in ("secant", "difference", "lanczos"):
+        before, peak = peak_memory(estimator)
+        print(f"| {estimator} | {(peak - before) / 2**20:.1f} | {100 * (peak - before - step) / step:+.0f}% |")
 
 
 if __name__ == "__main__":
