@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 from torch import Tensor
 
 from connmon.callbacks._cost import say_cost
-from connmon.integrations.sharpness import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessSampler
+from connmon.integrations.sharpness import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessSampler, keys_of
 
 __all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
 
@@ -20,23 +20,25 @@ class SharpnessMonitor(Callback):
 
     The estimate is :class:`connmon.integrations.sharpness.SharpnessSampler`'s (the same in every entry point):
 
-    * ``estimator="secant"`` (the default): the curvature along the optimizer's own update, from the gradients of
-      the step before a sampled one and of the sampled one (:meth:`connmon.curvature.UpdateProbe.secant`). No
-      forward, no double backward and no ``loss_fn``: it runs with any attention kernel (flash, fused), compiled
-      models, mixed precision and gradient accumulation, and costs one copy of the parameters held for one step.
-    * ``estimator="difference"``: the same curvature from three forwards of ``loss_fn`` on the sampled step's first
-      micro-batch (:meth:`connmon.curvature.UpdateProbe.difference`), on the model's own kernels.
-    * ``estimator="lanczos"``: the top of the preconditioned Hessian's spectrum
+    * ``estimator="lanczos"`` (the default): the top of the preconditioned Hessian's spectrum
       (:func:`connmon.curvature.sharpness_ratio`) on the sampled step's first micro-batch, by double backward
-      through SDPA's math kernel: about ``lanczos_steps + 1`` double backward passes per sample.
+      through SDPA's math kernel: about ``lanczos_steps + 1`` double backward passes per sample. It logs
+      ``connmon/sharpness_ratio`` (1 is the edge of stability: on the quadratic model the steps oscillate with a
+      growing amplitude past it) and ``connmon/sharpness_eigenvalue``. :class:`DriftAlert` sees the ratio on the
+      steps it is measured; its default rules alert when it is above 1 on two samples in a row from step 20 on
+      (:func:`connmon.alerts.edge_of_stability_rule`).
+    * ``estimator="difference"``: the curvature along the optimizer's own update from three forwards of ``loss_fn``
+      (:meth:`connmon.curvature.UpdateProbe.difference`), on the model's own kernels (flash, fused, compiled).
+    * ``estimator="secant"``: the same from the gradients of the step before a sampled one and of the sampled one
+      (:meth:`connmon.curvature.UpdateProbe.secant`): no forward, no ``loss_fn``, one copy of the parameters for a
+      step.
 
-    It logs ``connmon/sharpness_ratio`` (1 is the edge of stability: on the quadratic model the steps oscillate with
-    a growing amplitude past it) and ``connmon/sharpness_eigenvalue`` to every logger at the sampled step, with
-    what it costs: ``connmon/overhead/curvature`` (its time over the training time, synchronized on accelerators)
+    The update readings log ``connmon/update_sharpness_ratio`` and ``connmon/update_sharpness_eigenvalue``: a lower
+    bound of the Lanczos ratio that, on the instability suite, read 10-100x below it and never crossed the edge
+    before a divergence, so no default rule watches it (benchmarks/README.md). Every sample also logs what the
+    monitor costs: ``connmon/overhead/curvature`` (its time over the training time, synchronized on accelerators)
     and ``connmon/overhead`` (every connmon monitor of the run); the end of the fit says it in one line. Under DDP
-    each process reads its own value and the mean is logged. :class:`DriftAlert` sees the ratio on the steps it is
-    measured; its default rules alert when it is above 1 on two samples in a row
-    (:func:`connmon.alerts.edge_of_stability_rule`).
+    each process reads its own value and the mean is logged.
 
     Nothing of the training run changes: parameters, gradients, optimizer state, random streams and buffers are
     bitwise as they were. The update estimators also run under FSDP2 (``ModelParallelStrategy``: the sums over
@@ -47,12 +49,12 @@ class SharpnessMonitor(Callback):
 
     Args:
         loss_fn: the batch's scalar loss, ``loss_fn(pl_module, batch)`` (for example
-            ``lambda module, batch: F.cross_entropy(module(batch[0]), batch[1])``); needed by ``"difference"`` and
-            ``"lanczos"`` only. It is called outside ``training_step`` and before it, on the batch as the dataloader
-            gave it (on the model's device). A capture that a :class:`ConnectionMonitor` armed for the same step
-            records nothing of these forwards.
+            ``lambda module, batch: F.cross_entropy(module(batch[0]), batch[1])``); needed by ``"lanczos"`` and
+            ``"difference"``, not by ``"secant"``. It is called outside ``training_step`` and before it, on the
+            batch as the dataloader gave it (on the model's device). A capture that a :class:`ConnectionMonitor`
+            armed for the same step records nothing of these forwards.
         every_n_steps: sample at optimizer steps ``every_n_steps``, ``2 every_n_steps``, ...
-        estimator: ``"secant"``, ``"difference"`` or ``"lanczos"``.
+        estimator: ``"lanczos"``, ``"difference"`` or ``"secant"``.
         lanczos_steps: Hessian-vector products per sample with ``"lanczos"``.
         budget: None, or the fraction of training time the samples may take (e.g. 0.01): the monitor then samples
             every ``k``-th of those steps, ``k`` chosen from the measured costs (the same on every process, saved in
@@ -65,15 +67,17 @@ class SharpnessMonitor(Callback):
     Example:
         >>> import lightning as L
         >>> from connmon.callbacks import DriftAlert, SharpnessMonitor
-        >>> callbacks = [SharpnessMonitor(every_n_steps=20), DriftAlert()]
+        >>> import torch.nn.functional as F
+        >>> loss_fn = lambda module, batch: F.cross_entropy(module(batch[0]).flatten(0, 1), batch[1].flatten())
+        >>> callbacks = [SharpnessMonitor(loss_fn, every_n_steps=20), DriftAlert()]
         >>> trainer = L.Trainer(callbacks=callbacks, logger=False, enable_progress_bar=False)
     """
 
     def __init__(
         self,
         loss_fn: Callable[[LightningModule, Any], Tensor] | None = None,
-        every_n_steps: int = 20,
-        estimator: Estimator = "secant",
+        every_n_steps: int = 40,
+        estimator: Estimator = "lanczos",
         lanczos_steps: int = 8,
         budget: float | None = None,
     ) -> None:
@@ -180,4 +184,4 @@ class SharpnessMonitor(Callback):
             for logger in trainer.loggers:
                 logger.log_metrics(values, step=step)
         for listener in self._listeners:
-            listener(trainer, step, {k: values[k] for k in (RATIO_KEY, EIGENVALUE_KEY)})
+            listener(trainer, step, {k: values[k] for k in keys_of(self.sampler.estimator)})

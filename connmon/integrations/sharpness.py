@@ -5,16 +5,22 @@ Lightning's :class:`connmon.callbacks.SharpnessMonitor`, the Hugging Face
 (``sharpness=``) drive one :class:`SharpnessSampler` from their hooks, so the estimator, its cadence, the budget and
 what is logged are defined here once. The estimators (:mod:`connmon.curvature` has the derivations):
 
-* ``"secant"`` (the default): ``u . (g_{t+1} - g_t)`` along the update ``u`` of the step before a sampled one, from
-  the gradient of that step and of the sampled one: no forward, no double backward, no loss function. It costs one
-  copy of the parameters for one step and a few dot products.
-* ``"difference"``: three forwards of ``loss_fn`` at ``theta``, ``theta + u`` and ``theta - u`` on the sampled
-  step's (first) batch, on the model's own kernels.
-* ``"lanczos"``: :func:`connmon.curvature.sharpness_ratio`, the top of the spectrum by double backward (SDPA's math
-  kernel), about ``lanczos_steps + 1`` double backward passes.
+* ``"lanczos"`` (the default): :func:`connmon.curvature.sharpness_ratio`, the top of the preconditioned Hessian's
+  spectrum against the edge (1), by double backward through SDPA's math kernel: about ``lanczos_steps + 1`` double
+  backward passes per sample. Logged as ``connmon/sharpness_ratio`` and ``connmon/sharpness_eigenvalue``, what
+  :func:`connmon.alerts.edge_of_stability_rule` watches.
+* ``"difference"``: the curvature along the optimizer's own update ``u`` (:class:`connmon.curvature.UpdateProbe`)
+  from three forwards of ``loss_fn`` at ``theta - u``, ``theta``, ``theta + u`` on the sampled step's (first) batch,
+  on the model's own kernels (flash, fused, compiled, FSDP2).
+* ``"secant"``: the same from ``u . (g_{t+1} - g_t)``, the gradients of the step before a sampled one and of the
+  sampled one: no forward, no loss function, a few dot products and one copy of the parameters for one step.
 
-Each logs ``connmon/sharpness_ratio`` (1 is the edge of stability) and ``connmon/sharpness_eigenvalue`` at the
-sampled step, with ``connmon/overhead`` and ``connmon/overhead/curvature`` (see :mod:`connmon._cost`).
+The update readings are a lower bound of the Lanczos ratio (a Rayleigh quotient of the same matrix). On the
+instability suite they read 10-100x below it and never reached the edge before a divergence (benchmarks/README.md),
+so they are logged under their own keys, ``connmon/update_sharpness_ratio`` and
+``connmon/update_sharpness_eigenvalue``, which no default rule watches: a cheap panel of the curvature along the
+step, not the divergence warning. Every sample also logs ``connmon/overhead`` and ``connmon/overhead/curvature``
+(see :mod:`connmon._cost`).
 
 The events, with ``step`` the number of optimizer steps taken so far:
 
@@ -39,9 +45,22 @@ from connmon.capture import paused
 from connmon.curvature import UpdateProbe, check_optimizer, sharpness_ratio
 
 Estimator = Literal["secant", "difference", "lanczos"]
-ESTIMATORS: tuple[Estimator, ...] = ("secant", "difference", "lanczos")
+ESTIMATORS: tuple[Estimator, ...] = ("lanczos", "difference", "secant")
 RATIO_KEY = "connmon/sharpness_ratio"
 EIGENVALUE_KEY = "connmon/sharpness_eigenvalue"
+UPDATE_RATIO_KEY = "connmon/update_sharpness_ratio"
+UPDATE_EIGENVALUE_KEY = "connmon/update_sharpness_eigenvalue"
+
+
+def keys_of(estimator: Estimator) -> tuple[str, str]:
+    """The ratio and eigenvalue keys an estimator logs.
+
+    Example:
+        >>> from connmon.integrations.sharpness import keys_of
+        >>> keys_of("secant")
+        ('connmon/update_sharpness_ratio', 'connmon/update_sharpness_eigenvalue')
+    """
+    return (RATIO_KEY, EIGENVALUE_KEY) if estimator == "lanczos" else (UPDATE_RATIO_KEY, UPDATE_EIGENVALUE_KEY)
 
 
 class SharpnessSampler:
@@ -55,7 +74,7 @@ class SharpnessSampler:
 
     Args:
         every_n_steps: sample at optimizer steps ``every_n_steps``, ``2 every_n_steps``, ...
-        estimator: ``"secant"``, ``"difference"`` or ``"lanczos"`` (see the module docstring).
+        estimator: ``"lanczos"``, ``"difference"`` or ``"secant"`` (see the module docstring).
         lanczos_steps: Hessian-vector products per sample with ``"lanczos"``.
         budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample, the
             sampler keeps only every ``k``-th of the candidate steps, ``k`` the smallest stride whose measured mean
@@ -73,7 +92,7 @@ class SharpnessSampler:
         <torch._C.Generator object at ...>
         >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> sampler = SharpnessSampler(every_n_steps=2)
+        >>> sampler = SharpnessSampler(every_n_steps=2, estimator="secant")
         >>> sampler.attach(optimizer)
         >>> x, y = torch.randn(64, 4), torch.randn(64, 1)
         >>> for step in range(4):
@@ -82,14 +101,14 @@ class SharpnessSampler:
         ...     values = sampler.before_step(step)
         ...     optimizer.step()
         >>> sorted(sampler.last_values)[-2:]  # one batch, a quadratic loss: the secant is exact
-        ['connmon/sharpness_eigenvalue', 'connmon/sharpness_ratio']
+        ['connmon/update_sharpness_eigenvalue', 'connmon/update_sharpness_ratio']
         >>> sampler.detach()
     """
 
     def __init__(
         self,
-        every_n_steps: int = 20,
-        estimator: Estimator = "secant",
+        every_n_steps: int = 40,
+        estimator: Estimator = "lanczos",
         lanczos_steps: int = 8,
         budget: float | None = None,
         owner: str = "SharpnessSampler",
@@ -187,6 +206,14 @@ class SharpnessSampler:
                     self._turn_off("it ran out of memory copying the parameters (it holds one copy for one step)")
         return values
 
+    def reads_forward(self, step: int) -> bool:
+        """Whether :meth:`before_forward` reads a loss at ``step`` (an entry point fetches the batch only then)."""
+        if self.off is not None or self.optimizer is None or self.estimator == "secant" or step == self._last_step:
+            return False
+        if self.estimator == "difference":
+            return self._probe is not None and self._probe_step == step
+        return self.due(step)
+
     def before_forward(
         self, step: int, loss_fn: Callable[[], Tensor] | None, model: nn.Module | None = None
     ) -> dict[str, float] | None:
@@ -263,7 +290,8 @@ class SharpnessSampler:
                 return None
             ratio = summed / count
             self.samples += 1
-        values = {RATIO_KEY: ratio, EIGENVALUE_KEY: ratio * constant, **overhead_values(self.clock)}
+        ratio_key, eigenvalue_key = keys_of(self.estimator)
+        values = {ratio_key: ratio, eigenvalue_key: ratio * constant, **overhead_values(self.clock)}
         self.last_values = values
         if self.budget is not None:
             self._rebudget(step)

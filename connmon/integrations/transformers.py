@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +58,13 @@ class ConnectionMonitorCallback(TrainerCallback):
         budget: None, or the fraction of training time the samples may take: sets ``full_every_n_samples`` from
             the measured costs (see :class:`connmon.Monitor`).
         alerts: an :class:`connmon.alerts.AlertRunner` (e.g. ``AlertRunner()`` for the default rules), or None.
-        sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler` with ``estimator="secant"``: the
-            curvature against the optimizer's edge of stability, read from the Trainer's own gradients (after
-            clipping, before ``optimizer.step()``) and logged as ``connmon/sharpness_ratio`` through
-            ``trainer.log``, shown to ``alerts`` on its steps. The Trainer hands callbacks no batch, so the
-            estimators that read a loss are not available here.
+        sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
+            optimizer's edge of stability on its own cadence, logged through ``trainer.log`` and shown to ``alerts``
+            on its steps. ``"lanczos"`` and ``"difference"`` read ``loss_fn`` on the step's first micro-batch (taken
+            from the model's forward, before it runs); ``"secant"`` reads the Trainer's own gradients (after
+            clipping, before ``optimizer.step()``).
+        loss_fn: ``loss_fn(model, inputs)``, the scalar loss of the Trainer's ``inputs`` dict; default
+            ``model(**inputs).loss`` (the inputs carry labels).
 
     Every sample logs what connmon costs (``connmon/overhead``, ``connmon/overhead/attention``,
     ``connmon/overhead/curvature``); the end of training logs it once more and says it at INFO level.
@@ -99,6 +101,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         budget: float | None = None,
         alerts: AlertRunner | None = None,
         sharpness: SharpnessSampler | None = None,
+        loss_fn: Callable[[Any, dict], torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(trainer, Trainer):
             raise ValueError(
@@ -106,15 +109,16 @@ class ConnectionMonitorCallback(TrainerCallback):
             )
         if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
             raise ValueError(f"sharpness must be a SharpnessSampler or None, got {type(sharpness).__name__}")
-        if sharpness is not None and sharpness.estimator != "secant":
-            raise ValueError(
-                f"sharpness estimator={sharpness.estimator!r} reads a loss on the step's batch, which the Trainer does "
-                "not hand to callbacks: use SharpnessSampler(estimator='secant')"
-            )
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable as loss_fn(model, inputs), got loss_fn={loss_fn!r}")
         self.trainer = trainer
         arguments = locals()
         self.monitor = Monitor(**{name: arguments[name] for name in SAMPLING_OPTIONS}, alerts=alerts)
         self.sharpness = sharpness
+        self.loss_fn = loss_fn or _model_loss
+        self._reading = False  # the curvature's own forwards are running: the capture's guard ignores them
+        self._batch_hook: Any = None
+        self._curvature_step: int | None = None  # the step whose first forward the batch hook reads
         if sharpness is not None:
             sharpness.owner = "ConnectionMonitorCallback (sharpness)"
         self.monitor.owner = "ConnectionMonitorCallback"
@@ -146,7 +150,10 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
     ) -> None:
-        """Arm the capture for the first micro-batch of a sampled optimizer step."""
+        """Arm the capture for the first micro-batch of a sampled optimizer step; a curvature reading before it."""
+        if model is not None and self.sharpness is not None and self.sharpness.reads_forward(state.global_step):
+            self._batch_hook = model.register_forward_pre_hook(self._read_curvature, with_kwargs=True, prepend=True)
+            self._curvature_step = state.global_step
         step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
         if model is not None and self.monitor.due(step):
             self._pending = step
@@ -157,28 +164,47 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """After the backward (and clipping), before the step: the curvature sample, logged and shown to the rules."""
-        if self.sharpness is None:
+        """After the backward (and clipping), before the step: the secant sample, or the parameters copied for one."""
+        if self.sharpness is not None:
+            self._publish(state.global_step, self.sharpness.before_step(state.global_step))
+
+    def _read_curvature(self, module: Any, args: tuple, kwargs: dict | None = None) -> None:
+        """The model's first forward of a sampled step, before it runs: read the curvature on its inputs.
+
+        The hook is not removed here (torch calls the hooks it listed before the forward, removed or not, and a
+        removed one without its keyword arguments); it is spent, and removed when the step ends.
+        """
+        if self._reading or self._curvature_step is None:
             return
-        values = self.sharpness.before_step(state.global_step)
+        step, self._curvature_step = self._curvature_step, None
+        inputs = dict(kwargs) if kwargs else (args[0] if args and isinstance(args[0], dict) else None)
+        loss = None if inputs is None else lambda: self.loss_fn(module, inputs)
+        self._reading = True
+        try:
+            self._publish(step, self.sharpness.before_forward(step, loss, module))
+        finally:
+            self._reading = False
+
+    def _publish(self, step: int, values: dict[str, float] | None) -> None:
         if values is None:
             return
-        rules = dict(values)
         if self.monitor.alerts is not None:
-            alerts, stop = self.monitor.alerts.run(rules, state.global_step, wandb=self.monitor.sink)
+            alerts, stop = self.monitor.alerts.run(dict(values), step, wandb=self.monitor.sink)
             values = {**values, **self.monitor.alerts.counts(alerts)}
             if stop:
-                control.should_training_stop = True
-                warn_rank_zero(f"ConnectionMonitorCallback stops training at step {state.global_step} (an alert)")
-        self._log(values, state.global_step)
+                self.trainer.control.should_training_stop = True
+                warn_rank_zero(f"ConnectionMonitorCallback stops training at step {step} (an alert)")
+        self._log(values, step)
 
     def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """The first micro-batch of an accumulation is done: stop recording."""
         self._forward_done()
+        self._drop_batch_hook()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Log the sample of this optimizer step and act on its alerts."""
         self._forward_done()
+        self._drop_batch_hook()
         if self._pending < 0:
             return None
         step, self._pending = self._pending, -1
@@ -199,6 +225,7 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Remove every hook; log and say what connmon cost."""
         self._forward_done()
+        self._drop_batch_hook()
         clocks = [self.monitor.clock] + ([self.sharpness.clock] if self.sharpness is not None else [])
         if any(clock.sections for clock in clocks):
             self._log({k: v for clock in clocks for k, v in overhead_values(clock).items()}, state.global_step)
@@ -212,16 +239,29 @@ class ConnectionMonitorCallback(TrainerCallback):
             self.sharpness.detach()
 
     def _forward_done(self, *args: Any) -> None:
+        if self._reading:
+            return  # a forward of the curvature reading, inside the training forward's pre-hook
         self.monitor.disarm()
         if self._guard is not None:
             self._guard.remove()
             self._guard = None
+
+    def _drop_batch_hook(self) -> None:
+        if self._batch_hook is not None:
+            self._batch_hook.remove()
+            self._batch_hook = None
+        self._curvature_step = None
 
     def _log(self, values: dict[str, float], step: int) -> None:
         control = self.trainer.control
         due = control.should_log  # Trainer.log clears it, which would cancel the loss row of this step
         self.trainer.log(values)
         self.trainer.control.should_log = due
+
+
+def _model_loss(model: Any, inputs: dict) -> torch.Tensor:
+    """The loss a transformers model returns for inputs with labels."""
+    return model(**inputs).loss
 
 
 def _latest_logged(state: TrainerState) -> dict[str, float]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import lightning as L
 import pytest
 import torch
@@ -9,16 +11,17 @@ import torch
 import connmon
 from connmon.alerts import AlertRunner, edge_of_stability_rule
 from connmon.callbacks import SharpnessMonitor
-from connmon.integrations.sharpness import SharpnessSampler
+from connmon.integrations.sharpness import SharpnessSampler, keys_of
 from tests.callbacks.lightning_models import LitGPT, loader
 
 RATIO = "connmon/sharpness_ratio"
+UPDATE = "connmon/update_sharpness_ratio"
 
 
 def lightning_ratios(estimator: str, max_steps: int = 7) -> dict[int, float]:
     series = {}
     monitor = SharpnessMonitor(lambda m, b: next_token_loss(m.model, b), every_n_steps=2, estimator=estimator)
-    monitor.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
+    monitor.add_listener(lambda trainer, step, values: series.update({step: values[keys_of(estimator)[0]]}))
     trainer = L.Trainer(
         max_steps=max_steps, callbacks=[monitor], logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, accelerator="cpu",
@@ -40,7 +43,8 @@ def plain_loop(monitor_options: dict, max_steps: int = 7) -> tuple[dict[int, flo
     logged = {}
     monitor = connmon.Monitor(
         model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer,
-        log=lambda values, step: logged.update({step: values[RATIO]}) if RATIO in values else None, **monitor_options,
+        log=lambda values, step: logged.update({step: v for k, v in values.items() if k in (RATIO, UPDATE)}),
+        **monitor_options,
     )  # fmt: skip
     batches = iter(loader())
     for step in range(max_steps):
@@ -54,7 +58,7 @@ def plain_loop(monitor_options: dict, max_steps: int = 7) -> tuple[dict[int, flo
     return logged, model
 
 
-@pytest.mark.parametrize("estimator", ["secant", "difference"])
+@pytest.mark.parametrize("estimator", ["lanczos", "secant", "difference"])
 def test_a_plain_loop_logs_what_lightning_logs(estimator):
     sampler = SharpnessSampler(every_n_steps=2, estimator=estimator)
     loop, _ = plain_loop({"sharpness": sampler, "loss_fn": next_token_loss})
@@ -64,7 +68,7 @@ def test_a_plain_loop_logs_what_lightning_logs(estimator):
 
 def test_the_plain_loop_trains_bitwise_the_same_and_leaves_no_hook():
     _, plain = plain_loop({})
-    sampler = SharpnessSampler(every_n_steps=1)
+    sampler = SharpnessSampler(every_n_steps=1, estimator="secant")
     _, monitored = plain_loop({"sharpness": sampler})
     assert all(
         torch.equal(a, b) for a, b in zip(plain.state_dict().values(), monitored.state_dict().values(), strict=True)
@@ -75,14 +79,14 @@ def test_the_plain_loop_trains_bitwise_the_same_and_leaves_no_hook():
 def test_the_plain_loop_alert_rules_see_the_ratio():
     seen = []
     runner = AlertRunner([edge_of_stability_rule(since=0, consecutive=1, bound=0.0)], actions=(), on_alert=seen.append)
-    plain_loop({"sharpness": SharpnessSampler(every_n_steps=2), "alerts": runner})
+    plain_loop({"sharpness": SharpnessSampler(every_n_steps=2), "alerts": runner, "loss_fn": next_token_loss})
     assert [(a.key, a.step) for a in seen] == [(RATIO, 2)]  # the cooldown keeps it to one
 
 
 def test_plain_loop_options_are_checked():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="sharpness needs the optimizer it watches"):
-        connmon.Monitor(sharpness=SharpnessSampler())
+        connmon.Monitor(sharpness=SharpnessSampler(estimator="secant"))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="estimator='difference' reads a loss: pass loss_fn"):
         connmon.Monitor(optimizer=optimizer, sharpness=SharpnessSampler(estimator="difference"))
@@ -115,26 +119,55 @@ def test_the_hugging_face_trainer_logs_the_secant_of_its_own_gradients(tmp_path)
                 "lr": optimizer.param_groups[0]["lr"],  # the next step's
             }
 
-    callback = ConnectionMonitorCallback(trainer, every_n_steps=1000, sharpness=SharpnessSampler(every_n_steps=2))
+    sharpness = SharpnessSampler(every_n_steps=2, estimator="secant")
+    callback = ConnectionMonitorCallback(trainer, every_n_steps=1000, sharpness=sharpness)
     trainer.add_callback(callback)
     trainer.add_callback(Recorder())
     trainer.train()
-    logged = {row["step"]: row for row in trainer.state.log_history if RATIO in row}
+    logged = {row["step"]: row for row in trainer.state.log_history if UPDATE in row}
     assert sorted(logged) == [2, 4]  # step 6 is the last: no step follows it
     for s, row in logged.items():
         u = seen[s]["theta"] - seen[s - 1]["theta"]
         step_size = seen[s - 1]["lr"] * (1 - 0.9) / seen[s]["root"]
         expected = (u @ (seen[s]["grad"] - seen[s - 1]["grad"])) / (u @ (u / step_size)) / 3.8
-        assert row[RATIO] == pytest.approx(expected.item(), rel=1e-4)
+        assert row[UPDATE] == pytest.approx(expected.item(), rel=1e-4)
         assert 0 < row["connmon/overhead/curvature"] < 1
     optimizer = trainer.optimizer.optimizer
     assert callback.sharpness.optimizer is optimizer and not optimizer._optimizer_step_post_hooks  # removed
 
 
-def test_the_hugging_face_callback_refuses_an_estimator_it_cannot_feed(tmp_path):
-    pytest.importorskip("transformers")
+@pytest.mark.parametrize("estimator", ["lanczos", "difference"])
+def test_the_hugging_face_trainer_reads_a_loss_on_the_step_first_batch(tmp_path, estimator):
+    """The estimators that read a loss take the Trainer's inputs from the model's forward, before it runs."""
+    transformers = pytest.importorskip("transformers")
+    from connmon.curvature import sharpness_ratio
     from connmon.integrations.transformers import ConnectionMonitorCallback
     from tests.integrations.test_transformers import make_trainer
 
-    with pytest.raises(ValueError, match="which the Trainer does not hand to callbacks"):
-        ConnectionMonitorCallback(make_trainer(tmp_path), sharpness=SharpnessSampler(estimator="lanczos"))
+    trainer = make_trainer(tmp_path, max_steps=5)
+    direct = {}
+
+    class Direct(transformers.TrainerCallback):  # Lanczos on the same inputs, seed and state, taken the same way
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 2 and estimator == "lanczos":
+
+                def hook(module, hook_args, inputs):
+                    if 2 not in direct:  # the first forward of step 3; the reading's own forwards come after
+                        direct[2] = None
+                        loss = lambda: module(**inputs).loss  # noqa: E731
+                        direct[2] = sharpness_ratio(loss, trainer.optimizer.optimizer, steps=8, model=module, seed=2)
+
+                model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+
+    sharpness = SharpnessSampler(every_n_steps=2, estimator=estimator)
+    callback = ConnectionMonitorCallback(trainer, every_n_steps=2, diagnostics=("walk",), sharpness=sharpness)
+    trainer.add_callback(callback)
+    trainer.add_callback(Direct())
+    trainer.train()
+    key = keys_of(estimator)[0]
+    logged = {row["step"]: row[key] for row in trainer.state.log_history if key in row}
+    assert sorted(logged) == [2, 4] and all(math.isfinite(v) for v in logged.values())
+    if estimator == "lanczos":
+        assert logged[2] == pytest.approx(direct[2].ratio, rel=1e-6)
+    attention = [row for row in trainer.state.log_history if "connmon/attention_entropy/L00" in row]
+    assert [row["step"] for row in attention] == [2, 4]  # the capture recorded the training forward, not the reading
