@@ -20,6 +20,7 @@ Usage:
     python benchmarks/bench_sharpness.py --load /tmp/sharpness.json /tmp/phase.json   # the tables again, merged
     python benchmarks/bench_sharpness.py --check   # the estimator against a dense Hessian (a few seconds)
     python benchmarks/bench_sharpness.py --batch-choice   # the next batch or the one just trained on (3 runs, ~12 min)
+    python benchmarks/bench_sharpness.py --update-every 5 --save /tmp/readings.json   # + the update readings (~20 min)
 """
 
 from __future__ import annotations
@@ -342,6 +343,71 @@ def report(runs: list[dict]) -> None:
     cadence_table(runs)
 
 
+READINGS = ("difference", "secant", "loss_rise")
+
+
+def readings_report(runs: list[dict]) -> None:
+    """The update readings against Lanczos: their level, and the default rule (and lower bounds) fed with them.
+
+    ``difference`` and ``secant`` are ``connmon.curvature.UpdateProbe``'s ratios along the previous update (a lower
+    bound of the Lanczos ratio); ``loss_rise`` is ``1 + (L(theta + u) - L(theta)) / -(g . u)`` on the batch the step
+    trained on, ``u^T H u / (-2 g . u)`` on a quadratic: above 1 the step raised that batch's loss (Kalra et al.'s
+    step size over the critical one, read at the optimizer's own step).
+    """
+    runs = [run for run in runs if run.get("readings")]
+    print(
+        "\n| reading | median reading / Lanczos, same step | healthy runs: max | diverged: max, 300 steps before |"
+    )
+    print("|---|---|---|---|")
+    for reading in READINGS:
+        quotients, healthy, diverged = [], [], []
+        for run in runs:
+            series = {int(s): v for s, v in run["readings"].get(reading, {}).items()}
+            if not series:
+                continue
+            lanczos = {int(s): v for s, v in run["ratio"].items()}
+            quotients += [series[s] / lanczos[s] for s in series if s in lanczos and lanczos[s] > 0]
+            div = run["divergence"]
+            if div is None and run["arm"] in ("control", "warmup"):
+                healthy.append(max(v for s, v in series.items() if s >= 100))
+            elif div is not None:
+                diverged.append(max(v for s, v in series.items() if div - 300 <= s < div))
+        if not quotients:
+            continue
+        cells = [
+            reading,
+            f"{statistics.median(quotients):.3g}",
+            ", ".join(f"{v:.3g}" for v in healthy),
+            ", ".join(f"{v:.3g}" for v in diverged),
+        ]
+        print("| " + " | ".join(cells) + " |")
+    print("\n| reading | bound | samples | every | divergences warned | median lead | alerts on healthy | on others |")
+    print("|---|---|---|---|---|---|---|---|")
+    for reading in READINGS:
+        for bound, need in ((1.0, 2), (1.0, 1), (0.5, 2)):
+            for cadence in (5, 20, 40):
+                leads, healthy, other, counted = [], 0, 0, 0
+                for run in runs:
+                    series = {int(s): v for s, v in run["readings"].get(reading, {}).items() if int(s) % cadence == 0}
+                    if not series:
+                        continue
+                    counted += 1
+                    rules = RuleSet([Rule("edge", RATIO_KEY, Threshold(bound, consecutive=need), cooldown=COOLDOWN)])
+                    fired = [s for s in sorted(series) if s >= 20 and rules.update({RATIO_KEY: series[s]}, s)]
+                    lead, fa = score(fired, run["divergence"])
+                    leads += [lead] if lead is not None else []
+                    if run["arm"] in ("control", "warmup"):
+                        healthy += fa
+                    else:
+                        other += fa
+                if not counted:
+                    continue
+                diverged = sum(run["divergence"] is not None for run in runs if reading in run["readings"])
+                median = f"{statistics.median(leads):g}" if leads else "-"
+                cells = [reading, f"{bound:g}", str(need), str(cadence), f"{len(leads)}/{diverged}", median]
+                print("| " + " | ".join([*cells, str(healthy), str(other)]) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1500)
@@ -391,6 +457,7 @@ def main() -> None:
             args.save.write_text(json.dumps(runs))
     print(f"{len(runs)} runs; sampled every {args.every} steps, {args.iterations} Lanczos steps")
     report(runs)
+    readings_report(runs)
 
 
 if __name__ == "__main__":
