@@ -478,11 +478,14 @@ class Monitor:
         self._costs[full][0] += spent
         self._costs[full][1] += 1
         (full_s, full_n), (light_s, light_n) = self._costs[True], self._costs[False]
-        if not full_n or not light_n:
-            return  # both kinds measured once before deciding
+        if not full_n or (not light_n and self.full_every_n_samples > 1):
+            return  # a full sample measured, and a light one unless every sample is full (then light counts as 0)
         steps = max(step - (self._first_step or 0), 1)
         full_cost, light_cost, step_time = agreed(
-            full_s / full_n, light_s / light_n, self.clock.training / steps, device=self.clock.device
+            full_s / full_n,
+            light_s / light_n if light_n else 0.0,
+            self.clock.training / steps,
+            device=self.clock.device,
         )
         allowed = self.budget * self.every_n_steps * step_time  # seconds a sample may cost on average
         if light_cost >= allowed:

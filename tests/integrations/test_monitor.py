@@ -232,3 +232,34 @@ def test_every_entry_point_takes_the_sampling_options_with_the_same_defaults():
     assert len(defaults(ConnectionMonitor)) == len(SAMPLING_OPTIONS)
     callback = ConnectionMonitor(every_n_steps=7, edge_queries=None, layers=[1])
     assert (callback.monitor.every_n_steps, callback.monitor.edge_queries, callback.monitor.layers) == (7, None, [1])
+
+
+def test_every_sample_logs_what_the_monitor_costs_and_close_says_it():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    logged = []
+    monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: logged.append(v))
+    train(model, batches(6), monitor)
+    assert len(logged) == 3
+    fractions = [values["connmon/overhead/attention"] for values in logged]
+    assert all(0 < f < 10 for f in fractions) and all(values["connmon/overhead"] >= f for values, f in
+                                                      zip(logged, fractions, strict=True))  # fmt: skip
+    assert monitor.clock.sections > 0 and monitor.clock.spent > 0
+    monitor.close()
+    assert "connmon.Monitor cost" in monitor.cost_summary() and "% of training time" in monitor.cost_summary()
+
+
+def test_a_budget_sets_the_full_sample_cadence_from_measured_costs_and_is_saved():
+    torch.manual_seed(0)
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=1, full_every_n_samples=1, budget=0.02)
+    with pytest.warns(UserWarning, match=r"connmon.Monitor: budget 2%: a full sample costs .* a light one .* so "):
+        train(model, batches(8), monitor)
+    chosen = monitor.full_every_n_samples
+    assert chosen > 1  # full samples (the spectrum group) cost more than 2% of these tiny steps
+    assert monitor.state_dict()["full_every_n_samples"] == chosen
+    fresh = connmon.Monitor(TinyGPT(), every_n_steps=1, budget=0.02)
+    fresh.load_state_dict(monitor.state_dict())
+    assert fresh.full_every_n_samples == chosen
+    with pytest.raises(ValueError, match=r"budget must be None or a fraction of training time in \(0, 1\)"):
+        connmon.Monitor(budget=0.0)

@@ -41,11 +41,13 @@ def plain_loop(monitor_options: dict, max_steps: int = 7) -> tuple[dict[int, flo
     model = module.model
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     logged = {}
+
+    def log(values, step):
+        logged.update({step: values[key] for key in (RATIO, UPDATE) if key in values})
+
     monitor = connmon.Monitor(
-        model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer,
-        log=lambda values, step: logged.update({step: v for k, v in values.items() if k in (RATIO, UPDATE)}),
-        **monitor_options,
-    )  # fmt: skip
+        model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer, log=log, **monitor_options
+    )
     batches = iter(loader())
     for step in range(max_steps):
         batch = next(batches)
