@@ -43,7 +43,9 @@ def plain_loop(monitor_options: dict, max_steps: int = 7) -> tuple[dict[int, flo
     logged = {}
 
     def log(values, step):
-        logged.update({step: values[key] for key in (RATIO, UPDATE) if key in values})
+        for key in (RATIO, UPDATE):
+            if key in values:
+                logged[step] = values[key]
 
     monitor = connmon.Monitor(
         model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer, log=log, **monitor_options
