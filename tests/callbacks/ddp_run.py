@@ -14,8 +14,8 @@ With ``sharpness``, a SharpnessMonitor samples at steps 2 and 4; each rank write
 directly) and the synced values to OUT_DIR/sharpness<r>.json. Its loss function raises on rank 1 at step 4: both
 ranks must turn the monitor off together and train on to step 6.
 
-With ``secant ddp`` or ``secant fsdp2``, the default SharpnessMonitor samples at steps 2, 4 and 6; each rank writes
-the synced values to OUT_DIR/secant-<mode><r>.json.
+With ``secant ddp`` or ``secant fsdp2``, a SharpnessMonitor(estimator="secant") samples at steps 2, 4 and 6; each
+rank writes the synced values to OUT_DIR/secant-<mode><r>.json.
 """
 
 import os
@@ -89,14 +89,15 @@ def sharpness_run(out: Path) -> None:
 
 
 def secant_run(out: Path, mode: str) -> None:
-    """The default SharpnessMonitor (secant) under DDP or FSDP2: the synced ratios of steps 2, 4, 6 per rank."""
+    """SharpnessMonitor's secant reading under DDP or FSDP2: the synced ratios of steps 2, 4, 6 per rank."""
     import json
 
     from connmon.callbacks import SharpnessMonitor
 
     synced = {}
-    monitor = SharpnessMonitor(every_n_steps=2)
-    monitor.add_listener(lambda trainer, step, values: synced.update({step: values["connmon/sharpness_ratio"]}))
+    monitor = SharpnessMonitor(every_n_steps=2, estimator="secant")
+    key = "connmon/update_sharpness_ratio"
+    monitor.add_listener(lambda trainer, step, values: synced.update({step: values[key]}))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy(mode), max_steps=7, callbacks=[monitor], logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

@@ -280,3 +280,32 @@ def test_bf16_mixed_precision_trains_as_without_the_monitor(tmp_path):
     rows = [row for row in read_csv(tmp_path / "1") if "connmon/reconstruction_error/all" in row]
     assert [int(row["step"]) for row in rows] == [0, 2]
     assert all(float(row["connmon/reconstruction_error/all"]) < 5e-2 for row in rows)  # bf16 module arithmetic
+
+
+def test_each_sample_logs_the_monitor_cost_beside_the_sharpness_monitor_and_the_fit_says_it(tmp_path, caplog):
+    from connmon.callbacks import SharpnessMonitor
+
+    def loss_fn(module, batch):
+        return torch.nn.functional.cross_entropy(module(batch[0]).flatten(0, 1), batch[1].flatten())
+
+    monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None, budget=0.5)
+    sharpness = SharpnessMonitor(loss_fn, every_n_steps=3)
+    t = L.Trainer(
+        max_steps=7, callbacks=[monitor, sharpness], logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
+    )  # fmt: skip
+    with caplog.at_level("INFO"):
+        t.fit(LitGPT(), loader())
+    rows = read_csv(tmp_path)
+    attention = {
+        int(r["step"]): float(r["connmon/overhead/attention"]) for r in rows if "connmon/overhead/attention" in r
+    }
+    curvature = {
+        int(r["step"]): float(r["connmon/overhead/curvature"]) for r in rows if "connmon/overhead/curvature" in r
+    }
+    assert sorted(attention) == [0, 2, 4, 6] and sorted(curvature) == [3, 6]
+    total = {int(r["step"]): float(r["connmon/overhead"]) for r in rows if "connmon/overhead" in r}
+    assert total[6] >= max(attention[6], curvature[6])  # both monitors' time
+    assert all(0 < value < 100 for value in (*attention.values(), *curvature.values()))
+    said = [r.getMessage() for r in caplog.records if "% of training time" in r.getMessage()]
+    assert any("ConnectionMonitor cost" in m for m in said) and any("SharpnessMonitor cost" in m for m in said)
