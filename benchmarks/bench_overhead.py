@@ -17,8 +17,9 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
 
 It also reports what one sampled step costs in the ConnectionMonitor(every_n_steps=10) run (light and full samples,
-in training steps) and the extra peak memory of one curvature sample per estimator (resident set size in a fresh
-process: a training step, then a sample, against a training step alone).
+in training steps) and the peak memory one curvature sample adds to what training holds, against what training
+steps need above the model alone (the kernel's high-water mark, in a fresh process; Linux). A plain fit runs
+first, untimed: the process's first fit pays for thread pools and allocator growth.
 
 Usage:
     python benchmarks/bench_overhead.py               # about 10 minutes on 2 CPU cores
@@ -126,43 +127,57 @@ def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
 
 
 def peak_memory(estimator: str | None) -> tuple[int, int]:
-    """Peak resident set size (bytes) of a fresh process before training, and after 3 steps and one sample (or none)."""
+    """Peak resident memory (bytes) of training steps above the process before them, and of a sample above that.
+
+    In a fresh process the kernel's high-water mark is reset (``/proc/self/clear_refs``, Linux) before 4 training
+    steps (their peak: activations, gradients, optimizer state) and again before the curvature sample that follows
+    them (what it adds to the memory training already holds).
+    """
     import subprocess
     import sys
 
     code = f"""
-import resource, sys, torch
+import re, sys, torch
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import bench_overhead as b
 from connmon.curvature import UpdateProbe, sharpness_ratio
+
+def status(key):
+    return int(re.search(key + r":\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+
+def reset():
+    open("/proc/self/clear_refs", "w").write("5")
+    return status("VmRSS")
+
 torch.manual_seed(0)
 model = b.example.TinyGPT()
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 idx, target = next(iter(torch.utils.data.DataLoader(b.example.markov_corpus(64), batch_size=16)))
 loss_fn = lambda: b.next_token_loss(model, (idx, target))
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+before = reset()
 probe = None
-for step in range(3):
+for step in range(4):
     optimizer.zero_grad()
     loss_fn().backward()
-    if step == 2 and {estimator!r} in ("secant", "difference"):
-        probe = UpdateProbe(optimizer)
+    if step == 3:
+        step_peak = status("VmHWM") - before
+        before = reset()  # the sample from here: the parameter copy, the step it spans, the reading
+        if {estimator!r} in ("secant", "difference"):
+            probe = UpdateProbe(optimizer)
     optimizer.step()
 if probe is not None:
     probe.stepped()
 if {estimator!r} == "difference":
     probe.difference(loss_fn, model=model)
 elif {estimator!r} == "secant":
-    optimizer.zero_grad()
-    loss_fn().backward()  # the next step's backward, which a training step does anyway
-    probe.secant()
+    probe.secant()  # after the next backward, which training does anyway
 elif {estimator!r} == "lanczos":
     sharpness_ratio(loss_fn, optimizer, steps=8, model=model)
-print(before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+print(step_peak, status("VmHWM") - before)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    before, after = out.stdout.split()[-2:]
-    return int(before), int(after)
+    step, sample = out.stdout.split()[-2:]
+    return int(step), int(sample)
 
 
 def main() -> None:
@@ -182,6 +197,7 @@ def main() -> None:
     light_cost: list[float] = []
     full_cost: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
+        run("plain", data, Path(tmp) / "warm-up")  # the process's first fit pays for thread pools and allocator growth
         for round_ in range(args.rounds):
             for config in configs:
                 times, fraction, strides[config] = run(config, data, Path(tmp) / f"{round_}")
@@ -209,14 +225,11 @@ def main() -> None:
     per_sample = ((cadence - 1) * light + full) / cadence
     print(f"amortized at the default full_every_n_samples={cadence} ({per_sample:.2f} steps per sample): ", end="")
     print(f"every_n_steps=100 {1 + per_sample / 100:.4f}x, every_n_steps=10 {1 + per_sample / 10:.3f}x")
-    print("\n| curvature sample | peak RSS above the process before training, MB | extra, in training-step memory |")
-    print("|---|---|---|")
-    before, peak = peak_memory(None)
-    step = peak - before  # what training steps add to the process: activations, gradients, optimizer state
-    print(f"| none (3 training steps) | {step / 2**20:.1f} | - |")
+    print("\n| curvature sample | what it adds to training's memory, MB | training steps' own, MB | sample / step |")
+    print("|---|---|---|---|")
     for estimator in ("secant", "difference", "lanczos"):
-        before, peak = peak_memory(estimator)
-        print(f"| {estimator} | {(peak - before) / 2**20:.1f} | {100 * (peak - before - step) / step:+.0f}% |")
+        step, sample = peak_memory(estimator)
+        print(f"| {estimator} | {sample / 2**20:.1f} | {step / 2**20:.1f} | {sample / step:.2f} |")
 
 
 if __name__ == "__main__":

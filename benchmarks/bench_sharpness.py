@@ -355,9 +355,7 @@ def readings_report(runs: list[dict]) -> None:
     step size over the critical one, read at the optimizer's own step).
     """
     runs = [run for run in runs if run.get("readings")]
-    print(
-        "\n| reading | median reading / Lanczos, same step | healthy runs: max | diverged: max, 300 steps before |"
-    )
+    print("\n| reading | median reading / Lanczos, same step | healthy runs: max | diverged: max, 300 steps before |")
     print("|---|---|---|---|")
     for reading in READINGS:
         quotients, healthy, diverged = [], [], []
