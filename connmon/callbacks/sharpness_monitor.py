@@ -34,7 +34,7 @@ class SharpnessMonitor(Callback):
       step.
 
     The update readings log ``connmon/update_sharpness_ratio`` and ``connmon/update_sharpness_eigenvalue``: a lower
-    bound of the Lanczos ratio that, on the instability suite, read 10-100x below it and never crossed the edge
+    bound of the Lanczos ratio that, on the instability suite, read 2-30% of it and never crossed the edge
     before a divergence, so no default rule watches it (benchmarks/README.md). Every sample also logs what the
     monitor costs: ``connmon/overhead/curvature`` (its time over the training time, synchronized on accelerators)
     and ``connmon/overhead`` (every connmon monitor of the run); the end of the fit says it in one line. Under DDP

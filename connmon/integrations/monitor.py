@@ -89,7 +89,8 @@ class Monitor:
         optimizer: the training's optimizer, for ``sharpness``.
         sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
             optimizer's edge of stability on its own cadence, logged and shown to ``alerts`` like the attention
-            values (``connmon/sharpness_ratio``). It watches ``optimizer.step()`` through the optimizer's hooks.
+            values (``connmon/sharpness_ratio`` with Lanczos, ``connmon/update_sharpness_ratio`` with an update
+            estimator). It watches ``optimizer.step()`` through the optimizer's hooks.
         loss_fn: ``loss_fn(model, batch)``, the batch's scalar loss, for a ``sharpness`` estimator that reads one
             (``"difference"``, ``"lanczos"``); pass the batch as ``monitor.step(step, batch=batch)``.
 
