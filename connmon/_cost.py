@@ -53,12 +53,14 @@ class CostClock:
         self.sections = 0
         self._started: float | None = None
         self._stopped: float | None = None
+        self._others: weakref.WeakKeyDictionary[CostClock, float] = weakref.WeakKeyDictionary()
         self._depth = 0  # sections nest (a recording inside a sample): only the outermost counts
         _RUNNING.discard(self)
 
     def start(self) -> None:
         """Start the training clock (a new run): nothing spent yet."""
         self.spent, self.sections, self._started, self._stopped = 0.0, 0, time.perf_counter(), None
+        self._others = weakref.WeakKeyDictionary({c: c.spent for c in _RUNNING})  # their time so far is not ours
         _RUNNING.add(self)
 
     def stop(self) -> None:
@@ -122,22 +124,26 @@ class CostClock:
 _RUNNING: weakref.WeakSet[CostClock] = weakref.WeakSet()  # the clocks of the monitors of the runs now training
 
 
-def total_fraction() -> float:
-    """All running monitors' time over the training time of this process (the earliest clock's start on).
+def total_fraction(clock: CostClock) -> float:
+    """Every running monitor's time since ``clock`` started, over the training time since then.
+
+    A monitor left running by an earlier run (never stopped) adds only what it spends from then on.
 
     Example:
         >>> from connmon._cost import CostClock, total_fraction
         >>> clock = CostClock("attention")
         >>> clock.start()
-        >>> total_fraction() >= 0
+        >>> total_fraction(clock) >= 0
         True
         >>> clock.stop()
     """
-    clocks = [clock for clock in _RUNNING if clock._started is not None]
-    if not clocks:
+    if clock._started is None:
         return math.nan
-    spent = sum(clock.spent for clock in clocks)
-    training = time.perf_counter() - min(clock._started for clock in clocks) - spent
+    spent = clock.spent + sum(
+        max(other.spent - clock._others.get(other, 0.0), 0.0) for other in _RUNNING if other is not clock
+    )
+    end = clock._stopped if clock._stopped is not None else time.perf_counter()
+    training = end - clock._started - spent
     return spent / training if training > 0 else math.nan
 
 
@@ -152,7 +158,7 @@ def overhead_values(clock: CostClock) -> dict[str, float]:
         ['connmon/overhead', 'connmon/overhead/curvature']
         >>> clock.stop()
     """
-    values = {"connmon/overhead": total_fraction(), f"connmon/overhead/{clock.part}": clock.fraction}
+    values = {"connmon/overhead": total_fraction(clock), f"connmon/overhead/{clock.part}": clock.fraction}
     return {key: value for key, value in values.items() if math.isfinite(value)}
 
 

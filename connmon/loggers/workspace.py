@@ -26,7 +26,6 @@ GROUPS = {"walk": WalkMetrics, "transport": TransportMetrics, "spectrum": Spectr
 HISTOGRAMS = ("head_isometry_gap_hist", "spectrum_modulus_hist")
 FIGURES = ("spectra", "gaps_by_depth")
 ALERTS = ("connmon/alerts/total", "connmon/alerts/count")
-CURVATURE = ("connmon/sharpness_ratio", "connmon/sharpness_eigenvalue")  # a SharpnessMonitor's (sharpness=)
 OVERHEAD = ("connmon/overhead", "connmon/overhead/attention", "connmon/overhead/curvature")  # every monitor's
 
 
@@ -106,8 +105,20 @@ def build_workspace(
     figures = [wr.MediaBrowser(title=f, media_keys=[f"{prefix}connmon/figures/{f}"]) for f in FIGURES]
     sections.append(ws.Section(name="connmon: figures", panels=figures))
     curvature = [
-        wr.LinePlot(title="sharpness ratio (1: the edge of stability)", x=x, y=[f"{prefix}{CURVATURE[0]}"]),
-        wr.LinePlot(title="sharpness eigenvalue", x=x, y=[f"{prefix}{CURVATURE[1]}"]),
+        wr.LinePlot(
+            title="sharpness ratio (1: the edge of stability)",
+            x=x,
+            metric_regex=f"^{re.escape(prefix)}connmon/(update_)?sharpness_ratio$",
+            line_widths={f"{prefix}connmon/sharpness_ratio": 4.0},
+            line_titles={f"{prefix}connmon/sharpness_ratio": "Lanczos (the warning)"},
+        ),
+        wr.LinePlot(
+            title="sharpness eigenvalue",
+            x=x,
+            metric_regex=f"^{re.escape(prefix)}connmon/(update_)?sharpness_eigenvalue$",
+            line_widths={f"{prefix}connmon/sharpness_eigenvalue": 4.0},
+            line_titles={f"{prefix}connmon/sharpness_eigenvalue": "Lanczos (the warning)"},
+        ),
         wr.LinePlot(
             title="connmon overhead (fraction of training time)",
             x=x,

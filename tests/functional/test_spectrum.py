@@ -155,9 +155,11 @@ def test_krylov_matches_scipy_arpack_above_dense_size(which, case, deflate):
     assert bool(found.converged.all())
     assert (found.residuals <= 1e-10 * found.eigenvalues.abs()).all()
     assert 0 < found.num_matvecs.item() <= 30 + restarts * 30
-    # ARPACK asked for 10: with k = 8 it may end on the far side of a conjugate pair that the 8th value splits
+    # ARPACK asked for 12: with k = 8 it may end on the far side of a conjugate pair that the 8th value splits, and
+    # with 10 scipy 1.17's ARPACK (OpenBLAS, Haswell kernels) missed the 8th pair of the mha walk part, which the
+    # dense spectrum below and connmon agree on
     assert_same_eigenvalues(
-        found.eigenvalues, scipy_eigs(layer, 10, which, tol=1e-12, deflate=deflate), which, atol=1e-8
+        found.eigenvalues, scipy_eigs(layer, 12, which, tol=1e-12, deflate=deflate), which, atol=1e-8
     )
     assert_same_eigenvalues(found.eigenvalues, ref.spectrum(*layer.np, deflate=deflate), which, atol=1e-8)
 

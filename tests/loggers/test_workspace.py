@@ -35,11 +35,12 @@ def logged_keys(tmp_path_factory) -> set[str]:
         wandb=run,
         alerts=connmon.alerts.AlertRunner(),
         optimizer=optimizer,
-        sharpness=SharpnessSampler(every_n_steps=2),
+        sharpness=SharpnessSampler(every_n_steps=2, lanczos_steps=2),
+        loss_fn=lambda net, ids: torch.nn.functional.cross_entropy(net(ids).flatten(0, 1), ids.flatten()),
     )
     for step in range(4):
         ids = torch.randint(0, 50, (2, 12))
-        with monitor.step(step):
+        with monitor.step(step, batch=ids):
             loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
         loss.backward()
         optimizer.step()
@@ -77,7 +78,8 @@ def test_every_logged_key_has_exactly_one_panel_and_every_panel_a_key(logged_key
                     assert not matched
                     continue
                 assert matched, config["metricRegex"]  # a panel of nothing
-                assert f"{config['metricRegex'][1:].split('(')[0]}all" in matched  # the /all mean is drawn too
+                if config["metricRegex"].endswith("(L\\d+|all)$"):  # a per-layer metric: the /all mean is drawn too
+                    assert f"{config['metricRegex'][1:].split('(')[0]}all" in matched
                 assert set(config["overrideLineWidths"]) <= matched
             else:
                 matched = set(config.get("metrics") or config.get("mediaKeys") or [])
