@@ -106,26 +106,25 @@ def build_workspace(
     sections.append(ws.Section(name="connmon: figures", panels=figures))
     curvature = [
         wr.LinePlot(
-            title="sharpness ratio (1: the edge of stability)",
+            title=title,
             x=x,
-            metric_regex=f"^{re.escape(prefix)}connmon/(update_)?sharpness_ratio$",
-            line_widths={f"{prefix}connmon/sharpness_ratio": 4.0},
-            line_titles={f"{prefix}connmon/sharpness_ratio": "Lanczos (the warning)"},
-        ),
-        wr.LinePlot(
-            title="sharpness eigenvalue",
-            x=x,
-            metric_regex=f"^{re.escape(prefix)}connmon/(update_)?sharpness_eigenvalue$",
-            line_widths={f"{prefix}connmon/sharpness_eigenvalue": 4.0},
-            line_titles={f"{prefix}connmon/sharpness_eigenvalue": "Lanczos (the warning)"},
-        ),
+            metric_regex=f"^{re.escape(prefix)}connmon/(update_)?sharpness_{quantity}$",  # Lanczos's and the update's
+            line_widths={f"{prefix}connmon/sharpness_{quantity}": 4.0},
+            line_titles={f"{prefix}connmon/sharpness_{quantity}": "Lanczos (the warning)"},
+        )
+        for quantity, title in (
+            ("ratio", "sharpness ratio (1: the edge of stability)"),
+            ("eigenvalue", "sharpness eigenvalue"),
+        )
+    ]
+    curvature.append(
         wr.LinePlot(
             title="connmon overhead (fraction of training time)",
             x=x,
             y=[f"{prefix}{key}" for key in OVERHEAD],
             line_widths={f"{prefix}{OVERHEAD[0]}": 4.0},
-        ),
-    ]
+        )
+    )
     sections.append(
         ws.Section(name="connmon: curvature and cost", panels=curvature, is_open=True, layout_settings=_grid(curvature))
     )
