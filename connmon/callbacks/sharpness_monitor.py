@@ -144,7 +144,7 @@ class SharpnessMonitor(Callback):
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Before a sampled step's first forward: the ``"difference"`` and ``"lanczos"`` readings."""
-        if self.sampler.estimator == "secant" or self.sampler.off is not None:
+        if not self.sampler.reads_forward(trainer.global_step):
             return
         with trainer.precision_plugin.train_step_context():
             values = self.sampler.before_forward(trainer.global_step, lambda: self.loss_fn(pl_module, batch), pl_module)
