@@ -248,7 +248,7 @@ class Monitor:
         self._step_now = step
         if self.sharpness is not None and model is not None:
             loss = None if self.loss_fn is None or batch is None else lambda: self.loss_fn(model, batch)
-            self._curvature(step, self.sharpness.before_forward(step, loss, model))
+            self.publish_curvature(step, self.sharpness.before_forward(step, loss, model))
         sampled = model is not None and self.due(step)
         if not sampled:
             yield False
@@ -513,10 +513,14 @@ class Monitor:
         return [metric for name, metric in self.metrics.items() if full or name != "spectrum"]
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self._curvature(self._step_now, self.sharpness.before_step(self._step_now))
+        self.publish_curvature(self._step_now, self.sharpness.before_step(self._step_now))
 
-    def _curvature(self, step: int, values: dict[str, float] | None) -> None:
-        """Log a curvature sample and show it to the alert rules (every process; logged on rank zero)."""
+    def publish_curvature(self, step: int, values: dict[str, float] | None) -> None:
+        """Log a curvature sample and show it to the alert rules (every process; logged on rank zero).
+
+        An entry point that drives a :class:`~connmon.integrations.sharpness.SharpnessSampler` itself (the Hugging
+        Face callback) hands its values here; a stop request sets :attr:`should_stop`.
+        """
         if values is None:
             return
         values = dict(values)

@@ -154,7 +154,7 @@ class SharpnessSampler:
         try:
             check_optimizer(optimizer)
         except ValueError as error:
-            self._turn_off(str(error))
+            self.turn_off(str(error))
             return
         self._hook = optimizer.register_step_post_hook(self._after_step)
 
@@ -169,10 +169,6 @@ class SharpnessSampler:
             self._hook = None
         self._probe = None
         self.clock.stop()
-
-    def turn_off(self, why: str) -> None:
-        """Stop sampling for the rest of this run, with one warning that says why."""
-        self._turn_off(why)
 
     # --- the cadence ------------------------------------------------------------------------------------------------
 
@@ -201,7 +197,7 @@ class SharpnessSampler:
                     self._probe, self._probe_step, self._stepped = UpdateProbe(self.optimizer), step + 1, False
                 except torch.OutOfMemoryError:
                     self._probe = None
-                    self._turn_off("it ran out of memory copying the parameters (it holds one copy for one step)")
+                    self.turn_off("it ran out of memory copying the parameters (it holds one copy for one step)")
         return values
 
     def reads_forward(self, step: int) -> bool:
@@ -216,22 +212,19 @@ class SharpnessSampler:
         self, step: int, loss_fn: Callable[[], Tensor] | None, model: nn.Module | None = None
     ) -> dict[str, float] | None:
         """Before the first forward after ``step`` steps: read ``"difference"`` or ``"lanczos"`` on ``loss_fn()``."""
-        if self.off is not None or self.optimizer is None or self.estimator == "secant" or step == self._last_step:
+        if not self.reads_forward(step):
             return None
         if loss_fn is None:
-            if self.due(step):
-                self._turn_off(f"estimator={self.estimator!r} needs a loss function (or use estimator='secant')")
+            self.turn_off(f"estimator={self.estimator!r} needs a loss function (or use estimator='secant')")
             return None
-        if self.estimator == "difference" and self._probe is not None and self._probe_step == step:
+        if self.estimator == "difference":
             return self._read(step, lambda probe: probe.difference(loss_fn, model=model, seed=step))
-        if self.estimator == "lanczos" and self.due(step):
-            optimizer = self.optimizer
+        optimizer = self.optimizer
 
-            def lanczos(_: Any) -> Any:
-                return sharpness_ratio(loss_fn, optimizer, steps=self.lanczos_steps, model=model, seed=step)
+        def lanczos(_: Any) -> Any:
+            return sharpness_ratio(loss_fn, optimizer, steps=self.lanczos_steps, model=model, seed=step)
 
-            return self._read(step, lanczos, needs_probe=False)
-        return None
+        return self._read(step, lanczos, needs_probe=False)
 
     # --- state ------------------------------------------------------------------------------------------------------
 
@@ -284,7 +277,7 @@ class SharpnessSampler:
                 torch.distributed.all_reduce(total)  # every process takes part in exactly one reduction per sample
             summed, count, failed = total.tolist()
             if failed:
-                self._turn_off(failure or "it failed on another process (that process's warning says why)")
+                self.turn_off(failure or "it failed on another process (that process's warning says why)")
                 return None
             ratio = summed / count
             self.samples += 1
@@ -308,7 +301,8 @@ class SharpnessSampler:
                 f"(every_n_steps={self.every_n_steps} x {stride})"
             )
 
-    def _turn_off(self, why: str) -> None:
+    def turn_off(self, why: str) -> None:
+        """Stop sampling for the rest of this run (dropping any parameter copy), with one warning that says why."""
         self.off = why
         self._probe = None
         warn_rank_zero(f"{self.owner} is off for the rest of this run: {why}")

@@ -166,7 +166,7 @@ class ConnectionMonitorCallback(TrainerCallback):
     ) -> None:
         """After the backward (and clipping), before the step: the secant sample, or the parameters copied for one."""
         if self.sharpness is not None:
-            self._publish(state.global_step, self.sharpness.before_step(state.global_step))
+            self.monitor.publish_curvature(state.global_step, self.sharpness.before_step(state.global_step))
 
     def _read_curvature(self, module: Any, args: tuple, kwargs: dict | None = None) -> None:
         """The model's first forward of a sampled step, before it runs: read the curvature on its inputs.
@@ -181,20 +181,9 @@ class ConnectionMonitorCallback(TrainerCallback):
         loss = None if inputs is None else lambda: self.loss_fn(module, inputs)
         self._reading = True
         try:
-            self._publish(step, self.sharpness.before_forward(step, loss, module))
+            self.monitor.publish_curvature(step, self.sharpness.before_forward(step, loss, module))
         finally:
             self._reading = False
-
-    def _publish(self, step: int, values: dict[str, float] | None) -> None:
-        if values is None:
-            return
-        if self.monitor.alerts is not None:
-            alerts, stop = self.monitor.alerts.run(dict(values), step, wandb=self.monitor.sink)
-            values = {**values, **self.monitor.alerts.counts(alerts)}
-            if stop:
-                self.trainer.control.should_training_stop = True
-                warn_rank_zero(f"ConnectionMonitorCallback stops training at step {step} (an alert)")
-        self._log(values, step)
 
     def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """The first micro-batch of an accumulation is done: stop recording."""
@@ -205,13 +194,14 @@ class ConnectionMonitorCallback(TrainerCallback):
         """Log the sample of this optimizer step and act on its alerts."""
         self._forward_done()
         self._drop_batch_hook()
-        if self._pending < 0:
-            return None
-        step, self._pending = self._pending, -1
-        self.monitor.finish(step, _latest_logged(state))
-        if self.monitor.should_stop:
+        if self._pending >= 0:
+            step, self._pending = self._pending, -1
+            self.monitor.finish(step, _latest_logged(state))
+        if self.monitor.should_stop and not control.should_training_stop:
             control.should_training_stop = True
-            warn_rank_zero(f"ConnectionMonitorCallback stops training at step {step} (an alert at its stop level)")
+            warn_rank_zero(
+                f"ConnectionMonitorCallback stops training at step {state.global_step} (an alert at its stop level)"
+            )
         return control
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
