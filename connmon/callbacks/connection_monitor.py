@@ -5,11 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger  # imports wandb only when a run starts
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 
 from connmon.callbacks._cost import say_cost
 from connmon.integrations.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
@@ -37,7 +35,8 @@ class ConnectionMonitor(Callback):
         diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
         spectrum_k: eigenvalues of ``M / s`` per layer (histograms, figures, spectral radius).
         probe: None to record the training forward of sampled steps; or a fixed batch, run under ``no_grad`` in eval
-            mode on every process at sampled steps (train mode restored), so that time drift compares like with like.
+            mode on every process at sampled steps (every module's own mode restored), so that time drift compares like
+            with like.
         probe_fn: how to run the probe, ``probe_fn(pl_module, probe)``; default ``pl_module(probe)``
             (``pl_module(*probe)`` for a tuple, ``pl_module(**probe)`` for a dict).
         log_histograms: log W&B histograms (with a ``WandbLogger``).
@@ -86,16 +85,10 @@ class ConnectionMonitor(Callback):
         edge_lanczos_steps: int | None = 32,
         budget: float | None = None,
     ) -> None:
-        if probe_fn is not None and not callable(probe_fn):
-            raise ValueError(f"probe_fn must be callable, got probe_fn={probe_fn!r}")
-        if probe_fn is not None and probe is None:
-            raise ValueError("probe_fn needs a probe batch: pass probe=... too")
         arguments = locals()
         self.monitor = Monitor(**{name: arguments[name] for name in SAMPLING_OPTIONS})
         self.monitor.owner = "ConnectionMonitor"
         self.monitor.add_listener(self._notify)
-        self.probe = probe
-        self.probe_fn = probe_fn
         self._trainer: Trainer | None = None
         self._sample_step = -1
         self._step_at_batch_start = 0
@@ -164,17 +157,15 @@ class ConnectionMonitor(Callback):
             self.monitor.finish(self._sample_step)
             return
         if self.probe is not None and stepped and self.monitor.due(trainer.global_step):
-            with self.monitor.clock.measuring():  # the probe's forward is connmon's cost too
-                self._run_probe(pl_module)  # the model after global_step optimizer steps
-            self.monitor.finish(trainer.global_step)
+            self.monitor.run_probe(pl_module, trainer.global_step)  # the model after global_step optimizer steps
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Say what the monitor cost (console, and the W&B run's summary)."""
         say_cost(trainer, self.monitor.clock, "ConnectionMonitor")
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """Remove every hook if the run fails."""
-        self.monitor.disarm()
+        """Remove every hook and forget a partial sample if the run fails."""
+        self.monitor.discard()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove every hook at the end of the run."""
@@ -213,25 +204,6 @@ class ConnectionMonitor(Callback):
         for logger in self._trainer.loggers if self._trainer is not None else ():
             logger.log_metrics(values, step=step)
 
-    def _run_probe(self, pl_module: LightningModule) -> None:
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            self.monitor.arm(pl_module)
-            with torch.no_grad():
-                probe = _to_device(self.probe, pl_module.device)
-                if self.probe_fn is not None:
-                    self.probe_fn(pl_module, probe)
-                elif isinstance(probe, dict):
-                    pl_module(**probe)
-                elif isinstance(probe, tuple):
-                    pl_module(*probe)
-                else:
-                    pl_module(probe)
-        finally:
-            self.monitor.disarm()
-            pl_module.train(was_training)
-
     @staticmethod
     def _wandb_sink(trainer: Trainer) -> Any:
         for logger in trainer.loggers:
@@ -243,13 +215,3 @@ class ConnectionMonitor(Callback):
 
 
 _DELEGATED = frozenset((*SAMPLING_OPTIONS, "samples", "last_sampled_step"))
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch

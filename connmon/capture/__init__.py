@@ -30,7 +30,7 @@ from torch import nn
 from connmon._cost import CostClock
 from connmon.capture.adapters.base import Adapter
 from connmon.capture.adapters.kernel import FusedQKVAttention, KernelAttention, projections, warn_unreadable
-from connmon.capture.adapters.torch_mha import TorchMultiheadAttention
+from connmon.capture.adapters.torch_mha import TorchMultiheadAttention, python_attention_path
 from connmon.capture.record import AttentionRecord, reconstruction_error
 from connmon.capture.session import CaptureSession, Layer, paused
 
@@ -44,6 +44,7 @@ __all__ = [
     "attention_layers",
     "capture",
     "paused",
+    "python_attention_path",
     "reconstruction_error",
     "register_adapter",
 ]
@@ -192,7 +193,9 @@ def capture(
 ) -> list[AttentionRecord]:
     """Run ``model(*args, **kwargs)`` once and return one :class:`AttentionRecord` per self-attention layer.
 
-    The forward runs under ``torch.no_grad()`` in whatever mode the model is in. Probabilities are recorded before
+    The forward runs under ``torch.no_grad()`` in whatever mode the model is in, on ``nn.MultiheadAttention``'s
+    Python path (the output is connmon's own and not returned; see
+    :func:`~connmon.capture.adapters.torch_mha.python_attention_path`). Probabilities are recorded before
     attention dropout: reconstruction is exact when dropout is inactive (eval mode, or p = 0).
 
     ``max_tokens`` policy: sequences longer than ``max_tokens`` are recorded on their leading ``max_tokens``
@@ -227,7 +230,7 @@ def capture(
     """
     model = getattr(model, "_orig_mod", model)  # run a torch.compile'd model's original module: hooks stay eager
     with armed(model, num_sequences=num_sequences, max_tokens=max_tokens, dtype=dtype, on_record=on_record) as session:
-        with torch.no_grad():
+        with torch.no_grad(), python_attention_path():  # connmon's own forward: its output is not used
             model(*args, **kwargs)
     return session.records
 

@@ -113,7 +113,7 @@ class CaptureSession:
 
     def skip(self, module: nn.Module, why: str | None = None) -> None:
         """Record nothing for ``module`` in this session; ``why`` is warned once per cause and layer."""
-        if why is not None and self.wants(module):
+        if why is not None and not _PAUSED[0] and id(module) in self.layers:  # also after its record was handed on
             warn_once(f"connmon: {self.name(module)} is not recorded: {why}", key=(why, id(module)))
         self.done.add(id(module))
         self._pending.pop(id(module), None)

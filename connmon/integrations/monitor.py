@@ -22,7 +22,7 @@ from connmon._cost import CostClock, agreed, check_budget, overhead_values, summ
 from connmon._options import check_int
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
-from connmon.capture import AttentionRecord, armed, attention_layers
+from connmon.capture import AttentionRecord, armed, attention_layers, python_attention_path
 from connmon.capture.session import Layer
 from connmon.integrations.sharpness import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
@@ -38,6 +38,8 @@ SAMPLING_OPTIONS = (
     "layers",
     "diagnostics",
     "spectrum_k",
+    "probe",
+    "probe_fn",
     "log_histograms",
     "figures_every_n_samples",
     "edge_samples",
@@ -71,6 +73,12 @@ class Monitor:
         layers: which attention layers: None for all, a regex on module names, or a list of names or indices.
         diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
         spectrum_k: eigenvalues of ``M / s`` per layer (histograms, figures, spectral radius).
+        probe: None to record the training forward of sampled steps; or a fixed batch, recorded instead on sampled
+            steps (at the start of :meth:`step`, so on the model after ``step`` optimizer steps) under ``no_grad`` in
+            eval mode, every module's own mode restored afterwards, so that time drift compares like with like and
+            dropout does not make the records inexact.
+        probe_fn: how to run the probe, ``probe_fn(model, probe)``; default ``model(probe)`` (``model(*probe)`` for
+            a tuple, ``model(**probe)`` for a dict).
         log_histograms: write W&B histograms (with ``wandb``).
         figures_every_n_samples: write W&B figures every this many samples (with ``wandb``); None for never.
         edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
@@ -127,6 +135,8 @@ class Monitor:
         layers: str | Sequence[str | int] | None = None,
         diagnostics: Sequence[Diagnostic] = DIAGNOSTICS,
         spectrum_k: int = 8,
+        probe: Any = None,
+        probe_fn: Callable[[nn.Module, Any], Any] | None = None,
         log_histograms: bool = True,
         figures_every_n_samples: int | None = 10,
         edge_samples: int | None = 1,
@@ -151,6 +161,10 @@ class Monitor:
         check_int("edge_lanczos_steps", edge_lanczos_steps, optional=True)
         check_int("full_every_n_samples", full_every_n_samples)
         check_budget(budget)
+        if probe_fn is not None and not callable(probe_fn):
+            raise ValueError(f"probe_fn must be callable as probe_fn(model, probe), got probe_fn={probe_fn!r}")
+        if probe_fn is not None and probe is None:
+            raise ValueError("probe_fn needs a probe batch: pass probe=... too")
         if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
             raise ValueError(
                 "sharpness must be a connmon.integrations.sharpness.SharpnessSampler or None, got "
@@ -195,6 +209,8 @@ class Monitor:
         self.layers = layers if layers is None or isinstance(layers, str) else list(layers)
         self.diagnostics = tuple(diagnostics)
         self.spectrum_k = spectrum_k
+        self.probe = probe
+        self.probe_fn = probe_fn
         self.log_histograms = log_histograms
         self.figures_every_n_samples = figures_every_n_samples
         self.edge_samples = edge_samples
@@ -221,6 +237,7 @@ class Monitor:
         self._model: nn.Module | None = None
         self._armed: contextlib.ExitStack | None = None
         self._pending_drift_state: dict | None = None
+        self._drift_before: dict | None = None  # the time-drift references before the armed sample
         self._listeners: list[Callable[[int, dict[str, float]], None]] = []
         self._costs = {True: [0.0, 0], False: [0.0, 0]}  # full?: [seconds, samples] this run
         self._sample_began = 0.0  # the clock's spent seconds when the current sample was armed
@@ -240,9 +257,10 @@ class Monitor:
         """Wrap the forward of optimizer step ``step`` (the steps taken so far); yields whether it is sampled.
 
         On a sampled step the capture is armed for the block and the sample is measured and logged when it ends.
-        If the block raises, every hook is removed and nothing is logged. ``rule_values`` (say, the previous
-        step's ``{"loss": ..., "grad_norm": ...}``) are shown to the alert rules beside the sample's keys.
-        ``batch`` is what ``loss_fn(model, batch)`` reads for a ``sharpness`` estimator that needs a loss.
+        If the block raises, every hook is removed and the partial sample is discarded (:meth:`discard`).
+        ``rule_values`` (say, the previous step's ``{"loss": ..., "grad_norm": ...}``) are shown to the alert
+        rules beside the sample's keys. ``batch`` is what ``loss_fn(model, batch)`` reads for a ``sharpness``
+        estimator that needs a loss.
         """
         model = self._model
         self._step_now = step
@@ -250,6 +268,9 @@ class Monitor:
             loss = None if self.loss_fn is None or batch is None else lambda: self.loss_fn(model, batch)
             self.publish_curvature(step, self.sharpness.before_forward(step, loss, model))
         sampled = model is not None and self.due(step)
+        if sampled and self.probe is not None:
+            self.run_probe(model, step, rule_values)
+            sampled = False
         if not sampled:
             yield False
             return
@@ -257,7 +278,7 @@ class Monitor:
         try:
             yield True
         except BaseException:
-            self.disarm()
+            self.discard()
             raise
         self.disarm()
         self.finish(step, rule_values)
@@ -271,7 +292,7 @@ class Monitor:
         self.disarm()
         self._model = None
         try:
-            found = attention_layers(model)
+            found = attention_layers(getattr(model, "_orig_mod", model))  # torch.compile: the layers of the original
         except ValueError as error:
             warn_rank_zero(f"{self.owner} is off for this run: {error}")
             self.selected, self.metrics = [], {}
@@ -391,6 +412,8 @@ class Monitor:
         """Arm the capture on ``model`` until :meth:`disarm` (each layer is recorded once per arming)."""
         self.disarm()
         self._sample_began = self.clock.spent
+        drift = self.metrics.get("drift")
+        self._drift_before = drift.get_extra_state() if drift is not None else None  # for discard()
         with self.clock.measuring():
             stack = contextlib.ExitStack()
             stack.enter_context(
@@ -404,6 +427,54 @@ class Monitor:
                 )
             )
         self._armed = stack
+
+    def run_probe(
+        self, model: nn.Module, step: int, rule_values: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
+        """Record the ``probe`` batch on ``model`` now and finish the sample as step ``step``; returns what was logged.
+
+        The probe runs under ``no_grad`` in eval mode, on ``nn.MultiheadAttention``'s Python path (its output is
+        connmon's own), and every module's mode is put back as it was. A probe forward that raises is reported once
+        and the sample is discarded: the training run goes on.
+        """
+        with self.clock.measuring():  # the probe's forward is connmon's cost too
+            modes = [(module, module.training) for module in model.modules()]
+            model.eval()
+            try:
+                self.arm(model)
+                with torch.no_grad(), python_attention_path():
+                    probe = _to_device(self.probe, _device_of(model))
+                    if self.probe_fn is not None:
+                        self.probe_fn(model, probe)
+                    elif isinstance(probe, Mapping):
+                        model(**probe)
+                    elif isinstance(probe, tuple):
+                        model(*probe)
+                    else:
+                        model(probe)
+            except Exception as error:  # the user's training goes on whatever the probe hits
+                self.discard()
+                warn_rank_zero(f"{self.owner}: the probe forward raised {type(error).__name__}: {error}; no sample")
+                return {}
+            finally:
+                self.disarm()
+                for module, training in modes:
+                    module.training = training
+        return self.finish(step, rule_values)
+
+    def discard(self) -> None:
+        """Disarm and forget the sample being recorded (a forward that raised): nothing of it is logged or kept.
+
+        The accumulators are reset and the time-drift references are those from before the sample was armed.
+        """
+        self.disarm()
+        with torch.inference_mode(False):
+            for metric in self.metrics.values():
+                metric.reset()
+        drift = self.metrics.get("drift")
+        if drift is not None and self._drift_before is not None:
+            drift.set_extra_state(self._drift_before)
+        self._drift_before = None
 
     def disarm(self) -> None:
         """Remove the capture's hooks (a no-op when not armed)."""
@@ -419,7 +490,7 @@ class Monitor:
         (the trainer's own loss, gradient norm, ...) are shown to the alert rules beside the sample's keys; they are
         not logged here.
         """
-        with self.clock.measuring():
+        with self.clock.measuring(), torch.inference_mode(False):  # a sample under inference mode keeps normal states
             scalars = self._finish(step, rule_values)
         if self.budget is not None:
             self._rebudget(step, self._is_full(self.samples - 1))
@@ -538,8 +609,9 @@ class Monitor:
                 warn_rank_zero(f"connmon: log(values, step={step}) raised {type(error).__name__}: {error}")
 
     def _consume(self, record: AttentionRecord) -> None:
-        for metric in self._active():
-            metric.update(record)
+        with torch.inference_mode(False):  # states stay normal tensors under a caller's inference mode
+            for metric in self._active():
+                metric.update(record)
 
     def _scalars(self, values: dict[str, Tensor], broken_layers: set[int]) -> dict[str, float]:
         """The values to log: finite ones, and NaN where a layer's forward went non-finite (never a missing value)."""
@@ -597,6 +669,16 @@ class Monitor:
                 figures["connmon/figures/gaps_by_depth"] = depth_figure(depth, f"step {step}")
             if figures:
                 self.sink.figures(step, figures)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
 
 
 def _device_of(model: nn.Module) -> torch.device:

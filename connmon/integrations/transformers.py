@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,6 +50,11 @@ class ConnectionMonitorCallback(TrainerCallback):
         layers: which attention layers: None for all, a regex on module names, or a list of names or indices.
         diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
         spectrum_k: eigenvalues of ``M / s`` per layer.
+        probe: None to record the training forward of sampled steps; or a fixed batch (a dict of the model's inputs,
+            e.g. a tokenizer's output) recorded instead after the sampled optimizer steps, under ``no_grad`` in eval
+            mode (every module's own mode restored): exact records even with dropout, and time drift compares like
+            with like.
+        probe_fn: how to run the probe, ``probe_fn(model, probe)``; default ``model(**probe)`` for a dict.
         log_histograms: write W&B histograms (with W&B in ``report_to``).
         figures_every_n_samples: write W&B figures every this many samples; None for never.
         edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
@@ -92,6 +98,8 @@ class ConnectionMonitorCallback(TrainerCallback):
         layers: str | Sequence[str | int] | None = None,
         diagnostics: Sequence[Diagnostic] = DIAGNOSTICS,
         spectrum_k: int = 8,
+        probe: Any = None,
+        probe_fn: Callable[[Any, Any], Any] | None = None,
         log_histograms: bool = True,
         figures_every_n_samples: int | None = 10,
         edge_samples: int | None = 1,
@@ -139,13 +147,20 @@ class ConnectionMonitorCallback(TrainerCallback):
         if model is None or not self.monitor.attach(model):
             return
         self.monitor.sink = _wandb_sink(args)
-        saved = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}" / STATE_FILE
-        if state.global_step > 0 and saved.is_file():
-            device = next(model.parameters(), torch.empty(0)).device  # drift references live beside the model
-            state = torch.load(saved, map_location=device, weights_only=True)
-            self.monitor.load_state_dict(state)
-            if self.sharpness is not None and state.get("curvature") is not None:
-                self.sharpness.load_state_dict(state["curvature"])
+        if state.global_step == 0:
+            return
+        saved = _resumed_checkpoint(args, state) / STATE_FILE
+        if not saved.is_file():
+            warn_rank_zero(
+                f"ConnectionMonitorCallback: training resumes at step {state.global_step}, but {saved} does not exist, "
+                "so connmon's cadence, time-drift references and alert baselines start afresh"
+            )
+            return
+        device = next(model.parameters(), torch.empty(0)).device  # drift references live beside the model
+        saved_state = torch.load(saved, map_location=device, weights_only=True)
+        self.monitor.load_state_dict(saved_state)
+        if self.sharpness is not None and saved_state.get("curvature") is not None:
+            self.sharpness.load_state_dict(saved_state["curvature"])
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
@@ -155,7 +170,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             self._batch_hook = model.register_forward_pre_hook(self._read_curvature, with_kwargs=True, prepend=True)
             self._curvature_step = state.global_step
         step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
-        if model is not None and self.monitor.due(step):
+        if model is not None and self.monitor.probe is None and self.monitor.due(step):
             self._pending = step
             self.monitor.arm(model)
             # the Trainer has no exception hook: disarm when this forward ends, also when it raises
@@ -197,6 +212,9 @@ class ConnectionMonitorCallback(TrainerCallback):
         if self._pending >= 0:
             step, self._pending = self._pending, -1
             self.monitor.finish(step, _latest_logged(state))
+        model = kwargs.get("model")
+        if self.monitor.probe is not None and model is not None and self.monitor.due(state.global_step):
+            self.monitor.run_probe(model, state.global_step, _latest_logged(state))  # after global_step steps
         if self.monitor.should_stop and not control.should_training_stop:
             control.should_training_stop = True
             warn_rank_zero(
@@ -247,6 +265,23 @@ class ConnectionMonitorCallback(TrainerCallback):
         due = control.should_log  # Trainer.log clears it, which would cancel the loss row of this step
         self.trainer.log(values)
         self.trainer.control.should_log = due
+
+
+def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path:
+    """The checkpoint folder this ``train()`` resumes from: ``resume_from_checkpoint`` wherever it lies.
+
+    The Trainer hands its callbacks no path, so it is read from the running ``_inner_training_loop``'s argument;
+    ``output_dir/checkpoint-<step>`` if that cannot be found.
+    """
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code.co_name == "_inner_training_loop" and "resume_from_checkpoint" in frame.f_locals:
+            path = frame.f_locals["resume_from_checkpoint"]
+            if isinstance(path, (str, Path)):
+                return Path(path)
+            break
+        frame = frame.f_back
+    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
 
 
 def _model_loss(model: Any, inputs: dict) -> torch.Tensor:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 import connmon.functional as F
 from connmon.capture import AttentionRecord
+from connmon.capture.session import warn_once
 from connmon.metrics.layerwise import LayerwiseMean, per_sequence
 
 __all__ = ["DriftMetrics", "SpectrumMetrics", "TransportMetrics", "WalkMetrics"]
@@ -236,6 +237,14 @@ class DriftMetrics(LayerwiseMean):
         old_walk = self.previous_walks.get(record.index)  # may come from a checkpoint saved on another device
         time = F.time_drift(P, old_walk.to(P.device)) if old_walk is not None and old_walk.shape == P.shape else nan
         old_transport = self.previous_transports.get(record.index)
+        if old_transport is not None and old_transport.shape != T.shape:
+            warn_once(
+                f"connmon: the transport_drift reference of layer {record.index} (from a checkpoint?) has shape "
+                f"{tuple(old_transport.shape)}, not this layer's {tuple(T.shape)}: it is dropped, and the drift starts "
+                "again from this sample",
+                key=("transport reference", record.index, tuple(old_transport.shape)),
+            )
+            old_transport = None
         transport = nan
         if old_transport is not None:
             transport = per_sequence(F.transport_drift(T, old_transport.to(T.device)), batch)

@@ -3,8 +3,8 @@
 State: ``total (L, M)``, ``count (L, M)`` and ``nonfinite (L,)``, all summed across processes
 (``dist_reduce_fx="sum"``), so the synced value is the mean over every sequence any rank recorded. A metric that is
 NaN for a sequence by definition (for example the normalized entropy of a one-token sequence) is left out of that
-layer's mean rather than poisoning it; but a layer whose record itself is non-finite (NaN or inf input or output: a
-forward gone bad) is NaN in every metric, and so is the model-level mean, never a silent subset.
+layer's mean rather than poisoning it; but a layer whose record itself is non-finite (NaN or inf input, output or
+attention: a forward gone bad) is NaN in every metric, and so is the model-level mean, never a silent subset.
 """
 
 from __future__ import annotations
@@ -60,9 +60,11 @@ class LayerwiseMean(Metric):
         finite = torch.isfinite(values)
         self.total[record.index] += torch.where(finite, values, torch.zeros_like(values)).sum(dim=0)
         self.count[record.index] += finite.sum(dim=0)
-        # a forward gone non-finite shows in its input or output (the attention is computed from the same q, k);
-        # these are (B_s, n, d), far smaller than the (B_s, H, n, n) maps. No host sync.
-        broken = ~(torch.isfinite(record.x).all() & torch.isfinite(record.output).all())
+        # a forward gone non-finite: its input, its output, or its attention (a kernel may return finite values for
+        # rows whose scores are NaN, as SDPA's CPU flash kernel does). No host sync.
+        broken = ~(
+            torch.isfinite(record.x).all() & torch.isfinite(record.output).all() & torch.isfinite(record.attn).all()
+        )
         self.nonfinite[record.index] += broken
 
     def compute(self) -> dict[str, Tensor]:

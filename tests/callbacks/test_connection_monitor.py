@@ -97,6 +97,26 @@ def test_probe_runs_in_eval_mode_and_restores_training(tmp_path):
     assert not any("/L00" in key for key in keys)  # layers=[1] only
 
 
+class FrozenFirstBlock(LitGPT):
+    """Keeps its first block in eval mode, as users freeze a pretrained part."""
+
+    def on_train_start(self):
+        self.model.blocks[0].eval()
+
+    def training_step(self, batch, batch_idx):
+        self.modes.append(self.model.blocks[0].training)
+        return super().training_step(batch, batch_idx)
+
+
+def test_probe_restores_the_mode_of_every_submodule(tmp_path):
+    monitor = ConnectionMonitor(every_n_steps=2, probe=next(iter(loader(seed=1)))[0], diagnostics=("walk",))
+    model = FrozenFirstBlock()
+    trainer(tmp_path, monitor).fit(model, loader())
+    assert monitor.samples == 3
+    assert model.modes[0::2] == [False] * 6  # the frozen block stayed in eval mode after every probe
+    assert all(model.modes[1::2])  # and the module itself in train mode
+
+
 def test_layers_by_regex(tmp_path):
     monitor = ConnectionMonitor(every_n_steps=4, layers=r"blocks\.0\.", diagnostics=("transport",))
     trainer(tmp_path, monitor, max_steps=2).fit(LitGPT(), loader())

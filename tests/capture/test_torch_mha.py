@@ -235,3 +235,58 @@ def test_streamed_records_are_not_kept_by_the_capture():
     refs = []
     connmon.capture(model, torch.randn(2, 6, 16), on_record=consume)
     assert alive == [0, 0, 0, 0]  # only the layer being handed over is alive: one layer's maps at a time
+
+
+def padded_encoder():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2).eval()
+    for sub in model.layers:
+        sub.self_attn.in_proj_weight.data[:32] *= 4
+    x = torch.randn(3, 7, 16)
+    padding = torch.zeros(3, 7, dtype=torch.bool)
+    padding[1, 4:] = True
+    return model, x, padding
+
+
+def test_the_fused_encoder_fast_path_is_left_alone_and_skipped_with_a_warning():
+    """Eval under no_grad: the encoder's fused path (nested tensors, 0 at padded positions) runs as it would unarmed."""
+    model, x, padding = padded_encoder()
+    with torch.no_grad():
+        plain = model(x, src_key_padding_mask=padding)
+        with pytest.warns(UserWarning, match="fast path"):
+            with connmon.capture.armed(model) as session:
+                watched = model(x, src_key_padding_mask=padding)
+    assert torch.equal(plain, watched) and session.records == []
+    assert torch.backends.mha.get_fastpath_enabled()
+
+
+def test_the_encoder_records_where_it_runs_its_python_path():
+    """With gradients (a training forward) the layers call self_attn: recorded exactly, outputs bitwise unchanged."""
+    model, x, padding = padded_encoder()
+    plain = model(x, src_key_padding_mask=padding)
+    with connmon.capture.armed(model) as session:
+        watched = model(x, src_key_padding_mask=padding)
+    assert torch.equal(plain, watched)
+    assert_exact(session.records, 2)
+
+
+def test_the_modules_own_fast_path_is_read_on_the_side():
+    """nn.MultiheadAttention alone in eval under no_grad runs its native kernel; the scores are recomputed beside it."""
+    mha = sharp_mha(batch_first=True).eval()
+    x = torch.randn(2, 6, 16)
+    padding = torch.zeros(2, 6, dtype=torch.bool)
+    padding[0, 4:] = True
+    with torch.no_grad():
+        plain = mha(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+        with connmon.capture.armed(mha) as session:
+            watched = mha(x, x, x, key_padding_mask=padding, need_weights=False)[0]
+    assert torch.equal(plain, watched)
+    assert_exact(session.records, 1)
+
+
+def test_capture_runs_its_own_forward_on_the_python_path():
+    model, x, padding = padded_encoder()
+    records = connmon.capture(model, x, src_key_padding_mask=padding)
+    assert_exact(records, 2)
+    assert torch.backends.mha.get_fastpath_enabled()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -263,3 +264,124 @@ def test_a_budget_sets_the_full_sample_cadence_from_measured_costs_and_is_saved(
     assert fresh.full_every_n_samples == chosen
     with pytest.raises(ValueError, match=r"budget must be None or a fraction of training time in \(0, 1\)"):
         connmon.Monitor(budget=0.0)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_monitor_given_the_compiled_model_reads_its_layers():
+    """connmon.Monitor(torch.compile(model)): layers found and armed on the original module, none under _orig_mod."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    compiled = torch.compile(model)
+    monitor = connmon.Monitor(compiled, every_n_steps=1, diagnostics=("walk",))
+    assert [layer.name for layer in monitor.selected] == ["blocks.0.attn", "blocks.1.attn"]
+    for step in range(2):
+        with monitor.step(step):
+            compiled(batches(1)[0]).sum().backward()
+    assert monitor.samples == 2 and no_hooks(model)
+    assert monitor.last_values["connmon/reconstruction_error/all"] < 1e-5
+
+
+def test_a_sample_under_inference_mode_leaves_the_next_training_sample_intact():
+    """An inference-mode probe between training samples: the accumulators stay normal tensors, nothing is lost."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk", "drift"))
+    ids = batches(1)[0]
+    for step in range(4):
+        if step % 2:
+            with torch.inference_mode(), monitor.step(step):
+                model(ids)
+        else:
+            with monitor.step(step):
+                model(ids).sum().backward()
+        assert math.isfinite(monitor.last_values["connmon/attention_entropy/L01"]), step
+    assert monitor.samples == 4 and math.isfinite(monitor.last_values["connmon/time_drift/L01"])
+
+
+def test_a_forward_that_raised_leaves_nothing_of_its_partial_sample():
+    """Layer 1 raises after layer 0 was recorded: the retried step logs the retry alone, drift from before."""
+    torch.manual_seed(0)
+    model, reference = TinyGPT(), TinyGPT()
+    reference.load_state_dict(model.state_dict())
+    first, retry = torch.randint(0, 50, (2, 8)), batches(1)[0]
+    options = dict(every_n_steps=1, diagnostics=("walk", "drift"))
+    monitor, expected = connmon.Monitor(model, **options), connmon.Monitor(reference, **options)
+    for m, net in ((monitor, model), (expected, reference)):
+        with m.step(0):
+            net(retry)
+    handle = model.blocks[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("oom")))
+    with pytest.raises(RuntimeError, match="oom"), monitor.step(1):
+        model(first)  # layer 0 recorded, then layer 1 raises
+    handle.remove()
+    with monitor.step(1):
+        model(retry)
+    with expected.step(1):
+        reference(retry)
+
+    def measured(values):
+        return {k: v for k, v in values.items() if "overhead" not in k}
+
+    assert measured(monitor.last_values) == measured(expected.last_values)
+
+
+def test_an_error_in_a_metrics_update_is_warned_not_swallowed():
+    """A drift reference of the wrong shape (a hand-edited checkpoint) is named once; the other keys still come."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk", "drift"))
+    monitor.metrics["drift"].previous_transports = {0: torch.zeros(3, 3)}
+    with pytest.warns(UserWarning, match="transport_drift reference of layer 0"):
+        with monitor.step(0):
+            model(batches(1)[0])
+    assert math.isfinite(monitor.last_values["connmon/attention_entropy/L00"])
+
+    def broken(record):
+        raise RuntimeError("metric state on another device")
+
+    monitor.metrics["walk"].measure = broken
+    with pytest.warns(UserWarning, match="recording failed .*another device"):
+        with monitor.step(1):
+            model(batches(1)[0])
+
+
+def test_a_nan_query_weight_is_logged_as_nan_with_a_warning():
+    """SDPA's CPU flash kernel returns zeros for NaN score rows: the output stays finite, the attention does not."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    with torch.no_grad():
+        model.blocks[0].attn.c_attn.weight[0, 0] = float("nan")
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",))
+    with pytest.warns(UserWarning, match="non-finite attention"):
+        with monitor.step(0):
+            model(batches(1)[0])
+    values = monitor.last_values
+    assert math.isnan(values["connmon/attention_entropy/L00"]) and math.isnan(values["connmon/attention_entropy/all"])
+    assert math.isfinite(values["connmon/attention_entropy/L01"])
+
+
+def test_a_probe_restores_every_modules_own_mode_and_leaves_training_unchanged():
+    torch.manual_seed(0)
+    model, plain = TinyGPT(), TinyGPT()
+    plain.load_state_dict(model.state_dict())
+    for net in (model, plain):
+        net.train()
+        net.blocks[0].eval()  # a submodule the user keeps in eval mode
+    probe = batches(1)[0][:1]
+    monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), probe=probe)
+    for step, ids in enumerate(batches(4)):
+        for net, watched in ((plain, False), (model, True)):
+            with monitor.step(step) if watched else contextlib.nullcontext():
+                net(ids).square().mean().backward()
+    assert monitor.samples == 2 and monitor.last_values["connmon/reconstruction_error/all"] < 1e-5
+    assert not model.blocks[0].training and model.blocks[1].training and model.training
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_probe_that_raises_is_reported_and_training_goes_on():
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",), probe="not a batch")
+    with pytest.warns(UserWarning, match="probe forward raised"):
+        with monitor.step(0):
+            model(batches(1)[0]).sum().backward()
+    assert monitor.samples == 0 and no_hooks(model) and model.training

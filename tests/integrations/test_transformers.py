@@ -26,11 +26,14 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def make_trainer(tmp_path, *, monitor: dict | None = None, report_to=(), **args) -> transformers.Trainer:
+def make_trainer(
+    tmp_path, *, monitor: dict | None = None, report_to=(), attn_dropout: float = 0.0, **args
+) -> transformers.Trainer:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
-    )
+        n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=attn_dropout,
+    )  # fmt: skip
     options = dict(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -113,6 +116,40 @@ def test_resume_from_a_checkpoint_restores_cadence_drift_and_alert_state(tmp_pat
     callback = next(cb for cb in resumed.callback_handler.callbacks if isinstance(cb, ConnectionMonitorCallback))
     assert callback.monitor.samples == 3  # 2 before the checkpoint, 1 after
     assert "connmon/time_drift/L00" in rows(resumed)[6]  # compared with the step-4 sample saved in the checkpoint
+
+
+def test_resume_from_a_checkpoint_outside_output_dir_reads_its_state(tmp_path):
+    options = {"every_n_steps": 2, "diagnostics": ("walk", "drift")}
+    first = make_trainer(tmp_path / "first", monitor=options, save_strategy="steps", save_steps=4, max_steps=4)
+    first.train()
+    resumed = make_trainer(tmp_path / "second", monitor=options, save_strategy="no", max_steps=8)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-4"))
+    callback = next(cb for cb in resumed.callback_handler.callbacks if isinstance(cb, ConnectionMonitorCallback))
+    assert callback.monitor.samples == 4  # 2 before the checkpoint, 2 after
+    assert "connmon/time_drift/L00" in rows(resumed)[6]
+
+
+def test_resuming_without_connmons_state_says_so(tmp_path):
+    first = make_trainer(tmp_path / "first", save_strategy="steps", save_steps=4, max_steps=4)  # no monitor
+    first.train()
+    resumed = make_trainer(tmp_path / "second", monitor={"every_n_steps": 2, "diagnostics": ("walk",)}, max_steps=6)
+    with pytest.warns(UserWarning, match="start afresh"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-4"))
+
+
+def test_a_probe_is_recorded_exactly_under_dropout_and_training_is_unchanged(tmp_path):
+    """Parity with Lightning: GPT-2 with attention dropout, the probe records exactly, training is bitwise equal."""
+    probe = {"input_ids": Tokens().ids[:2]}
+    plain = make_trainer(tmp_path / "plain", attn_dropout=0.1)
+    plain.train()
+    watched = make_trainer(tmp_path / "watched", attn_dropout=0.1, monitor={"every_n_steps": 2, "probe": probe})
+    watched.train()
+    assert losses(watched) == losses(plain)
+    for a, b in zip(plain.model.parameters(), watched.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    sampled = rows(watched, "connmon/reconstruction_error/all")
+    assert set(sampled) == {2, 4, 6}
+    assert all(row["connmon/reconstruction_error/all"] < 1e-5 for row in sampled.values())
 
 
 def test_report_to_wandb_gets_the_keys_histograms_and_figures(tmp_path, monkeypatch):

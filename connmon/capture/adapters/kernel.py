@@ -482,18 +482,11 @@ class FusedQKVAttention(KernelAttention):
                 session.skip(module, f"{name}.{attribute} transforms the attention output before {self.proj} (for "
                                      "example scale-norm attention), which the walk does not model")  # fmt: skip
                 return []
-        handles = super().hooks(model, name, module, session)
-        if handles and getattr(module, "fused_attn", True) is False:  # timm's eager path is the same math by hand
-            module.fused_attn = True
-            handles.append(_Restore(module, "fused_attn", False))
-        return handles
-
-
-class _Restore:
-    """A handle-like object that puts an attribute back on ``remove()``."""
-
-    def __init__(self, obj: object, attribute: str, value: object) -> None:
-        self.obj, self.attribute, self.value = obj, attribute, value
-
-    def remove(self) -> None:
-        setattr(self.obj, self.attribute, self.value)
+        if getattr(module, "fused_attn", True) is False:  # timm's eager path: softmax by hand, never switched here
+            session.skip(
+                module,
+                "it computes attention by hand (timm's fused_attn=False), which connmon does not read; it runs "
+                "unchanged. Set fused_attn=True (the same math through SDPA) to record it",
+            )
+            return []
+        return super().hooks(model, name, module, session)

@@ -2,8 +2,11 @@
 
 The scores are recomputed from the module's inputs, weights and masks exactly as
 ``F.multi_head_attention_forward`` does (bool masks True = blocked, float masks added, ``key_padding_mask`` over
-keys). While armed, the native fast path (``torch.backends.mha``), which bypasses Python hooks and packs padded
-batches into nested tensors, is switched off and restored afterwards.
+keys). The module's own path is never switched: where ``nn.MultiheadAttention`` runs its native fast path the scores
+are still recomputed on the side and verified against the output it returned, and where ``nn.TransformerEncoderLayer``
+runs its fused fast path (eval mode without gradients), which never calls its ``self_attn`` module, or hands it a
+nested tensor, the layer is skipped with one warning that says how to get records. connmon's own forwards
+(:func:`connmon.capture`, probes) run the Python path through :func:`python_attention_path`.
 """
 
 from __future__ import annotations
@@ -42,6 +45,10 @@ class TorchMultiheadAttention(Adapter):
             session.skip(module, "it uses bias_k/bias_v or add_zero_attn, which the walk does not model")
             return []
 
+        def entered(mod: nn.MultiheadAttention, args: tuple, kwargs: dict) -> None:
+            if session.wants(mod):
+                session.pending(mod).entered = True
+
         def hook(mod: nn.MultiheadAttention, args: tuple, kwargs: dict, output: tuple) -> None:
             if not session.wants(mod):
                 return
@@ -50,10 +57,25 @@ class TorchMultiheadAttention(Adapter):
             if not (query is key and key is value):
                 session.skip(mod, "it is called as cross-attention (query is not key/value)")
                 return
+            if query.is_nested or output[0].is_nested:
+                session.skip(mod, _FAST_PATH)
+                return
             with session.guarded(mod):
                 self._feed(mod, session, bound, output[0])
 
-        return [module.register_forward_hook(hook, with_kwargs=True)]
+        handles = [
+            module.register_forward_pre_hook(entered, with_kwargs=True),
+            module.register_forward_hook(hook, with_kwargs=True),
+        ]
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
+        if isinstance(parent, nn.TransformerEncoderLayer) and parent.self_attn is module:
+
+            def bypassed(layer: nn.TransformerEncoderLayer, args: tuple, output: object) -> None:
+                if session.wants(module) and not session.pending(module).entered:
+                    session.skip(module, _FAST_PATH)  # the fused encoder path never called self_attn
+
+            handles.append(parent.register_forward_hook(bypassed))
+        return handles
 
     @staticmethod
     def _feed(mod: nn.MultiheadAttention, session: CaptureSession, bound: dict, out: Tensor) -> None:
@@ -82,14 +104,37 @@ class TorchMultiheadAttention(Adapter):
         session.put_scores(mod, q, k, additive, dropout=mod.training and mod.dropout > 0)
         session.put(mod, x=x, output=out)
 
-    @contextlib.contextmanager
-    def armed(self, model: nn.Module, session: CaptureSession) -> Iterator[None]:  # noqa: D102
-        was = torch.backends.mha.get_fastpath_enabled()
-        torch.backends.mha.set_fastpath_enabled(False)
-        try:
-            yield
-        finally:
-            torch.backends.mha.set_fastpath_enabled(was)
+
+_FAST_PATH = (
+    "nn.TransformerEncoderLayer took its fused fast path (eval mode without gradients), which computes attention "
+    "without calling this module or on nested tensors, so there is nothing exact to record; it runs unchanged. "
+    "Record a training forward, a probe (ConnectionMonitor(probe=...)), or call "
+    "torch.backends.mha.set_fastpath_enabled(False) in your code"
+)
+
+
+@contextlib.contextmanager
+def python_attention_path() -> Iterator[None]:
+    """Run ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` on their Python path inside the block.
+
+    For connmon's own forwards only (:func:`connmon.capture`, probes), whose outputs nobody uses: the user's
+    forwards keep their fast path, and a layer it bypasses is skipped with a warning.
+
+    Example:
+        >>> import torch
+        >>> from connmon.capture.adapters.torch_mha import python_attention_path
+        >>> with python_attention_path():
+        ...     torch.backends.mha.get_fastpath_enabled()
+        False
+        >>> torch.backends.mha.get_fastpath_enabled()
+        True
+    """
+    was = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(was)
 
 
 def _additive(mask: Tensor) -> Tensor:
