@@ -29,7 +29,13 @@ from torch import nn
 
 from connmon._cost import CostClock
 from connmon.capture.adapters.base import Adapter
-from connmon.capture.adapters.kernel import FusedQKVAttention, KernelAttention, projections, warn_unreadable
+from connmon.capture.adapters.kernel import (
+    FusedQKVAttention,
+    KernelAttention,
+    kernel_caller_hooks,
+    projections,
+    warn_unreadable,
+)
 from connmon.capture.adapters.torch_mha import TorchMultiheadAttention, python_attention_path
 from connmon.capture.record import AttentionRecord, reconstruction_error
 from connmon.capture.session import CaptureSession, Layer, paused
@@ -77,7 +83,9 @@ def register_adapter(adapter: Adapter) -> None:
 def attention_layers(model: nn.Module) -> list[Layer]:
     """The self-attention modules connmon can read, in module order, each with its adapter.
 
-    A module whose class name says attention and that holds Linear layers, but that neither an adapter reads nor
+    An attention module inside another (an outer module that runs an inner one before its own kernel call) is a layer
+    of its own: each kernel call is read as the innermost running attention module's. A module whose class name says
+    attention and that holds Linear layers, but that neither an adapter reads nor
     contains a module one reads (hand-written softmax attention, flex_attention, Bloom's ALiBi), is reported with one
     warning and left out.
 
@@ -94,8 +102,8 @@ def attention_layers(model: nn.Module) -> list[Layer]:
     adapters = {}
     for name, module in model.named_modules():
         adapter = next((a for a in ADAPTERS if a.matches(module)), None)
-        if adapter is not None and not any(name.startswith(f"{outer}.") for outer in adapters if outer):
-            adapters[name] = (module, adapter)  # an attention module inside another is read as part of it
+        if adapter is not None:  # one inside another is a layer of its own: each kernel call is its caller's
+            adapters[name] = (module, adapter)
     unreadable = []
     for name, module in model.named_modules():
         if name not in adapters and _LOOKS_LIKE_ATTENTION.search(type(module).__name__) and projections(module):
@@ -163,6 +171,7 @@ def armed(
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got dtype={dtype}")
     model = getattr(model, "_orig_mod", model)  # torch.compile wraps the module; hooks go on the original
+    chosen = layers is not None
     layers = attention_layers(model) if layers is None else layers
     session = CaptureSession(layers, num_sequences, max_tokens, dtype, on_record, cost_clock)
     handles = []
@@ -175,6 +184,11 @@ def armed(
                 if not registered:  # the adapter found the module unsupported and said so
                     session.skip(layer.module)
                 handles.extend(registered)
+            if chosen:  # the attention modules left out still own their kernel calls (one may run inside an armed one)
+                armed_ids = {id(layer.module) for layer in layers}
+                for other in attention_layers(model):
+                    if id(other.module) not in armed_ids and isinstance(other.adapter, KernelAttention):
+                        handles.extend(kernel_caller_hooks(other.module))
             yield session
         finally:
             for handle in handles:

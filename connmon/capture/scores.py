@@ -45,7 +45,8 @@ def attention_scores(
 
     Returns:
         ``probs (B, H, L, S)`` with rows of no allowed key set to 0, ``max_logit (B,)`` the largest score the
-        softmax sees over heads, rows and allowed keys, and ``allowed``, a 4-dim bool tensor broadcastable to
+        softmax sees over heads, allowed keys and the rows of tokens some query may attend (a padding query is left
+        out), and ``allowed``, a 4-dim bool tensor broadcastable to
         ``(B, H, L, S)``.
 
     Example:
@@ -84,7 +85,11 @@ def attention_scores(
     if blocked:
         scores.masked_fill_(~allowed, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)  # (B, H, L, 1)
-    max_logit = row_max.flatten(1).amax(dim=-1)
+    seen = row_max
+    if blocked and length == keys:  # a token no query may attend (padding) is left out as a query too
+        attended = allowed.any(dim=-2, keepdim=True).any(dim=-3, keepdim=True)  # (B | 1, 1, 1, S)
+        seen = row_max.masked_fill(~attended.transpose(-1, -2), float("-inf"))
+    max_logit = seen.flatten(1).amax(dim=-1)
     if sinks is not None:
         sink = sinks.to(dtype).view(1, -1, 1, 1)
         row_max = torch.maximum(row_max, sink)

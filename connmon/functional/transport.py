@@ -300,8 +300,10 @@ def edge_isometry_gap(
 ) -> Tensor:
     """Expected isometry gap (``r = d``) of the edge transport ``T_ij = sum_h a^h_ij T_h`` over the walk's edges.
 
-    Edges are weighted by ``P_ij / n``: a uniform query ``i`` and a key ``j`` drawn from the walk. The gates are
-    ``a^h_ij = A^h_ij / W_ij`` with ``W = sum_h A^h``. Each edge needs the SVD of an ``r x r`` core,
+    Edges are weighted by ``P_ij / n``: a uniform query ``i`` and a key ``j`` drawn from the walk. A query row with
+    no allowed key (a padding query, see :func:`connmon.metrics.layerwise.valid_queries`) is not a query of the walk:
+    ``n`` counts the rows with a key (among the ``num_queries`` drawn), and the gap is NaN if there is none. The
+    gates are ``a^h_ij = A^h_ij / W_ij`` with ``W = sum_h A^h``. Each edge needs the SVD of an ``r x r`` core,
     ``r = min(d, H d_h)``.
 
     * ``num_samples=None``: exact, over all ``n^2`` edges: ``O(n^2 r^3)`` time and ``O(n^2 r^2)`` memory, for small
@@ -359,14 +361,14 @@ def edge_isometry_gap(
     if lanczos_steps is not None and lanczos_steps < 1:
         raise ValueError(f"lanczos_steps must be a positive int or None, got lanczos_steps={lanczos_steps}")
     generator = torch.Generator(device=attn.device).manual_seed(seed)
-    rows = n
     if num_queries is not None and num_queries < n:  # a uniform subset of query rows (the same for the batch)
         chosen = torch.randperm(n, generator=generator, device=attn.device)[:num_queries]
-        attn, rows = attn.index_select(-2, chosen), num_queries
+        attn = attn.index_select(-2, chosen)
     r_v, r_o = _qr_cores(*_concat_heads(w_v, w_o))  # (*, r, H*d_h) each
     weight = attn.sum(dim=-3)  # W: (*, n, n)
     gates = safe_divide(attn, weight.unsqueeze(-3)).movedim(-3, -1)  # (*, n, n, H)
     walk = weight / heads  # P
+    rows = (walk != 0).any(dim=-1).sum(dim=-1, keepdim=True).unsqueeze(-1).to(walk.dtype)  # query rows with a key
     if num_samples is None:
         edge_weight = walk / rows  # (*, rows, n)
     else:
@@ -376,7 +378,7 @@ def edge_isometry_gap(
         targets = (strata + offsets) / num_samples * row_mass.unsqueeze(-1)  # (*, n, k)
         keys = torch.searchsorted(walk.cumsum(dim=-1).contiguous(), targets.contiguous(), right=True)
         gates = torch.take_along_dim(gates, keys.clamp(max=n - 1).unsqueeze(-1), dim=-2)  # (*, n, k, H)
-        edge_weight = (row_mass / (rows * num_samples)).unsqueeze(-1).expand(keys.shape)  # (*, rows, k)
+        edge_weight = (row_mass / (rows.squeeze(-1) * num_samples)).unsqueeze(-1).expand(keys.shape)  # (*, rows, k)
     if lanczos_steps is not None:
         gaps = _edge_gaps_by_lanczos(gates, r_v, r_o, d_h, d, lanczos_steps, generator)
         return (edge_weight * gaps).flatten(-2).sum(dim=-1)

@@ -1,7 +1,8 @@
 """The diagnostic groups of DESIGN section 1 as torchmetrics accumulators, updated from AttentionRecords.
 
 Each group delegates to :mod:`connmon.functional`; values are per sequence (a transport diagnostic, which depends
-on the weights only, counts once per sequence so that every group averages over the same sequences).
+on the weights only, counts once per sequence so that every group averages over the same sequences). In a padded
+batch every diagnostic reads a sequence's valid tokens only (:func:`connmon.metrics.layerwise.valid_queries`).
 
 Example:
     >>> import torch
@@ -29,7 +30,7 @@ from torch import Tensor
 import connmon.functional as F
 from connmon.capture import AttentionRecord
 from connmon.capture.session import warn_once
-from connmon.metrics.layerwise import LayerwiseMean, per_sequence
+from connmon.metrics.layerwise import LayerwiseMean, per_sequence, valid_queries
 
 __all__ = ["DriftMetrics", "SpectrumMetrics", "TransportMetrics", "WalkMetrics"]
 
@@ -53,14 +54,15 @@ class WalkMetrics(LayerwiseMean):
     )
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
-        P = F.walk_matrix(record.attn)
+        attn = valid_queries(record)  # padding queries are not part of the walk
+        P = F.walk_matrix(attn)
         batch = P.shape[0]
         causal = (P.triu(1) == 0).all(dim=-1).all(dim=-1)  # the walk ends on the first token: 0 by the mask alone
         reversibility = F.reversibility_gap(P).masked_fill(causal, float("nan"))  # left out, never logged as 0
         columns = [
             F.stochasticity_gap(P),
-            F.attention_entropy(record.attn),
-            F.attention_entropy(record.attn, normalized=True),
+            F.attention_entropy(attn),
+            F.attention_entropy(attn, normalized=True),
             reversibility,
             F.walk_spectral_gap(P),
             record.max_logit,
@@ -116,7 +118,7 @@ class TransportMetrics(LayerwiseMean):
         self.last_head_gaps[record.index] = head_gaps
         if self.measure_edges:
             edges = F.edge_isometry_gap(
-                record.attn,
+                valid_queries(record),
                 w_v,
                 w_o,
                 num_samples=self.edge_samples,
@@ -227,7 +229,7 @@ class DriftMetrics(LayerwiseMean):
         self.previous_transports = dict(state.get("transports", {}))
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
-        P = F.walk_matrix(record.attn)
+        P = F.walk_matrix(valid_queries(record))
         T = F.ov_transport(record.w_v, record.w_o)
         batch, nan = P.shape[0], torch.full((P.shape[0],), float("nan"), dtype=P.dtype, device=P.device)
         depth = nan

@@ -133,3 +133,57 @@ def test_an_error_while_recording_never_breaks_the_forward():
     finally:
         connmon.capture.ADAPTERS.remove(adapter)
     assert session.records == [] and torch.equal(outputs[0], expected)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d=16, heads=4, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.heads, self.qkv, self.out = heads, nn.Linear(d, 3 * d), nn.Linear(d, d)
+        with torch.no_grad():
+            self.qkv.weight[: 2 * d] *= 4
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, d))
+
+
+class RefinedAttention(SelfAttention):
+    """Runs an inner attention module on its input before its own SDPA call (nested attention modules)."""
+
+    def __init__(self):
+        super().__init__(seed=1)
+        self.inner = SelfAttention(seed=2)
+
+    def forward(self, x):
+        x = x + self.inner(x)
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, d))
+
+
+def test_nested_attention_modules_each_record_their_own_call():
+    model = nn.Sequential(RefinedAttention())
+    x = torch.randn(2, 7, 16)
+    records = {r.name: r for r in connmon.capture(model, x)}
+    assert set(records) == {"0", "0.inner"}
+    for record in records.values():
+        assert record.reconstruction_error.item() <= 1e-5
+    torch.testing.assert_close(records["0.inner"].x, x)  # the inner module's own walk, under its name
+    with torch.no_grad():
+        torch.testing.assert_close(records["0"].x, x + model[0].inner(x))
+    assert not torch.allclose(records["0"].attn, records["0.inner"].attn)
+
+
+def test_an_outer_layer_chosen_alone_is_not_given_its_inner_modules_walk():
+    model = nn.Sequential(RefinedAttention())
+    x = torch.randn(2, 7, 16)
+    everything = {r.name: r for r in connmon.capture(model, x)}
+    layers = [layer for layer in connmon.capture.attention_layers(model) if layer.name == "0"]
+    with torch.no_grad(), connmon.capture.armed(model, layers=layers) as session:
+        model(x)
+    (record,) = session.records
+    assert record.name == "0" and torch.equal(record.attn, everything["0"].attn)

@@ -149,13 +149,14 @@ def edge_isometry_gap(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> flo
     heads, n, _ = attn.shape
     maps = head_maps(w_v, w_o)
     W = attn.sum(axis=0)
+    queries = int((W != 0).any(axis=1).sum())  # edges drawn with probability P_ij / n: n counts rows with a key
     total = 0.0
     for i in range(n):
         for j in range(n):
             if W[i, j] == 0:
                 continue
             T_ij = sum(attn[h, i, j] / W[i, j] * maps[h] for h in range(heads))
-            total += W[i, j] / heads / n * nearest_isometry_gap(T_ij)
+            total += W[i, j] / heads / queries * nearest_isometry_gap(T_ij)
     return total
 
 

