@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from connmon.functional._checks import as_float, check_layer, promote, shape
-from connmon.functional._krylov import Which, default_tol, krylov_schur
+from connmon.functional._krylov import Which, certified, default_tol, krylov_schur
 from connmon.functional._lanczos import largest_eigenvalue
 from connmon.functional._linalg import eigvals, eigvalsh, spectral_norm
 from connmon.functional.transport import _concat_heads, transport_scale, transport_singular_values
@@ -60,6 +60,8 @@ __all__ = [
 
 Method = Literal["auto", "dense", "kron", "causal", "krylov"]
 DENSE_MAX_DIM = 512  # n * d up to which "auto" takes the dense eigensolver
+_SECOND_SEED = 7919  # the second Krylov start of a certified spectrum
+_GUARD = 4  # values solved for beyond the k wanted, so that one near the k-th is not skipped by both solves
 _NORM_LANCZOS_STEPS = 24  # batched Lanczos steps for the operator norm before the restarted solver
 _CHUNK_ELEMENTS = 2**24  # bound on the causal path's block tensor (64 MiB in float32)
 _SQUARINGS = 5  # the causal path's power bound ||B^32||_F^(1/32) (see _power_radius_bounds)
@@ -565,11 +567,21 @@ def _krylov_per_layer(
             y = _matvec(a, v, o, x.view(n, d))
             return (_rmatvec(a, v, o, y) if normal_equations else y).flatten()
 
-        found = krylov_schur(operator, n * d, k, which=which, dtype=attn.dtype, device=attn.device, **options)
+        wanted = k if normal_equations else max(k, min(k + _GUARD, (options.get("ncv") or n * d) - 2, n * d - 2))
+        # values beyond the k-th guard its order; a second start with twice the basis certifies it (see _krylov)
+        solve = partial(krylov_schur, operator, n * d, wanted, which=which, dtype=attn.dtype, device=attn.device)
+        seed = options.pop("seed", 0)
+        first = solve(seed=seed, **options)
+        if not normal_equations:
+            tol = options.get("tol") or default_tol(attn.dtype)
+            wider = {**options, "ncv": min(n * d, 2 * (options.get("ncv") or max(2 * wanted + 1, 30)))}
+            first = certified(first, solve(seed=seed + _SECOND_SEED, **wider), k, which, tol)
+        found = first
         values[index] = torch.from_numpy(found.eigenvalues)
         residuals[index] = torch.from_numpy(found.residuals)
         converged[index] = torch.from_numpy(found.converged)
         matvecs[index] = found.num_matvecs
+        options["seed"] = seed
     return tuple(t.to(attn.device) for t in (values, residuals, converged, matvecs))
 
 

@@ -302,7 +302,7 @@ def edge_isometry_gap(
 
     Edges are weighted by ``P_ij / n``: a uniform query ``i`` and a key ``j`` drawn from the walk. A query row with
     no allowed key (a padding query, see :func:`connmon.metrics.layerwise.valid_queries`) is not a query of the walk:
-    ``n`` counts the rows with a key (among the ``num_queries`` drawn), and the gap is NaN if there is none. The
+    ``n`` counts the rows with a key, ``num_queries`` are drawn among them, and a layer with none has gap 0. The
     gates are ``a^h_ij = A^h_ij / W_ij`` with ``W = sum_h A^h``. Each edge needs the SVD of an ``r x r`` core,
     ``r = min(d, H d_h)``.
 
@@ -312,8 +312,8 @@ def edge_isometry_gap(
       ``P`` by inverse-CDF sampling at the stratified points ``(m + U_m) / k``, ``m = 0..k-1``, and averages:
       ``(1/n) sum_i P_i. 1 * mean_m gap(T_{i j_m})``. ``O(n k r^3)``. Its standard error is at most
       ``0.5 / sqrt(n k)`` (gaps lie in ``[0, 1)``; stratification only lowers it). Deterministic for a ``seed``.
-    * ``num_queries=q``: average over ``q`` query rows drawn uniformly without replacement (seeded) instead of all
-      ``n``: unbiased, ``O(q k r^3)``, standard error at most ``0.5 / sqrt(q k)`` (exact keys when
+    * ``num_queries=q``: average over ``q`` query rows drawn uniformly without replacement (seeded, per sequence)
+      instead of all ``n``: unbiased, ``O(q k r^3)``, standard error at most ``0.5 / sqrt(q k)`` (exact keys when
       ``num_samples=None``: ``O(q n r^3)``). This is what makes the diagnostic affordable inside a training run.
     * ``lanczos_steps=m``: no decomposition per edge. ``sum s^2 = ||T_ij||_F^2 = a^T G a`` is exact from the heads'
       Gram matrix ``G_hh' = <T_h, T_h'>_F``; ``sum s = tr sqrt(X)``, ``X = T_ij^T T_ij``, is
@@ -361,14 +361,17 @@ def edge_isometry_gap(
     if lanczos_steps is not None and lanczos_steps < 1:
         raise ValueError(f"lanczos_steps must be a positive int or None, got lanczos_steps={lanczos_steps}")
     generator = torch.Generator(device=attn.device).manual_seed(seed)
-    if num_queries is not None and num_queries < n:  # a uniform subset of query rows (the same for the batch)
-        chosen = torch.randperm(n, generator=generator, device=attn.device)[:num_queries]
-        attn = attn.index_select(-2, chosen)
+    if num_queries is not None and num_queries < n:  # a uniform subset of the query rows that have a key
+        live = (attn != 0).any(dim=-1).any(dim=-2)  # (*, n)
+        draw = torch.rand(live.shape, generator=generator, device=attn.device, dtype=torch.float64)
+        chosen = draw.masked_fill(~live, -1.0).topk(num_queries, dim=-1).indices  # (*, q): live rows first
+        index = chosen.unsqueeze(-2).unsqueeze(-1).expand(*chosen.shape[:-1], heads, num_queries, n)
+        attn = attn.gather(-2, index)
     r_v, r_o = _qr_cores(*_concat_heads(w_v, w_o))  # (*, r, H*d_h) each
     weight = attn.sum(dim=-3)  # W: (*, n, n)
     gates = safe_divide(attn, weight.unsqueeze(-3)).movedim(-3, -1)  # (*, n, n, H)
     walk = weight / heads  # P
-    rows = (walk != 0).any(dim=-1).sum(dim=-1, keepdim=True).unsqueeze(-1).to(walk.dtype)  # query rows with a key
+    rows = (walk != 0).any(dim=-1).sum(dim=-1, keepdim=True).unsqueeze(-1).clamp(min=1).to(walk.dtype)
     if num_samples is None:
         edge_weight = walk / rows  # (*, rows, n)
     else:

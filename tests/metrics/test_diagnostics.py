@@ -222,14 +222,14 @@ def test_each_spectral_value_is_left_out_only_where_its_own_solve_did_not_conver
     model = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False).eval()
     (record,) = connmon.capture(model, torch.randn(8, 32, 64))
     spectra = F.connection_spectra(record.attn, record.w_v, record.w_o, k=8, max_restarts=30)
-    # this layer's first sequence: every largest-modulus value converged, its rightmost-eigenvalue solve did not
-    assert spectra.largest_converged.all() and spectra.rightmost_converged.tolist() == [False, True]
+    assert not spectra.largest_converged.all()  # the order of some values of this layer is not certified
     metric = SpectrumMetrics(1, max_restarts=30)
     metric.update(record)
     out = metric.compute()
-    torch.testing.assert_close(out["connection_spectral_radius"], spectra.largest.abs()[:, 0].double().mean())
-    torch.testing.assert_close(out["connection_laplacian_gap"], 1 - spectra.rightmost.real[1].double())
-    assert not metric.last_spectra[0].isnan().any()
+    radius, rightmost = spectra.largest.abs()[:, 0].double(), spectra.rightmost.real.double()
+    torch.testing.assert_close(out["connection_spectral_radius"], radius[spectra.largest_converged[:, 0]].mean())
+    torch.testing.assert_close(out["connection_laplacian_gap"], 1 - rightmost[spectra.rightmost_converged].mean())
+    assert torch.equal(metric.last_spectra[0].isnan(), ~spectra.largest_converged)
 
 
 def test_a_padded_sequence_reads_as_if_it_were_recorded_alone():
@@ -276,8 +276,9 @@ def test_the_edge_gap_of_a_padded_sequence_is_that_of_its_valid_tokens():
                                              valid, torch.tensor(0.0))  # fmt: skip
     from connmon.metrics.layerwise import valid_queries
 
-    for options in ({}, {"num_samples": 4}, {"num_samples": 4, "lanczos_steps": 8}):
+    for options in ({}, {"num_samples": 4}):  # the same draws for the valid rows (Lanczos probes would differ)
         alone = F.edge_isometry_gap(attn, w_v, w_o, **options)
-        torch.testing.assert_close(
-            F.edge_isometry_gap(valid_queries(record), w_v, w_o, **options), alone, msg=str(options)
-        )
+        read = F.edge_isometry_gap(valid_queries(record), w_v, w_o, **options)
+        torch.testing.assert_close(read, alone, msg=str(options))
+    sampled = F.edge_isometry_gap(valid_queries(record), w_v, w_o, num_queries=6)  # draws the 6 valid rows
+    torch.testing.assert_close(sampled, F.edge_isometry_gap(attn, w_v, w_o))
