@@ -237,6 +237,8 @@ class EWMAZScore(_Baseline):
         min_std: float = 0.0, log: bool = False,
     ) -> None:  # fmt: skip
         _check_direction(direction)
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
+            raise ValueError(f"threshold must be a z-score > 0, got threshold={threshold!r}")
         super().__init__(alpha, warmup, min_std, log)
         self.threshold, self.direction = float(threshold), direction
 

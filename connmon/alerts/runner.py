@@ -61,6 +61,10 @@ class AlertRunner:
             raise ValueError(f"stop_level must be one of {LEVELS}, got stop_level={stop_level!r}")
         if history < 0:
             raise ValueError(f"history must be >= 0, got history={history}")
+        if isinstance(wait_duration, bool) or not isinstance(wait_duration, (int, float)) or not wait_duration >= 0:
+            raise ValueError(f"wait_duration must be a number of seconds >= 0, got wait_duration={wait_duration!r}")
+        if rules is not None and (isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence)):
+            raise ValueError(f"rules must be a list of connmon.alerts.Rule / AllOf, or None, got rules={rules!r}")
         if on_alert is not None and not callable(on_alert):
             raise ValueError(f"on_alert must be callable, got on_alert={on_alert!r}")
         self.rules = RuleSet(default_rules() if rules is None else rules)

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from connmon._cost import CostClock
+from connmon._options import check_int
 from connmon.capture.adapters.base import Adapter
 from connmon.capture.adapters.kernel import (
     FusedQKVAttention,
@@ -164,10 +165,15 @@ def armed(
         >>> len(session.records), tuple(session.records[0].x.shape)
         (2, (1, 5, 8))
     """
-    if num_sequences < 1:
-        raise ValueError(f"num_sequences must be >= 1, got num_sequences={num_sequences}")
-    if max_tokens is not None and max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1 or None, got max_tokens={max_tokens}")
+    check_int("num_sequences", num_sequences)
+    check_int("max_tokens", max_tokens, optional=True)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if any(parameter.is_meta for parameter in model.parameters()):
+        raise ValueError(
+            "the model's parameters are on the meta device (no values): materialize it first (model.to_empty(...) "
+            "and load its weights) before connmon reads it"
+        )
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got dtype={dtype}")
     model = getattr(model, "_orig_mod", model)  # torch.compile wraps the module; hooks go on the original

@@ -14,6 +14,7 @@ and copies leave the autograd graph at once, so records never keep activations a
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from connmon.capture.scores import attention_scores
 # The largest reconstruction error of an exact record, per dtype the module computed in: far above the round-off
 # of that dtype over a layer (float32 ~1e-7, bf16 ~1e-2) and far below what a module that is not a walk gives.
 RECONSTRUCTION_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
-_PAUSED = [0]  # > 0 inside paused(): armed sessions record nothing (the forwards run unchanged, as always)
+_PAUSED = threading.local()  # .depth > 0 inside paused() in this thread: armed sessions record nothing
 
 
 @contextlib.contextmanager
@@ -50,11 +51,15 @@ def paused() -> Iterator[None]:
         >>> len(session.records)
         1
     """
-    _PAUSED[0] += 1
+    _PAUSED.depth = _paused() + 1
     try:
         yield
     finally:
-        _PAUSED[0] -= 1
+        _PAUSED.depth -= 1
+
+
+def _paused() -> int:
+    return getattr(_PAUSED, "depth", 0)
 
 
 @dataclass
@@ -105,6 +110,7 @@ class CaptureSession:
         self.records: list[AttentionRecord] = []
         self.done: set[int] = set()
         self._pending: dict[int, _Pending] = {}
+        self.thread = threading.get_ident()
 
     def name(self, module: nn.Module) -> str:
         """The module's path in the model (its class name if it is not armed here)."""
@@ -113,7 +119,9 @@ class CaptureSession:
 
     def skip(self, module: nn.Module, why: str | None = None) -> None:
         """Record nothing for ``module`` in this session; ``why`` is warned once per cause and layer."""
-        if why is not None and not _PAUSED[0] and id(module) in self.layers:  # also after its record was handed on
+        if (
+            why is not None and not _paused() and id(module) in self.layers and self.is_own_thread()
+        ):  # also after its record was handed on
             warn_once(f"connmon: {self.name(module)} is not recorded: {why}", key=(why, id(module)))
         self.done.add(id(module))
         self._pending.pop(id(module), None)
@@ -135,8 +143,15 @@ class CaptureSession:
         return self.cost_clock.measuring() if self.cost_clock is not None else contextlib.nullcontext()
 
     def wants(self, module: nn.Module) -> bool:
-        """Whether ``module`` is armed here, not recorded yet, and recording is not :func:`paused`."""
-        return not _PAUSED[0] and id(module) in self.layers and id(module) not in self.done
+        """Whether ``module`` is armed here, not recorded yet, not :func:`paused`, and this thread armed the session.
+
+        A session records the forwards of the thread that armed it; other threads' calls run unchanged, unread.
+        """
+        return not _paused() and id(module) in self.layers and id(module) not in self.done and self.is_own_thread()
+
+    def is_own_thread(self) -> bool:
+        """Whether the calling thread is the one that armed the session."""
+        return torch.compiler.is_compiling() or threading.get_ident() == self.thread  # a trace runs in the caller
 
     def pending(self, module: nn.Module) -> _Pending:
         """The pieces gathered so far for ``module`` (created on first use)."""

@@ -151,6 +151,8 @@ class Monitor:
         sharpness: SharpnessSampler | None = None,
         loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
     ) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}: {model!r:.60}")
         check_int("every_n_steps", every_n_steps)
         check_int("num_sequences", num_sequences)
         check_int("max_tokens", max_tokens, optional=True)
@@ -262,6 +264,8 @@ class Monitor:
         rules beside the sample's keys. ``batch`` is what ``loss_fn(model, batch)`` reads for a ``sharpness``
         estimator that needs a loss.
         """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be the optimizer steps taken so far, an integer >= 0, got step={step!r}")
         model = self._model
         self._step_now = step
         if self.sharpness is not None and model is not None:
@@ -292,6 +296,8 @@ class Monitor:
         self.disarm()
         self._model = None
         try:
+            if any(parameter.is_meta for parameter in model.parameters()):
+                raise ValueError("its parameters are on the meta device (no values yet): attach the materialized model")
             found = attention_layers(getattr(model, "_orig_mod", model))  # torch.compile: the layers of the original
         except ValueError as error:
             warn_rank_zero(f"{self.owner} is off for this run: {error}")
@@ -359,6 +365,7 @@ class Monitor:
         """Sampling cadence, each layer's previous sample (time drift) and the alert rules' state."""
         drift = self.metrics.get("drift")
         return {
+            "config": self._config(),
             "samples": self.samples,
             "last_sampled_step": self.last_sampled_step,
             "drift": drift.get_extra_state() if drift is not None else self._pending_drift_state,
@@ -367,12 +374,47 @@ class Monitor:
             "sharpness": self.sharpness.state_dict() if self.sharpness is not None else None,
         }
 
+    def _config(self) -> dict[str, Any]:
+        """What the time-drift references depend on: a checkpoint from another configuration cannot continue them."""
+        return {
+            "diagnostics": list(self.diagnostics),
+            "num_sequences": self.num_sequences,
+            "max_tokens": self.max_tokens,
+        }
+
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved (before or after :meth:`attach`)."""
+        """Restore what :meth:`state_dict` saved (before or after :meth:`attach`).
+
+        Each part is checked: one that is malformed, or time-drift references saved under another configuration
+        (``num_sequences``, ``max_tokens``: walks of another shape), is not restored, and one warning says which and
+        why.
+        """
+        if not isinstance(state_dict, Mapping):
+            warn_rank_zero(f"{self.owner}: the saved state is a {type(state_dict).__name__}, not a dict: not restored")
+            return
+        state_dict, dropped = dict(state_dict), []
+        for key, default in (("samples", 0), ("last_sampled_step", -1), ("full_every_n_samples", None)):
+            value = state_dict.get(key, default)
+            if (value is not None or default is not None) and (isinstance(value, bool) or not isinstance(value, int)):
+                dropped.append(f"{key}={value!r} (not an integer)")
+                state_dict[key] = default
+        drift_state = state_dict.get("drift")
+        if drift_state is not None and not _is_drift_state(drift_state):
+            dropped.append("the time-drift references (malformed)")
+            state_dict["drift"] = None
+        saved = state_dict.get("config")
+        if state_dict.get("drift") is not None and saved is not None and saved != self._config():
+            changed = ", ".join(
+                f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self._config().items() if saved.get(k) != v
+            )
+            dropped.append(f"the time-drift references (saved with another configuration: {changed})")
+            state_dict["drift"] = None
+        if dropped:
+            warn_rank_zero(f"{self.owner}: not restored from the checkpoint: {'; '.join(dropped)}; they start afresh")
         self.samples = state_dict.get("samples", 0)
         self.last_sampled_step = state_dict.get("last_sampled_step", -1)
-        if self.budget is not None:  # the budget's choice; without a budget the constructor's option holds
-            self.full_every_n_samples = state_dict.get("full_every_n_samples", self.full_every_n_samples)
+        if self.budget is not None and state_dict.get("full_every_n_samples") is not None:  # the budget's choice
+            self.full_every_n_samples = state_dict["full_every_n_samples"]
         if self.sharpness is not None and state_dict.get("sharpness") is not None:
             self.sharpness.load_state_dict(state_dict["sharpness"])
         drift_state = state_dict.get("drift")
@@ -669,6 +711,17 @@ class Monitor:
                 figures["connmon/figures/gaps_by_depth"] = depth_figure(depth, f"step {step}")
             if figures:
                 self.sink.figures(step, figures)
+
+
+def _is_drift_state(state: object) -> bool:
+    """Whether ``state`` is what :meth:`DriftMetrics.get_extra_state` returns: layer index -> tensor, twice."""
+    if not isinstance(state, Mapping):
+        return False
+    parts = [state.get("walks", {}), state.get("transports", {})]
+    return all(
+        isinstance(part, Mapping) and all(isinstance(k, int) and isinstance(v, Tensor) for k, v in part.items())
+        for part in parts
+    )
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

@@ -149,9 +149,9 @@ class SpectrumMetrics(LayerwiseMean):
     from a restarted Krylov solver, run twice from independent starts; a value that has not met its tolerance after
     ``max_restarts`` restarts, or whose rank the two solves do not agree on, is left out too (the radius when the
     largest eigenvalue is not certified, the gap when the rightmost is not, each such entry of the spectrum),
-    because a Ritz value can be far from any eigenvalue, and a converged one can have skipped another above it. That happens when the
-    top eigenvalues are nearly tied, as in a randomly initialized layer whose attention is near uniform; trained
-    layers converge in about 15 restarts.
+    because a Ritz value can be far from any eigenvalue, and a converged one can have skipped another above it.
+    That happens when the top eigenvalues are nearly tied, as in a randomly initialized layer whose attention is
+    near uniform; trained layers converge in about 15 restarts.
 
     Args:
         num_layers: number of captured attention layers.

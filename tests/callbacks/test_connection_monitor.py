@@ -181,8 +181,19 @@ def test_no_logger_is_reported_once(tmp_path):
 def test_wandb_offline_run_has_connmon_scalars_and_histograms(tmp_path, monkeypatch):
     logger = offline_logger(tmp_path, monkeypatch)
     monitor = ConnectionMonitor(every_n_steps=2, figures_every_n_samples=1)
-    trainer(tmp_path, monitor, max_steps=4, logger=logger).fit(LitGPT(), loader())
+    csv_logger = CSVLogger(tmp_path, name="csv")
+    trainer(tmp_path, monitor, max_steps=4, logger=[logger, csv_logger]).fit(LitGPT(), loader())
     items = history(finish_and_read(logger))
+    logged = {int(row["step"]): row for row in read_csv(tmp_path) if "connmon/attention_entropy/L00" in row}
+    for item in items:  # the values W&B holds are the ones the CSV logger wrote in the same run
+        if "connmon/attention_entropy/L00" in item:
+            row = logged[int(item["trainer/global_step"])]
+            for key in (
+                "connmon/attention_entropy/L00",
+                "connmon/head_isometry_gap/all",
+                "connmon/stochasticity_gap/L01",
+            ):
+                assert item[key] == pytest.approx(float(row[key]), rel=1e-6), key
     keys = set().union(*items)
     assert "connmon/attention_entropy/L00" in keys and "connmon/connection_spectral_radius/all" in keys
     assert "connmon/head_isometry_gap_hist/L01._type" in keys

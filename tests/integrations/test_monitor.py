@@ -385,3 +385,104 @@ def test_a_probe_that_raises_is_reported_and_training_goes_on():
         with monitor.step(0):
             model(batches(1)[0]).sum().backward()
     assert monitor.samples == 0 and no_hooks(model) and model.training
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: connmon.Monitor("str"),
+        lambda: connmon.capture(TinyGPT(), batches(1)[0], max_tokens=2.5),
+        lambda: connmon.capture(TinyGPT(), batches(1)[0], num_sequences="2"),
+        lambda: connmon.capture("model", batches(1)[0]),
+        lambda: __import__("connmon.callbacks").callbacks.DriftAlert(rules="x"),
+        lambda: __import__("connmon.callbacks").callbacks.DriftAlert(wait_duration=-1),
+        lambda: __import__("connmon.alerts").alerts.EWMAZScore(-3),
+    ],
+)
+def test_bad_options_are_named(make):
+    with pytest.raises(ValueError, match="must be"):
+        make()
+
+
+@pytest.mark.parametrize("step", [None, "4", -1, 2.0, True])
+def test_a_bad_step_is_named(step):
+    monitor = connmon.Monitor(TinyGPT(), every_n_steps=1)
+    with pytest.raises(ValueError, match="step must be"), monitor.step(step):
+        pass
+
+
+def test_a_meta_device_model_turns_the_monitor_off_with_a_warning():
+    with torch.device("meta"):
+        model = TinyGPT()
+    with pytest.warns(UserWarning, match="meta device"):
+        monitor = connmon.Monitor(model, every_n_steps=1)
+    assert monitor.selected == []
+    with pytest.raises(ValueError, match="meta device"):
+        connmon.capture(model, batches(1)[0])
+
+
+@pytest.mark.parametrize(
+    "edit, named",
+    [
+        ({"samples": None}, "samples=None"),
+        ({"samples": "3"}, "samples='3'"),
+        ({"drift": "garbage"}, "malformed"),
+        ({"config": {"num_sequences": 1, "max_tokens": 256}}, "num_sequences 1 -> 2"),
+    ],
+)
+def test_a_hand_edited_or_foreign_checkpoint_is_checked_and_said(edit, named):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    options = dict(every_n_steps=1, diagnostics=("walk", "drift"))
+    first = connmon.Monitor(model, **options)
+    with first.step(0):
+        model(batches(1)[0])
+    state = first.state_dict() | edit
+    resumed = connmon.Monitor(model, **options)
+    with pytest.warns(UserWarning, match=f"not restored from the checkpoint: .*{named}"):
+        resumed.load_state_dict(state)
+    with resumed.step(1):
+        model(batches(1)[0])  # the run goes on
+    assert math.isfinite(resumed.last_values["connmon/attention_entropy/L00"])
+
+
+def test_another_threads_forward_is_ignored_and_this_ones_recorded():
+    import threading
+
+    torch.manual_seed(0)
+    model, other = TinyGPT(), TinyGPT()
+    ids = batches(1)[0]
+    started, release = threading.Event(), threading.Event()
+
+    def run_other():
+        started.set()
+        release.wait(10)
+        with torch.no_grad():
+            other(ids)
+
+    thread = threading.Thread(target=run_other)
+    thread.start()
+    started.wait(10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning about the other thread's calls
+        with connmon.capture.armed(model) as session:
+            release.set()
+            thread.join(10)
+            with torch.no_grad():
+                model(ids)
+    assert [r.name for r in session.records] == ["blocks.0.attn", "blocks.1.attn"]
+
+
+def test_captured_models_are_not_kept_alive_by_the_adapter():
+    import gc
+    import weakref
+
+    from connmon.capture import ADAPTERS, KernelAttention
+
+    model = TinyGPT()
+    connmon.capture(model, batches(1)[0])
+    ref = weakref.ref(model.blocks[0].attn)
+    del model
+    gc.collect()
+    assert ref() is None
+    assert all(len(a._resolved) == 0 for a in ADAPTERS if isinstance(a, KernelAttention))

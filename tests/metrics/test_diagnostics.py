@@ -43,7 +43,13 @@ def direct(records):
         rows = {
             "stochasticity_gap": F.stochasticity_gap(P),
             "attention_entropy": F.attention_entropy(r.attn),
+            "attention_entropy_normalized": F.attention_entropy(r.attn, normalized=True),
             "reversibility_gap": F.reversibility_gap(P),
+            "walk_spectral_gap": F.walk_spectral_gap(P),
+            "reconstruction_error": r.reconstruction_error.reshape(-1).expand(2),
+            "head_isometry_gap": F.head_isometry_gap(r.w_v, r.w_o).expand(2),
+            "transport_symmetry_gap": F.transport_symmetry_gap(r.w_v, r.w_o).expand(2),
+            "transport_scale": F.transport_scale(r.w_v, r.w_o).expand(2),
             "max_attention_logit": r.max_logit,
             "ov_isometry_gap": F.ov_isometry_gap(r.w_v, r.w_o).expand(2),
             "edge_isometry_gap": F.edge_isometry_gap(r.attn, r.w_v, r.w_o),
@@ -74,6 +80,8 @@ def test_groups_equal_direct_functional_means_over_steps():
     for metric in metrics:
         computed.update(metric.compute())
     expected = direct(seen)
+    emitted = {name for name in computed if "/" not in name and name != "nonfinite_layers"}
+    assert emitted == set(expected)  # every emitted metric is compared
     for name, value in expected.items():
         torch.testing.assert_close(computed[name], value, rtol=1e-6, atol=1e-9)
         torch.testing.assert_close(computed[f"{name}/all"], value.mean(), rtol=1e-6, atol=1e-9)

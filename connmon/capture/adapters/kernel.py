@@ -23,7 +23,9 @@ import contextlib
 import functools
 import inspect
 import sys
+import threading
 import types
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -47,9 +49,19 @@ _INERT_KWARGS = frozenset(
     }
 )  # fmt: skip
 
-_STACK: list[nn.Module] = []  # armed modules whose forward is running, innermost last
-_SESSIONS: list[CaptureSession] = []
-_INSIDE_TRANSFORMERS = [0]  # > 0 while a transformers attention function runs (its own SDPA call is not read twice)
+_SESSIONS: list[CaptureSession] = []  # every armed session, whatever its thread (the kernel wrapper is process-wide)
+_LOCAL = threading.local()  # per thread: .stack, the armed modules whose forward runs (innermost last), and .inside,
+# > 0 while a transformers attention function runs (its own SDPA call is not read twice)
+
+
+def _stack() -> list[nn.Module]:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
+
+
+def _inside() -> int:
+    return getattr(_LOCAL, "inside", 0)
 
 
 def linear_weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
@@ -105,11 +117,11 @@ def kernel_caller_hooks(module: nn.Module) -> list[RemovableHandle]:
     """
 
     def enter(mod: nn.Module, args: tuple) -> None:
-        _STACK.append(mod)
+        _stack().append(mod)
 
     def leave(mod: nn.Module, args: tuple, output: object) -> None:
-        if _STACK and _STACK[-1] is mod:
-            _STACK.pop()
+        if _stack() and _stack()[-1] is mod:
+            _stack().pop()
 
     return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
 
@@ -149,7 +161,10 @@ class KernelAttention(Adapter):
     name = "attention kernel"
 
     def __init__(self) -> None:
-        self._resolved: dict[int, tuple[Tensor, Tensor, Tensor]] = {}
+        # the maps found by each module's last capture; weak keys: nothing is kept once a model is gone
+        self._resolved: weakref.WeakKeyDictionary[nn.Module, tuple[Tensor, Tensor, Tensor]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def matches(self, module: nn.Module) -> bool:  # noqa: D102
         calls = calls_attention_kernel(module) or any(
@@ -163,11 +178,11 @@ class KernelAttention(Adapter):
         Raises:
             ValueError: if the module was never captured.
         """
-        if id(module) not in self._resolved:
+        if module not in self._resolved:
             raise ValueError(
                 f"{type(module).__name__} has not been captured yet: its projections are found by a capture"
             )
-        return self._resolved[id(module)]
+        return self._resolved[module]
 
     def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
         if getattr(module, "is_cross_attention", False) or "CrossAttention" in type(module).__name__:
@@ -180,7 +195,7 @@ class KernelAttention(Adapter):
             candidates.append(sibling)
 
         def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            _STACK.append(mod)
+            _stack().append(mod)
             if session.wants(mod):
                 pending = session.pending(mod)
                 pending.entered = True
@@ -189,8 +204,8 @@ class KernelAttention(Adapter):
                     session.skip(mod, "it is called as cross-attention (queries and keys from different sequences)")
 
         def leave(mod: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-            if _STACK and _STACK[-1] is mod:
-                _STACK.pop()
+            if _stack() and _stack()[-1] is mod:
+                _stack().pop()
 
         def projected(proj: nn.Module, args: tuple, output: Tensor) -> None:
             if not (session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor)):
@@ -199,7 +214,7 @@ class KernelAttention(Adapter):
             if "consumes" in state:  # after the kernel call: is this the output projection?
                 with session.guarded(module):
                     self._output(session, module, proj, args[0], output)
-            elif module in _STACK:
+            elif module in _stack():
                 state.setdefault("calls", []).append((proj, args[0], output))
 
         return [
@@ -223,7 +238,7 @@ class KernelAttention(Adapter):
         out_weight, out_bias = linear_weight(proj)
         value_bias, out_bias = (None if b is None else b.detach() for b in (value_bias, out_bias))
         weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), out_bias)
-        self._resolved[id(module)] = weights
+        self._resolved[module] = weights
         session.put(module, output=out, weights=weights)
 
     def read_kernel_call(
@@ -352,8 +367,9 @@ _SDPA_PARAMETERS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"
 def _sdpa(query: Tensor, key: Tensor, value: Tensor, *args: object, **kwargs: object) -> Tensor:
     """``F.scaled_dot_product_attention``, run unchanged; then read for the innermost armed module."""
     output = _sdpa.original(query, key, value, *args, **kwargs)
-    if _STACK and not _INSIDE_TRANSFORMERS[0]:
-        module = _STACK[-1]
+    stack = _stack()
+    if stack and not _inside():
+        module = stack[-1]
         bound = dict(zip(_SDPA_PARAMETERS, args, strict=False)) | kwargs
         for session in _SESSIONS:
             if session.wants(module):
@@ -389,11 +405,11 @@ def _transformers_attention(
     **kwargs: object,
 ) -> tuple[Tensor, Tensor | None]:
     """The model's own attention function, run unchanged; then read for ``module``."""
-    _INSIDE_TRANSFORMERS[0] += 1
+    _LOCAL.inside = _inside() + 1
     try:
         result = function(module, query, key, value, attention_mask, **kwargs)
     finally:
-        _INSIDE_TRANSFORMERS[0] -= 1
+        _LOCAL.inside -= 1
     for session in _SESSIONS:
         if session.wants(module):
             with session.guarded(module):
