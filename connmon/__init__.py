@@ -1,6 +1,6 @@
 """connmon: training-time monitoring of transformer attention read as a connection walk (arXiv 2607.10677).
 
-Example:
+Examples:
     >>> import connmon
     >>> import connmon.functional as F
     >>> connmon.__version__

@@ -10,7 +10,7 @@ A ``budget`` (a fraction such as 0.01) sets the stride of a monitor's costly par
 mean cost per step inside the budget: :func:`stride_for`. Every process decides from the same figures (the
 largest across processes, :func:`agreed`), so the stride is the same everywhere.
 
-Example:
+Examples:
     >>> from connmon._cost import stride_for
     >>> stride_for(budget=0.01, cost=0.5, interval=2.0)  # 0.5 s every 2 s of training is 25%: every 25th sample
     25
@@ -34,7 +34,7 @@ class CostClock:
         part: what it measures, in the logged key ``connmon/overhead/<part>`` (``"attention"``, ``"curvature"``).
         device: where the work runs; CUDA (or another accelerator) is synchronized at each section's ends.
 
-    Example:
+    Examples:
         >>> import time
         >>> from connmon._cost import CostClock
         >>> clock = CostClock("attention")
@@ -129,7 +129,7 @@ def total_fraction(clock: CostClock) -> float:
 
     A monitor left running by an earlier run (never stopped) adds only what it spends from then on.
 
-    Example:
+    Examples:
         >>> from connmon._cost import CostClock, total_fraction
         >>> clock = CostClock("attention")
         >>> clock.start()
@@ -150,7 +150,7 @@ def total_fraction(clock: CostClock) -> float:
 def overhead_values(clock: CostClock) -> dict[str, float]:
     """``connmon/overhead`` (every running monitor) and ``connmon/overhead/<part>`` (this one), as logged.
 
-    Example:
+    Examples:
         >>> from connmon._cost import CostClock, overhead_values
         >>> clock = CostClock("curvature")
         >>> clock.start()
@@ -165,7 +165,7 @@ def overhead_values(clock: CostClock) -> dict[str, float]:
 def summary(clock: CostClock, owner: str) -> str:
     """One line for the end of a run: what the monitor cost, in percent of training time.
 
-    Example:
+    Examples:
         >>> from connmon._cost import CostClock, summary
         >>> summary(CostClock("attention"), "ConnectionMonitor")
         'ConnectionMonitor cost nothing measurable (no sample was taken)'
@@ -186,7 +186,7 @@ def stride_for(budget: float, cost: float, interval: float) -> int:
         cost: seconds one costly sample takes.
         interval: seconds of training between two candidate samples.
 
-    Example:
+    Examples:
         >>> from connmon._cost import stride_for
         >>> stride_for(0.05, cost=0.1, interval=10.0)  # 1% already: every candidate sample
         1
@@ -199,7 +199,7 @@ def stride_for(budget: float, cost: float, interval: float) -> int:
 def agreed(*values: float, device: torch.device | str = "cpu") -> list[float]:
     """The largest of each value across processes (``torch.distributed``, if initialized), so all decide alike.
 
-    Example:
+    Examples:
         >>> from connmon._cost import agreed
         >>> agreed(0.5, 2.0)
         [0.5, 2.0]
@@ -214,7 +214,7 @@ def agreed(*values: float, device: torch.device | str = "cpu") -> list[float]:
 def check_budget(budget: object) -> None:
     """A budget is None or a fraction in (0, 1).
 
-    Example:
+    Examples:
         >>> from connmon._cost import check_budget
         >>> check_budget(2)
         Traceback (most recent call last):

@@ -1,6 +1,6 @@
 """Checks on constructor options shared across the package (pure Python: no torch, so alerts stay light).
 
-Example:
+Examples:
     >>> from connmon._options import check_int
     >>> check_int("every_n_steps", 0)
     Traceback (most recent call last):

@@ -10,7 +10,7 @@ import torch.distributed as dist
 def is_rank_zero() -> bool:
     """True unless ``torch.distributed`` is initialized and this process has a global rank other than 0.
 
-    Example:
+    Examples:
         >>> from connmon._ranks import is_rank_zero
         >>> is_rank_zero()
         True
@@ -21,7 +21,7 @@ def is_rank_zero() -> bool:
 def warn_rank_zero(message: str) -> None:
     """``warnings.warn(message)`` on the rank-zero process only.
 
-    Example:
+    Examples:
         >>> import warnings
         >>> from connmon._ranks import warn_rank_zero
         >>> with warnings.catch_warnings(record=True) as seen:

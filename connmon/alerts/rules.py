@@ -93,7 +93,7 @@ class Rule:
     Raises:
         ValueError: for an unknown level or a negative cooldown.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import EWMAZScore, Rule
         >>> rule = Rule("max logit rising", "connmon/max_attention_logit/L*", EWMAZScore(threshold=4.0))
     """
@@ -140,7 +140,7 @@ class AllOf:
         ValueError: for fewer than two rules, duplicate member names, a negative window or cooldown, or an unknown
             level.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import AllOf, EWMAZScore, Rule, RuleSet, Threshold
         >>> spike = Rule("loss spike", "train_loss", Threshold(5.0))
         >>> logits = Rule("large logits", "connmon/max_attention_logit/L*", Threshold(30.0))
@@ -202,7 +202,7 @@ class RuleSet:
     Raises:
         ValueError: for duplicate rule names.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import NonFinite, Rule, RuleSet, Threshold
         >>> rules = RuleSet([Rule("logit", "connmon/max_attention_logit/*", Threshold(50.0), cooldown=10)])
         >>> rules.update({"connmon/max_attention_logit/L00": 12.0}, step=0)
@@ -331,7 +331,7 @@ def default_rules() -> list[Rule]:
     pretrained all-MiniLM-L6-v2 sits near 34 in layer 0. No geometric diagnostic, the connection spectrum
     included, led divergence without false alarms, so none is a default.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import default_rules
         >>> [rule.name for rule in default_rules()]
         ['non-finite attention', 'attention logits growing early', 'past the edge of stability']
@@ -361,7 +361,7 @@ def attention_collapse_rules(level: Level = "WARN") -> list[Rule]:
     change in which attention sharpens before the loss falls. Use them where the task has no such phase change,
     or at ``level="INFO"``, or gated by the loss with :class:`AllOf`.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import RuleSet, attention_collapse_rules, default_rules
         >>> rules = RuleSet(default_rules() + attention_collapse_rules(level="INFO"))
         >>> [rule.name for rule in attention_collapse_rules()]
@@ -396,7 +396,7 @@ def edge_of_stability_rule(
     squared gradients, so some coordinates' step sizes are far too large, and a healthy run at LR 1e-3 reads 5-100
     in its first five steps (``tests/callbacks/test_sharpness_monitor.py``); the ratio means nothing yet.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import RuleSet, edge_of_stability_rule
         >>> rules = RuleSet([edge_of_stability_rule()])
         >>> [[a.step for a in rules.update({"connmon/sharpness_ratio": r}, s)] for s, r in [(50, 1.2), (100, 0.8),
@@ -414,7 +414,7 @@ def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int =
     near 23), earlier than any default rule; but healthy pretrained models sit above it (all-MiniLM-L6-v2: about 34
     in layer 0 at rest), so set ``bound`` above what your own model shows when it is healthy.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import RuleSet, logit_bound_rule
         >>> rules = RuleSet([logit_bound_rule(50.0)])
         >>> [a.value for a in rules.update({"connmon/max_attention_logit/L03": 61.0}, step=7)]

@@ -36,7 +36,7 @@ class AlertRunner:
     Raises:
         ValueError: for an unknown action or level, a negative history, or duplicate rule names.
 
-    Example:
+    Examples:
         >>> from connmon.alerts import AlertRunner, Rule, Threshold
         >>> runner = AlertRunner([Rule("big", "x", Threshold(1.0))], actions=("stop",))
         >>> runner.run({"x": 0.5}, step=0)

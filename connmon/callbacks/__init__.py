@@ -1,6 +1,6 @@
 """Lightning callbacks (the design card's ``callbacks`` part, inside the package so no global name is claimed).
 
-Example:
+Examples:
     >>> from connmon.callbacks import ConnectionMonitor
     >>> ConnectionMonitor(every_n_steps=10).every_n_steps
     10

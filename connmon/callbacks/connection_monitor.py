@@ -60,7 +60,7 @@ class ConnectionMonitor(Callback):
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> from connmon.callbacks import ConnectionMonitor
         >>> monitor = ConnectionMonitor(every_n_steps=50, diagnostics=("walk", "transport"))

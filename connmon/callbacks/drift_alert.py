@@ -52,7 +52,7 @@ class DriftAlert(Callback):
     Raises:
         ValueError: for an unknown action or level, or duplicate rule names.
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> from connmon.callbacks import ConnectionMonitor, DriftAlert
         >>> monitor = ConnectionMonitor(every_n_steps=5, diagnostics=("walk",))

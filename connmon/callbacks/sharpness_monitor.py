@@ -64,7 +64,7 @@ class SharpnessMonitor(Callback):
         ValueError: for a ``loss_fn`` that is not callable, an estimator that needs one and has none, or an invalid
             option.
 
-    Example:
+    Examples:
         >>> import lightning as L
         >>> from connmon.callbacks import DriftAlert, SharpnessMonitor
         >>> import torch.nn.functional as F

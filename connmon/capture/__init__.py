@@ -3,7 +3,7 @@
 Hooks and interceptors exist only while a capture is armed and are removed when it ends, also when the forward
 raises. Records are detached float32 copies of the first ``num_sequences`` sequences.
 
-Example:
+Examples:
     >>> import torch
     >>> import connmon
     >>> _ = torch.manual_seed(0)
@@ -70,7 +70,7 @@ def register_adapter(adapter: Adapter) -> None:
     Args:
         adapter: an :class:`Adapter`, for example a :class:`FusedQKVAttention` naming your module's projections.
 
-    Example:
+    Examples:
         >>> import connmon.capture as cc
         >>> mine = cc.FusedQKVAttention("MySelfAttention", qkv="to_qkv", proj="to_out", heads="heads")
         >>> cc.register_adapter(mine)
@@ -93,7 +93,7 @@ def attention_layers(model: nn.Module) -> list[Layer]:
     Raises:
         ValueError: if the model has none; the message lists the module types seen and how to add an adapter.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.capture import attention_layers
         >>> model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(8, 2, batch_first=True), num_layers=3)
@@ -155,7 +155,7 @@ def armed(
     Raises:
         ValueError: for a bad option or a model without readable attention.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import connmon.capture as cc
         >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dropout=0.0, batch_first=True)
@@ -239,7 +239,7 @@ def capture(
     Raises:
         ValueError: for a bad option, or a model without readable attention (listing the module types seen).
 
-    Example:
+    Examples:
         >>> import torch
         >>> import connmon
         >>> mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)

@@ -66,7 +66,7 @@ def reconstruction_error(attn: Tensor, w_v: Tensor, w_o: Tensor, bias: Tensor, x
     Returns:
         A 0-dim tensor.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.capture import reconstruction_error
         >>> _ = torch.manual_seed(0)

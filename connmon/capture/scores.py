@@ -49,7 +49,7 @@ def attention_scores(
         out), and ``allowed``, a 4-dim bool tensor broadcastable to
         ``(B, H, L, S)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.capture.scores import attention_scores
         >>> q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)

@@ -39,7 +39,7 @@ def paused() -> Iterator[None]:
     For work that runs the model between a capture's arming and the forward it is meant to record, such as
     :class:`connmon.callbacks.SharpnessMonitor`'s Hessian-vector products.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import connmon.capture as cc
         >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dropout=0.0, batch_first=True)

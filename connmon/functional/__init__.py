@@ -3,7 +3,7 @@
 Every function runs on its inputs' device, is batched over leading dims, keeps float32/float64 inputs in their
 dtype and upcasts float16/bfloat16 to float32. Non-finite input gives NaN results and never raises or hangs.
 
-Example:
+Examples:
     >>> import torch
     >>> import connmon.functional as F
     >>> _ = torch.manual_seed(0)

@@ -207,7 +207,7 @@ def certified(first: KrylovResult, second: KrylovResult, k: int, which: Which, t
     others above it that neither found. Where fewer than ``k`` values converged the first solve's remaining Ritz
     values fill the list, unconverged.
 
-    Example:
+    Examples:
         >>> import numpy as np
         >>> from connmon.functional._krylov import KrylovResult, certified
         >>> def result(values):

@@ -29,7 +29,7 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> Te
     ``matvec`` maps ``(N, r)`` to ``(N, r)`` (row ``i`` through operator ``i``) and is called ``m = steps`` times.
     Computed in float64 on ``start``'s device.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional._lanczos import gauss_quadrature, lanczos
         >>> gen = torch.Generator().manual_seed(0)
@@ -60,7 +60,7 @@ def largest_eigenvalue(
     Returns:
         ``(values (N,), converged (N,) bool)``, float64.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional._lanczos import largest_eigenvalue
         >>> gen = torch.Generator().manual_seed(0)

@@ -37,7 +37,7 @@ def depth_drift(walk: Tensor, walk_previous_layer: Tensor) -> Tensor:
     Raises:
         ValueError: if the shapes differ in their last two dims.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import depth_drift
         >>> P1, P2 = torch.eye(2), torch.full((2, 2), 0.5)
@@ -60,7 +60,7 @@ def time_drift(walk: Tensor, walk_previous_sample: Tensor) -> Tensor:
     Raises:
         ValueError: if the shapes differ in their last two dims.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import time_drift
         >>> P = torch.full((3, 3), 1 / 3)
@@ -83,7 +83,7 @@ def transport_drift(ov_transport: Tensor, ov_transport_previous_sample: Tensor) 
     Raises:
         ValueError: if the shapes differ in their last two dims.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import transport_drift
         >>> transport_drift(2 * torch.eye(3), torch.eye(3))

@@ -106,7 +106,7 @@ def walk_basis(attn: Tensor) -> Tensor:
     Returns:
         ``(*, n, n - 1)`` in ``attn``'s dtype.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import walk_basis
         >>> U = walk_basis(torch.full((1, 4, 4), 0.25))
@@ -194,7 +194,7 @@ def connection_matvec(attn: Tensor, w_v: Tensor, w_o: Tensor, x: Tensor) -> Tens
     Raises:
         ValueError: if the shapes do not match.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import connection_matvec, connection_operator
         >>> _ = torch.manual_seed(0)
@@ -226,7 +226,7 @@ def connection_operator(attn: Tensor, w_v: Tensor, w_o: Tensor, max_dim: int = 4
     Raises:
         ValueError: if the shapes do not match or ``n * d > max_dim``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import connection_operator
         >>> attn, t = torch.tensor([[[0.5, 0.5], [0.0, 1.0]]]), torch.tensor([[2.0]])  # H=1, n=2, d=1
@@ -631,7 +631,7 @@ def connection_spectrum(
     Raises:
         ValueError: if the shapes do not match, ``k`` is out of range, or ``which``/``method`` are unknown.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import connection_operator, connection_spectrum, transport_scale
         >>> _ = torch.manual_seed(0)
@@ -745,7 +745,7 @@ def connection_spectra(
     Raises:
         ValueError: as :func:`connection_spectrum`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import connection_spectra, connection_spectrum
         >>> _ = torch.manual_seed(0)
@@ -809,7 +809,7 @@ def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver:
     Raises:
         ValueError: as :func:`connection_spectrum`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import connection_spectral_radius
         >>> attn = torch.tensor([[[0.5, 0.5, 0.0], [0.0, 0.5, 0.5], [0.5, 0.0, 0.5]]])  # a lazy cycle on 3 tokens
@@ -841,7 +841,7 @@ def connection_laplacian_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: o
     Raises:
         ValueError: as :func:`connection_spectrum`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import connection_laplacian_gap
         >>> attn = torch.eye(3)[None]  # every token attends itself: each one's field stays put
@@ -897,7 +897,7 @@ def connection_operator_norm(
     Raises:
         ValueError: if the shapes do not match or ``method`` is unknown.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import connection_operator, connection_operator_norm, transport_scale
         >>> _ = torch.manual_seed(0)
@@ -988,7 +988,7 @@ def ov_spectral_radius(w_v: Tensor, w_o: Tensor, *, scale: Tensor | None = None)
     Returns:
         ``(*,)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import connection_spectrum, ov_spectral_radius
         >>> _ = torch.manual_seed(0)

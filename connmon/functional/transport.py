@@ -80,7 +80,7 @@ def isometry_gap(singular_values: Tensor, rank: int | None = None) -> Tensor:
     Raises:
         ValueError: if ``rank`` is smaller than ``m``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import isometry_gap
         >>> isometry_gap(torch.tensor([2.0, 2.0, 2.0]))  # 2 x an isometry
@@ -115,7 +115,7 @@ def transport_singular_values(w_v: Tensor, w_o: Tensor) -> Tensor:
     Raises:
         ValueError: if the shapes do not match or ``d_h > d``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import transport_singular_values
         >>> _ = torch.manual_seed(0)
@@ -144,7 +144,7 @@ def head_isometry_gap(w_v: Tensor, w_o: Tensor, reduction: Literal["mean", "none
     Raises:
         ValueError: if the shapes do not match or ``reduction`` is unknown.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import head_isometry_gap
         >>> q = torch.linalg.qr(torch.randn(16, 16, generator=torch.Generator().manual_seed(0))).Q
@@ -172,7 +172,7 @@ def ov_transport(w_v: Tensor, w_o: Tensor) -> Tensor:
     Raises:
         ValueError: if the shapes do not match.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import ov_transport
         >>> _ = torch.manual_seed(0)
@@ -197,7 +197,7 @@ def ov_singular_values(w_v: Tensor, w_o: Tensor) -> Tensor:
     Raises:
         ValueError: if the shapes do not match.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import ov_singular_values, ov_transport
         >>> _ = torch.manual_seed(0)
@@ -228,7 +228,7 @@ def ov_isometry_gap(w_v: Tensor, w_o: Tensor) -> Tensor:
     Raises:
         ValueError: if the shapes do not match.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import ov_isometry_gap
         >>> eye = torch.eye(4)
@@ -252,7 +252,7 @@ def transport_scale(w_v: Tensor, w_o: Tensor) -> Tensor:
     Raises:
         ValueError: if the shapes do not match.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import transport_scale
         >>> eye = torch.eye(4)
@@ -278,7 +278,7 @@ def transport_symmetry_gap(w_v: Tensor, w_o: Tensor) -> Tensor:
     Raises:
         ValueError: if the shapes do not match.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import transport_symmetry_gap
         >>> rotation = torch.tensor([[0.0, -1.0], [1.0, 0.0]])  # antisymmetric
@@ -341,7 +341,7 @@ def edge_isometry_gap(
     Raises:
         ValueError: if the shapes do not match, ``num_samples < 1`` or ``num_queries < 1``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import edge_isometry_gap
         >>> _ = torch.manual_seed(0)

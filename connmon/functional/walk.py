@@ -44,7 +44,7 @@ def walk_matrix(attn: Tensor) -> Tensor:
     Raises:
         ValueError: if ``attn`` is not ``(*, H, n, n)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import walk_matrix
         >>> _ = torch.manual_seed(0)
@@ -77,7 +77,7 @@ def stochasticity_gap(P: Tensor) -> Tensor:
     Raises:
         ValueError: if ``P`` is not square in its last two dims.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import stochasticity_gap
         >>> P = torch.tensor([[0.5, 0.5], [0.0, 0.0]])  # second query has no allowed key
@@ -115,7 +115,7 @@ def attention_entropy(attn: Tensor, normalized: bool = False, mask: Tensor | Non
         ValueError: if ``attn`` is not ``(*, H, n, n)`` or ``mask`` does not broadcast to it.
         TypeError: if ``mask`` is not a bool tensor.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import attention_entropy
         >>> uniform = torch.full((1, 4, 4), 0.25)  # one head, four tokens
@@ -157,7 +157,7 @@ def stationary_distribution(P: Tensor, num_squarings: int = 40) -> Tensor:
     Raises:
         ValueError: if ``P`` is not square or ``num_squarings`` is negative.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import stationary_distribution
         >>> P = torch.tensor([[0.9, 0.1], [0.2, 0.8]])
@@ -198,7 +198,7 @@ def reversibility_gap(P: Tensor, pi: Tensor | None = None) -> Tensor:
     Raises:
         ValueError: if ``P`` is not square or ``pi`` does not match it.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import reversibility_gap
         >>> symmetric = torch.tensor([[0.5, 0.5], [0.5, 0.5]])
@@ -232,7 +232,7 @@ def walk_spectral_gap(P: Tensor) -> Tensor:
     Raises:
         ValueError: if ``P`` is not square.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import walk_spectral_gap
         >>> P = torch.tensor([[0.9, 0.1], [0.2, 0.8]])  # eigenvalues 1 and 0.7
@@ -264,7 +264,7 @@ def max_attention_logit(logits: Tensor, mask: Tensor | None = None) -> Tensor:
         ValueError: if ``logits`` is not ``(*, H, n, n)`` or ``mask`` does not broadcast to it.
         TypeError: if ``mask`` is not a bool tensor.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.functional import max_attention_logit
         >>> logits = torch.tensor([[[1.0, 9.0], [2.0, 3.0]]])  # (H=1, n=2, n=2)

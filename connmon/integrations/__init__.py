@@ -6,7 +6,7 @@
 * :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the edge of stability, which
   Lightning's ``SharpnessMonitor``, the Trainer callback and ``connmon.Monitor`` (``sharpness=``) all drive.
 
-Example:
+Examples:
     >>> from connmon.integrations import Monitor
     >>> Monitor(every_n_steps=10).every_n_steps
     10

@@ -109,7 +109,7 @@ class Monitor:
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
 
-    Example:
+    Examples:
         >>> import torch
         >>> import connmon
         >>> layer = torch.nn.TransformerEncoderLayer(16, 2, dropout=0.0, batch_first=True)
@@ -351,7 +351,7 @@ class Monitor:
     def cost_summary(self) -> str:
         """What the monitor (and its ``sharpness``) cost so far, in one line.
 
-        Example:
+        Examples:
             >>> import connmon
             >>> connmon.Monitor(every_n_steps=10).cost_summary()
             'connmon.Monitor cost nothing measurable (no sample was taken)'

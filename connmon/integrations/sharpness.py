@@ -55,7 +55,7 @@ UPDATE_EIGENVALUE_KEY = "connmon/update_sharpness_eigenvalue"
 def keys_of(estimator: Estimator) -> tuple[str, str]:
     """The ratio and eigenvalue keys an estimator logs.
 
-    Example:
+    Examples:
         >>> from connmon.integrations.sharpness import keys_of
         >>> keys_of("secant")
         ('connmon/update_sharpness_ratio', 'connmon/update_sharpness_eigenvalue')
@@ -85,7 +85,7 @@ class SharpnessSampler:
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.integrations.sharpness import SharpnessSampler
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS

@@ -81,7 +81,7 @@ class ConnectionMonitorCallback(TrainerCallback):
     Raises:
         ValueError: for an invalid option (the message names the valid ones).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> import transformers
         >>> from connmon.integrations.transformers import ConnectionMonitorCallback

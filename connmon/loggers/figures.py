@@ -22,7 +22,7 @@ def spectra_figure(spectra: Mapping[int, Tensor], title: str = "walk part of the
     Returns:
         A matplotlib Figure (``fig.savefig(path)`` writes it).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.loggers import spectra_figure
         >>> fig = spectra_figure({0: torch.tensor([[1.0 + 0.5j, 0.2 - 0.1j]])})
@@ -53,7 +53,7 @@ def depth_figure(values: Mapping[str, Tensor], title: str = "gaps across depth")
     Returns:
         A matplotlib Figure.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.loggers import depth_figure
         >>> fig = depth_figure({"ov_isometry_gap": torch.tensor([0.5, 0.6, 0.55])})
@@ -86,7 +86,7 @@ def walks_figure(walks: Mapping[int, Tensor], title: str = "walk matrices P (fir
     Returns:
         A matplotlib Figure.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.loggers import walks_figure
         >>> fig = walks_figure({0: torch.eye(4), 1: torch.full((4, 4), 0.25)})
@@ -124,7 +124,7 @@ def series_figure(series: Mapping[str, tuple[list[int], list[float]]], title: st
     Returns:
         A matplotlib Figure.
 
-    Example:
+    Examples:
         >>> from connmon.loggers import series_figure
         >>> fig = series_figure({"connmon/attention_entropy/all": ([0, 100], [3.1, 2.7])})
         >>> fig.axes[0].get_title()

@@ -25,7 +25,7 @@ class WandbSink:
             None: rows are logged with ``run.log(..., step=step)`` (a plain loop logging with ``step=`` itself).
         prefix: prepended to every key (the Hugging Face Trainer writes ``train/<key>``).
 
-    Example:
+    Examples:
         >>> import wandb
         >>> from connmon.loggers.wandb import WandbSink
         >>> run = wandb.init(mode="disabled")  # a doctest writes no run

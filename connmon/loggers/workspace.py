@@ -34,7 +34,7 @@ OVERHEAD = ("connmon/overhead", "connmon/overhead/attention", "connmon/overhead/
 def metric_regex(metric: str, prefix: str = "") -> str:
     r"""The regex a panel uses for every layer of ``metric`` and its ``/all`` mean.
 
-    Example:
+    Examples:
         >>> from connmon.loggers.workspace import metric_regex
         >>> metric_regex("attention_entropy")
         '^connmon/attention_entropy/(L\\d+|all)$'
@@ -63,7 +63,7 @@ def build_workspace(
         ValueError: for an unknown trainer or ``num_layers < 1``.
         ImportError: without ``wandb-workspaces`` (the message says how to install it).
 
-    Example:
+    Examples:
         >>> from connmon.loggers.workspace import build_workspace
         >>> workspace = build_workspace("my-team", "my-project", num_layers=4)
         >>> [section.name for section in workspace.sections][:2]
@@ -145,7 +145,7 @@ def _grid(panels: list) -> Any:
 def workspace_spec(workspace: Any) -> dict[str, Any]:
     """The JSON spec W&B stores for ``workspace`` (what ``save()`` sends), computed offline.
 
-    Example:
+    Examples:
         >>> from connmon.loggers.workspace import build_workspace, workspace_spec
         >>> spec = workspace_spec(build_workspace("my-team", "my-project", num_layers=2))
         >>> spec["project"], len(spec["spec"]["section"]["panelBankConfig"]["sections"])

@@ -1,6 +1,6 @@
 """torchmetrics accumulators of the connection-walk diagnostics, per layer, synced under DDP.
 
-Example:
+Examples:
     >>> from connmon.metrics import SpectrumMetrics
     >>> SpectrumMetrics(num_layers=12).metrics
     ('connection_spectral_radius', 'connection_operator_norm', 'connection_laplacian_gap', 'ov_spectral_radius')

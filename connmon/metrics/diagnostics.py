@@ -4,7 +4,7 @@ Each group delegates to :mod:`connmon.functional`; values are per sequence (a tr
 on the weights only, counts once per sequence so that every group averages over the same sequences). In a padded
 batch every diagnostic reads a sequence's valid tokens only (:func:`connmon.metrics.layerwise.valid_queries`).
 
-Example:
+Examples:
     >>> import torch
     >>> import connmon
     >>> from connmon.metrics import WalkMetrics

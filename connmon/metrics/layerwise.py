@@ -96,7 +96,7 @@ def valid_queries(record: AttentionRecord) -> Tensor:
     Every walk diagnostic leaves rows without an allowed key out, so the walk and transport metrics read the valid
     tokens only, as if the sequence had been recorded alone (the spectrum is unchanged by such rows already).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.capture import AttentionRecord
         >>> from connmon.metrics.layerwise import valid_queries

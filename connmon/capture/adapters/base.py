@@ -50,7 +50,7 @@ def head_maps(
     Returns ``w_v (H, d_h, d)`` with query head ``h`` reading kv head ``h // (H / H_kv)``, ``w_o (H, d, d_h)``, and
     the bias constant ``c = sum_h O_h b_v^{g(h)} + b_o``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.capture.adapters.base import head_maps
         >>> w_v, w_o, c = head_maps(torch.randn(4, 8), torch.randn(8, 8), heads=4, value_bias=None, output_bias=None)
@@ -78,7 +78,7 @@ def transport_maps(
     Returns:
         ``w_v (H, d_h, d)``, ``w_o (H, d, d_h)`` and the bias constant ``c = sum_h O_h b_v^h + b_o`` ``(d,)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.capture.adapters.base import transport_maps
         >>> qkv = torch.randn(12, 4)  # a fused [q; k; v] projection, 2 heads of width 2

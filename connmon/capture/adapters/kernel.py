@@ -67,7 +67,7 @@ def _inside() -> int:
 def linear_weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     """``(W, b)`` with ``y = x W^T + b`` for an ``nn.Linear`` or a transformers ``Conv1D``; None for anything else.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.capture.adapters.kernel import linear_weight
         >>> tuple(linear_weight(torch.nn.Linear(4, 6))[0].shape), linear_weight(torch.nn.ReLU())
@@ -83,7 +83,7 @@ def linear_weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
 def calls_attention_kernel(module: nn.Module) -> bool:
     """Whether the module's ``forward`` names SDPA or transformers' attention dispatch in its code.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.capture.adapters.kernel import calls_attention_kernel
         >>> class Attend(torch.nn.Module):
@@ -141,7 +141,7 @@ class KernelAttention(Adapter):
     A module matches when its forward calls the kernel and it contains Linear layers, or when a child without
     Linear layers calls the kernel for it (x-transformers' ``Attend``). Cross-attention is skipped with a warning.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import connmon
         >>> class Mixer(torch.nn.Module):  # any class name, any attribute names
@@ -489,7 +489,7 @@ class FusedQKVAttention(KernelAttention):
             ``norm`` between the attention and the output projection (scale-norm attention); a module where one is
             not is reported once and skipped, never recorded wrongly.
 
-    Example:
+    Examples:
         >>> from connmon.capture import FusedQKVAttention
         >>> timm_vit = FusedQKVAttention("Attention", qkv="qkv", proj="proj", heads="num_heads", identity=("norm",))
     """

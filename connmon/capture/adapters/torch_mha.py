@@ -120,7 +120,7 @@ def python_attention_path() -> Iterator[None]:
     For connmon's own forwards only (:func:`connmon.capture`, probes), whose outputs nobody uses: the user's
     forwards keep their fast path, and a layer it bypasses is skipped with a warning.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from connmon.capture.adapters.torch_mha import python_attention_path
         >>> with python_attention_path():
