@@ -74,7 +74,7 @@ from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, Wal
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
 K, M, LEARNED, SMOOTH, WINDOW, REGIME = 1.5, 10, 0.9, 10, 300, 100
-SHARPNESS_EVERY = 40  # SharpnessMonitor's default cadence, the README's recommendation
+SHARPNESS_EVERY = 40  # SharpnessMonitor's default cadence, the recommendation in docs/monitoring.md
 FLOORS = (0.02, 0.05, 0.1, 0.2)  # min_std of the floored log z-score candidates
 
 

@@ -9,9 +9,9 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
 
 * plain: no monitor (CSV logger).
 * ConnectionMonitor(every_n_steps=100) and (every_n_steps=10): the default diagnostics on the training forward.
-* recipe (secant): README's alerting recipe, SharpnessMonitor(every_n_steps=20) (the secant estimator, the
-  default) + ConnectionMonitor(every_n_steps=25, diagnostics=("walk",)) + DriftAlert.
-* recipe (lanczos): the same with SharpnessMonitor(estimator="lanczos"), the recipe of earlier versions.
+* recipe (secant): the alerting recipe of docs/monitoring.md with SharpnessMonitor(every_n_steps=20,
+  estimator="secant") + ConnectionMonitor(every_n_steps=25, diagnostics=("walk",)) + DriftAlert.
+* recipe (lanczos): the same with SharpnessMonitor's default estimator, Lanczos (the one that warns).
 * secant_1, difference_10, lanczos_10: one SharpnessMonitor alone at that cadence.
 * lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="lanczos", budget=0.05): the cadence it chooses.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.

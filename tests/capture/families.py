@@ -1,7 +1,7 @@
 """Every transformers family connmon is tested on, built tiny from its config (random weights, no hub).
 
-``python -m tests.capture.families`` prints the README's coverage table from real captures; the README test checks
-that the table in README.md is that output, so the table is generated, never hand-written.
+``python -m tests.capture.families`` prints docs/capture.md's coverage table from real captures; tests/test_readme.py checks
+that the table there is that output, so the table is generated, never hand-written.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def _reason(text: str) -> str:
 
 
 def coverage_table() -> str:
-    """The README's coverage table, from a capture of every family."""
+    """docs/capture.md's coverage table, from a capture of every family."""
     lines = [
         "| family | attention | layers recorded | max reconstruction error | not recorded |",
         "| --- | --- | --- | --- | --- |",

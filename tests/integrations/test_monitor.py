@@ -184,7 +184,7 @@ def test_accelerate_prepared_model_and_invalid_options():
 def test_a_compiled_model_gives_the_same_loss_and_gradients_to_float32_round_off():
     """Known limit: the capture's hooks break the compiled graph on the armed step, so its backward is fused
     differently and gradients differ in the last bits (about 1e-8 here; AdamW then amplifies such differences on
-    near-zero gradients). Eager models are bitwise identical (the tests above); README, Where it runs, says so."""
+    near-zero gradients). Eager models are bitwise identical (the tests above); docs/integrations.md says so."""
     torch.manual_seed(0)
     plain, watched = TinyGPT(), TinyGPT()
     watched.load_state_dict(plain.state_dict())
