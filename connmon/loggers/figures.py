@@ -29,17 +29,17 @@ def spectra_figure(spectra: Mapping[int, Tensor], title: str = "walk part of the
         >>> len(fig.axes)
         1
     """
-    fig = Figure(figsize=(5, 5), layout="constrained")
+    fig = Figure(figsize=(6.5, 5), layout="constrained")
     ax = fig.subplots()
     circle = np.exp(1j * np.linspace(0, 2 * np.pi, 200))
-    ax.plot(circle.real, circle.imag, color="0.8", lw=1)
+    ax.plot(circle.real, circle.imag, color="0.75", lw=1, label="|lambda| = 1")
     colors = colormaps["viridis"](np.linspace(0, 1, max(len(spectra), 1)))
     for color, (index, values) in zip(colors, sorted(spectra.items()), strict=False):
         points = values.detach().cpu().numpy().ravel()
         ax.scatter(points.real, points.imag, s=14, color=color, label=f"L{index:02d}")
-    ax.set(xlabel="Re lambda", ylabel="Im lambda", title=title, aspect="equal")
-    if spectra:
-        ax.legend(fontsize="small", ncols=2)
+    ax.set(xlabel="Re lambda", ylabel="Im lambda", aspect="equal", adjustable="datalim")
+    ax.set_title(f"{title}\nevery recorded sequence (the logged radius is their mean)", fontsize="medium")
+    fig.legend(loc="outside right upper", fontsize="small")  # beside the plane, never over its points
     return fig
 
 
@@ -137,6 +137,11 @@ def series_figure(series: Mapping[str, tuple[list[int], list[float]]], title: st
     axes = np.atleast_1d(fig.subplots(rows, columns)).ravel()
     for ax, (key, (steps, values)) in zip(axes, sorted(series.items()), strict=False):
         ax.plot(steps, values, marker="o" if len(steps) == 1 else ".", lw=1)
+        ax.ticklabel_format(axis="y", useOffset=False)
+        finite = [v for v in values if np.isfinite(v)]
+        if finite and max(finite) - min(finite) <= 1e-6 * max(1.0, *map(abs, finite)):  # round-off, not a trend
+            middle, pad = (max(finite) + min(finite)) / 2, max(1.0, *map(abs, finite)) * 0.05
+            ax.set_ylim(middle - pad, middle + pad)
         ax.set_title(key if len(steps) != 1 else f"{key} (1 sample, step {steps[0]})", fontsize="small")
         ax.set(xlabel="step", ylabel=key.split("/")[1] if key.count("/") >= 1 else key)
     for ax in axes[len(series) :]:

@@ -72,7 +72,11 @@ class WandbSink:
         """Log one ``wandb.Histogram`` per key at ``step``."""
         import wandb
 
-        self._guard("histograms", lambda: self._log(step, {k: wandb.Histogram(_numbers(v)) for k, v in values.items()}))
+        def histogram(v: Tensor | list[float]) -> Any:  # no more bins than values: 4 heads are 4 bars, not 64
+            numbers = _numbers(v)
+            return wandb.Histogram(numbers, num_bins=min(64, max(len(numbers), 1)))
+
+        self._guard("histograms", lambda: self._log(step, {k: histogram(v) for k, v in values.items()}))
 
     def figures(self, step: int, figures: Mapping[str, Any]) -> None:
         """Log matplotlib figures as images at ``step``."""

@@ -35,3 +35,21 @@ def test_walk_heatmaps_use_a_power_scale_and_spectra_label_their_axes():
     assert type(image.norm).__name__ == "PowerNorm" and image.norm.gamma == 0.3
     spectra = spectra_figure({0: torch.tensor([[0.5 + 0.1j, float("nan") + 0j]])})
     assert (spectra.axes[0].get_xlabel(), spectra.axes[0].get_ylabel()) == ("Re lambda", "Im lambda")
+
+
+def test_the_spectra_legend_sits_beside_the_plane_and_the_figure_says_what_it_plots():
+    spectra = spectra_figure({i: torch.randn(2, 8, dtype=torch.complex64) for i in range(6)}, "step 25")
+    ax = spectra.axes[0]
+    assert ax.get_legend() is None and len(spectra.legends) == 1  # a figure legend: never over the points
+    labels = [text.get_text() for text in spectra.legends[0].get_texts()]
+    assert labels[0] == "|lambda| = 1" and labels[1:] == [f"L{i:02d}" for i in range(6)]
+    assert "every recorded sequence" in ax.get_title() and "mean" in ax.get_title()
+
+
+def test_float_round_off_is_drawn_flat_not_as_spikes():
+    fig = series_figure({"connmon/stochasticity_gap/all": ([0, 25, 50], [1.19e-7, 1.34e-7, 1.2e-7])})
+    low, high = fig.axes[0].get_ylim()
+    assert high - low >= 0.09  # round-off around 0 in a window of +-0.05, not autoscaled into a spike
+    trend = series_figure({"connmon/attention_entropy/all": ([0, 25], [3.0, 2.5])})
+    low, high = trend.axes[0].get_ylim()
+    assert high - low < 1.0  # a real change keeps matplotlib's own scale
