@@ -100,6 +100,11 @@ def attention_layers(model: nn.Module) -> list[Layer]:
         >>> [layer.name for layer in attention_layers(model)]
         ['layers.0.self_attn', 'layers.1.self_attn', 'layers.2.self_attn']
     """
+    if any(parameter.is_meta for parameter in model.parameters()):
+        raise ValueError(
+            "the model's parameters are on the meta device (no values): materialize it first (model.to_empty(...) "
+            "and load its weights) before connmon reads it"
+        )
     adapters = {}
     for name, module in model.named_modules():
         adapter = next((a for a in ADAPTERS if a.matches(module)), None)
@@ -136,6 +141,7 @@ def armed(
     dtype: torch.dtype = torch.float32,
     on_record: Callable[[AttentionRecord], None] | None = None,
     cost_clock: CostClock | None = None,
+    unarmed: list[Layer] | None = None,
 ) -> Iterator[CaptureSession]:
     """Arm a capture for the forwards run inside the block; every hook is removed on exit, also on error.
 
@@ -148,6 +154,8 @@ def armed(
         on_record: called with each record as soon as its layer finishes, instead of keeping it.
         cost_clock: a :class:`connmon._cost.CostClock` that counts the recording work inside the forwards (the
             monitors' cost figure).
+        unarmed: with ``layers``, the attention layers left out, whose kernel calls stay their own (one may run
+            inside an armed layer); default: the rest of :func:`attention_layers`.
 
     Yields:
         The :class:`~connmon.capture.session.CaptureSession`; its ``records`` fill as the forward runs.
@@ -169,16 +177,11 @@ def armed(
     check_int("max_tokens", max_tokens, optional=True)
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if any(parameter.is_meta for parameter in model.parameters()):
-        raise ValueError(
-            "the model's parameters are on the meta device (no values): materialize it first (model.to_empty(...) "
-            "and load its weights) before connmon reads it"
-        )
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got dtype={dtype}")
     model = getattr(model, "_orig_mod", model)  # torch.compile wraps the module; hooks go on the original
-    chosen = layers is not None
-    layers = attention_layers(model) if layers is None else layers
+    if layers is None:
+        layers, unarmed = attention_layers(model), []
     session = CaptureSession(layers, num_sequences, max_tokens, dtype, on_record, cost_clock)
     handles = []
     with contextlib.ExitStack() as stack:
@@ -190,11 +193,12 @@ def armed(
                 if not registered:  # the adapter found the module unsupported and said so
                     session.skip(layer.module)
                 handles.extend(registered)
-            if chosen:  # the attention modules left out still own their kernel calls (one may run inside an armed one)
+            if unarmed is None:
                 armed_ids = {id(layer.module) for layer in layers}
-                for other in attention_layers(model):
-                    if id(other.module) not in armed_ids and isinstance(other.adapter, KernelAttention):
-                        handles.extend(kernel_caller_hooks(other.module))
+                unarmed = [other for other in attention_layers(model) if id(other.module) not in armed_ids]
+            for other in unarmed:  # the attention modules left out still own their kernel calls
+                if isinstance(other.adapter, KernelAttention):
+                    handles.extend(kernel_caller_hooks(other.module))
             yield session
         finally:
             for handle in handles:

@@ -119,9 +119,7 @@ class CaptureSession:
 
     def skip(self, module: nn.Module, why: str | None = None) -> None:
         """Record nothing for ``module`` in this session; ``why`` is warned once per cause and layer."""
-        if (
-            why is not None and not _paused() and id(module) in self.layers and self.is_own_thread()
-        ):  # also after its record was handed on
+        if why is not None and self._watching(module):  # also after its record was handed on
             warn_once(f"connmon: {self.name(module)} is not recorded: {why}", key=(why, id(module)))
         self.done.add(id(module))
         self._pending.pop(id(module), None)
@@ -147,7 +145,10 @@ class CaptureSession:
 
         A session records the forwards of the thread that armed it; other threads' calls run unchanged, unread.
         """
-        return not _paused() and id(module) in self.layers and id(module) not in self.done and self.is_own_thread()
+        return self._watching(module) and id(module) not in self.done
+
+    def _watching(self, module: nn.Module) -> bool:
+        return not _paused() and id(module) in self.layers and self.is_own_thread()
 
     def is_own_thread(self) -> bool:
         """Whether the calling thread is the one that armed the session."""

@@ -561,27 +561,25 @@ def _krylov_per_layer(
     residuals = torch.zeros(*batch, k, dtype=torch.float64)
     converged = torch.zeros(*batch, k, dtype=torch.bool)
     matvecs = torch.zeros(batch, dtype=torch.long)
+    # values beyond the k-th guard its order; a second start with twice the basis certifies it (see _krylov)
+    seed, ncv = options.pop("seed", 0), options.get("ncv")
+    wanted = k if normal_equations else max(k, min(k + _GUARD, (ncv or n * d) - 2, n * d - 2))
+    wider = {**options, "ncv": min(n * d, 2 * (ncv or max(2 * wanted + 1, 30)))}
+    tol = options.get("tol") or default_tol(attn.dtype)
     for index, a, v, o in _layers(attn, w_v, w_o):
 
         def operator(x: Tensor, a: Tensor = a, v: Tensor = v, o: Tensor = o) -> Tensor:
             y = _matvec(a, v, o, x.view(n, d))
             return (_rmatvec(a, v, o, y) if normal_equations else y).flatten()
 
-        wanted = k if normal_equations else max(k, min(k + _GUARD, (options.get("ncv") or n * d) - 2, n * d - 2))
-        # values beyond the k-th guard its order; a second start with twice the basis certifies it (see _krylov)
         solve = partial(krylov_schur, operator, n * d, wanted, which=which, dtype=attn.dtype, device=attn.device)
-        seed = options.pop("seed", 0)
-        first = solve(seed=seed, **options)
+        found = solve(seed=seed, **options)
         if not normal_equations:
-            tol = options.get("tol") or default_tol(attn.dtype)
-            wider = {**options, "ncv": min(n * d, 2 * (options.get("ncv") or max(2 * wanted + 1, 30)))}
-            first = certified(first, solve(seed=seed + _SECOND_SEED, **wider), k, which, tol)
-        found = first
+            found = certified(found, solve(seed=seed + _SECOND_SEED, **wider), k, which, tol)
         values[index] = torch.from_numpy(found.eigenvalues)
         residuals[index] = torch.from_numpy(found.residuals)
         converged[index] = torch.from_numpy(found.converged)
         matvecs[index] = found.num_matvecs
-        options["seed"] = seed
     return tuple(t.to(attn.device) for t in (values, residuals, converged, matvecs))
 
 

@@ -235,6 +235,7 @@ class Monitor:
         self.last_values: dict[str, float] = {}
         self.should_stop = False
         self.selected: list[Layer] = []
+        self._unarmed: list[Layer] = []
         self.metrics: dict[str, LayerwiseMean] = {}
         self._model: nn.Module | None = None
         self._armed: contextlib.ExitStack | None = None
@@ -296,8 +297,6 @@ class Monitor:
         self.disarm()
         self._model = None
         try:
-            if any(parameter.is_meta for parameter in model.parameters()):
-                raise ValueError("its parameters are on the meta device (no values yet): attach the materialized model")
             found = attention_layers(getattr(model, "_orig_mod", model))  # torch.compile: the layers of the original
         except ValueError as error:
             warn_rank_zero(f"{self.owner} is off for this run: {error}")
@@ -305,6 +304,7 @@ class Monitor:
             return False
         self._model = model
         self.selected = self._select(found)
+        self._unarmed = [layer for layer in found if layer not in self.selected]  # their kernel calls stay theirs
         num_layers = len(found)
         groups = {
             "walk": lambda: WalkMetrics(num_layers),
@@ -376,11 +376,7 @@ class Monitor:
 
     def _config(self) -> dict[str, Any]:
         """What the time-drift references depend on: a checkpoint from another configuration cannot continue them."""
-        return {
-            "diagnostics": list(self.diagnostics),
-            "num_sequences": self.num_sequences,
-            "max_tokens": self.max_tokens,
-        }
+        return {"num_sequences": self.num_sequences, "max_tokens": self.max_tokens}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (before or after :meth:`attach`).
@@ -464,6 +460,7 @@ class Monitor:
                     num_sequences=self.num_sequences,
                     max_tokens=self.max_tokens,
                     layers=self.selected,
+                    unarmed=self._unarmed,
                     on_record=self._consume,
                     cost_clock=self.clock,
                 )

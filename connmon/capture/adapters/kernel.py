@@ -115,15 +115,19 @@ def kernel_caller_hooks(module: nn.Module) -> list[RemovableHandle]:
 
     Its kernel calls are then its own, never read as those of an armed module it runs inside.
     """
+    return [module.register_forward_pre_hook(_entered), module.register_forward_hook(_left, always_call=True)]
 
-    def enter(mod: nn.Module, args: tuple) -> None:
-        _stack().append(mod)
 
-    def leave(mod: nn.Module, args: tuple, output: object) -> None:
-        if _stack() and _stack()[-1] is mod:
-            _stack().pop()
+def _entered(module: nn.Module, *args: object) -> None:
+    """A forward pre-hook: ``module`` is now the innermost running attention module of this thread."""
+    _stack().append(module)
 
-    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+
+def _left(module: nn.Module, *args: object) -> None:
+    """A forward hook (``always_call``): ``module``'s forward is over, also when it raised."""
+    stack = _stack()
+    if stack and stack[-1] is module:
+        stack.pop()
 
 
 def projections(module: nn.Module) -> list[nn.Module]:
@@ -195,17 +199,13 @@ class KernelAttention(Adapter):
             candidates.append(sibling)
 
         def enter(mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            _stack().append(mod)
+            _entered(mod)
             if session.wants(mod):
                 pending = session.pending(mod)
                 pending.entered = True
                 pending.adapter_state.setdefault("calls", [])
                 if any(kwargs.get(key) is not None for key in _CROSS_KWARGS):
                     session.skip(mod, "it is called as cross-attention (queries and keys from different sequences)")
-
-        def leave(mod: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-            if _stack() and _stack()[-1] is mod:
-                _stack().pop()
 
         def projected(proj: nn.Module, args: tuple, output: Tensor) -> None:
             if not (session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor)):
@@ -219,7 +219,7 @@ class KernelAttention(Adapter):
 
         return [
             module.register_forward_pre_hook(enter, with_kwargs=True),
-            module.register_forward_hook(leave, with_kwargs=True, always_call=True),
+            module.register_forward_hook(_left, with_kwargs=True, always_call=True),
             *(proj.register_forward_hook(projected) for proj in candidates),
         ]
 
