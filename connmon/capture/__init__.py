@@ -35,7 +35,6 @@ from connmon.capture.adapters.kernel import (
     KernelAttention,
     kernel_caller_hooks,
     projections,
-    warn_unreadable,
 )
 from connmon.capture.adapters.torch_mha import TorchMultiheadAttention, python_attention_path
 from connmon.capture.record import AttentionRecord, reconstruction_error
@@ -56,11 +55,13 @@ __all__ = [
     "register_adapter",
 ]
 
+_KERNEL = KernelAttention()  # any module calling SDPA, flex or transformers' attention: nanoGPT, HF, your own
 ADAPTERS: list[Adapter] = [
     TorchMultiheadAttention(),
     FusedQKVAttention("Attention", qkv="qkv", proj="proj", heads="num_heads", identity=("norm",)),  # timm ViT
-    KernelAttention(),  # any module calling SDPA or transformers' attention functions: nanoGPT, HF, your own
+    _KERNEL,
 ]
+_BY_HAND = _KERNEL  # a module named attention that calls no kernel is read from the calls that run in it
 _LOOKS_LIKE_ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
 
 
@@ -86,9 +87,11 @@ def attention_layers(model: nn.Module) -> list[Layer]:
 
     An attention module inside another (an outer module that runs an inner one before its own kernel call) is a layer
     of its own: each kernel call is read as the innermost running attention module's. A module whose class name says
-    attention and that holds Linear layers, but that neither an adapter reads nor
-    contains a module one reads (hand-written softmax attention, flex_attention, Bloom's ALiBi), is reported with one
-    warning and left out.
+    attention, that holds Linear layers and that no adapter matches (it computes attention by hand: nanoGPT's
+    ``flash=False``, minGPT, Bloom's ALiBi, timm's eager path) is a layer too, the innermost of such modules and
+    only where no matched module sits inside or around it: a capture reads it from the calls that run in its
+    forward (:mod:`connmon.capture.adapters.handwritten`), and a layer whose calls do not rebuild its output is
+    skipped with one warning then.
 
     Raises:
         ValueError: if the model has none; the message lists the module types seen and how to add an adapter.
@@ -105,30 +108,36 @@ def attention_layers(model: nn.Module) -> list[Layer]:
             "the model's parameters are on the meta device (no values): materialize it first (model.to_empty(...) "
             "and load its weights) before connmon reads it"
         )
-    adapters = {}
+    adapters, by_name = {}, {}
     for name, module in model.named_modules():
         adapter = next((a for a in ADAPTERS if a.matches(module)), None)
         if adapter is not None:  # one inside another is a layer of its own: each kernel call is its caller's
             adapters[name] = (module, adapter)
-    unreadable = []
-    for name, module in model.named_modules():
-        if name not in adapters and _LOOKS_LIKE_ATTENTION.search(type(module).__name__) and projections(module):
-            if not any(inner == name or inner.startswith(f"{name}.") or name.startswith(f"{inner}.")
-                       for inner in adapters):  # fmt: skip
-                warn_unreadable(name, module)
-                unreadable.append(f"{name} ({type(module).__name__})")
+        elif _LOOKS_LIKE_ATTENTION.search(type(module).__name__) and projections(module):
+            by_name[name] = module
+    matched = list(adapters)
+    for name, module in by_name.items():  # attention by hand: read from what runs, in the innermost such module
+        inside = [other for other in by_name if other.startswith(f"{name}.")]
+        if not inside and not any(_nested(name, other) for other in matched):
+            adapters[name] = (module, _BY_HAND)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    adapters = dict(sorted(adapters.items(), key=lambda item: order[item[0]]))
     layers = [Layer(name, index, module, adapter) for index, (name, (module, adapter)) in enumerate(adapters.items())]
     if not layers:
         seen = sorted({type(m).__name__ for m in model.modules()})
-        by_hand = f" Attention computed by hand (not read): {', '.join(unreadable)}." if unreadable else ""
         raise ValueError(
             f"connmon found no self-attention module it can read in {type(model).__name__}; module types seen: "
-            f"{', '.join(seen)}.{by_hand} connmon reads torch.nn.MultiheadAttention and any module that calls "
+            f"{', '.join(seen)}. connmon reads torch.nn.MultiheadAttention and any module that calls "
             "torch.nn.functional.scaled_dot_product_attention or Hugging Face transformers' attention functions "
             "(its value and output projections are found from the data). For another module call "
             "connmon.capture.register_adapter(...) with a subclass of connmon.capture.Adapter."
         )
     return layers
+
+
+def _nested(name: str, other: str) -> bool:
+    """Whether module paths ``name`` and ``other`` are the same or one holds the other."""
+    return name == other or name.startswith(f"{other}.") or other.startswith(f"{name}.")
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from connmon.capture.scores import attention_scores
 # of that dtype over a layer (float32 ~1e-7, bf16 ~1e-2) and far below what a module that is not a walk gives.
 RECONSTRUCTION_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
 _PAUSED = threading.local()  # .depth > 0 inside paused() in this thread: armed sessions record nothing
+_BUSY = threading.local()  # .depth > 0 while a session's guarded recording work runs in this thread
 
 
 @contextlib.contextmanager
@@ -60,6 +61,11 @@ def paused() -> Iterator[None]:
 
 def _paused() -> int:
     return getattr(_PAUSED, "depth", 0)
+
+
+def busy() -> int:
+    """Above 0 while connmon's own recording work runs in this thread (its torch calls are not the model's)."""
+    return getattr(_BUSY, "depth", 0)
 
 
 @dataclass
@@ -131,11 +137,14 @@ class CaptureSession:
         Autocast is switched off inside (the records are float32), and no error escapes into the user's forward. The
         time spent inside counts as connmon's on the session's ``cost_clock``.
         """
+        _BUSY.depth = busy() + 1
         try:
             with self._measuring(), full_precision(), torch.no_grad():
                 yield
         except Exception as error:  # the user's forward must go on whatever a record's bookkeeping hits
             self.skip(module, f"recording failed ({type(error).__name__}: {error})")
+        finally:
+            _BUSY.depth -= 1
 
     def _measuring(self) -> contextlib.AbstractContextManager:
         return self.cost_clock.measuring() if self.cost_clock is not None else contextlib.nullcontext()
@@ -230,12 +239,54 @@ class CaptureSession:
             )
             if pending.truncated:  # the walk restricted to the window: rows renormalized over the kept keys
                 probs /= probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
-            pending.probs = probs.to(self.dtype)
-            pending.max_logit = max_logit.to(self.dtype)
-            keys = allowed.any(dim=-2).any(dim=-2)  # (B_s | 1, m): keys some query of some head may attend
-            pending.key_mask = keys.expand(probs.shape[0], probs.shape[-1]).clone()
-            pending.scored, pending.dropout = True, dropout
-            self._maybe_finish(module, pending)
+            self._scored(module, pending, probs, max_logit, allowed, dropout)
+
+    def put_probabilities(
+        self,
+        module: nn.Module,
+        probs: Tensor,
+        logits: Tensor,
+        *,
+        dropout: bool = False,
+        truncated: bool | None = None,
+    ) -> None:
+        """Hand over the probabilities a module's own softmax computed, ``(B, H, n, n)``, and the logits it read.
+
+        The window is taken as in :meth:`put_scores`; an entry is allowed where its probability is above zero (a
+        masked logit, ``-inf`` or the dtype's minimum, gives exactly zero), so padding keys are those no query
+        reaches. ``truncated`` says whether a kept query reads a key beyond the window, for probabilities that
+        were computed on the window alone (default: read from ``probs``).
+        """
+        if not self.wants(module):
+            return
+        pending = self.pending(module)
+        with self.guarded(module):
+            if probs.shape[-1] != probs.shape[-2]:
+                raise ValueError(f"the attention map {tuple(probs.shape)} is not square: not a walk on one sequence")
+            n = probs.shape[-1]
+            m = n if self.max_tokens is None else min(n, self.max_tokens)
+            dtype = torch.float64 if probs.dtype == torch.float64 else torch.float32
+            window = self.window(probs.detach(), dim=-2)
+            pending.truncated = m < n and bool((window[..., m:] != 0).any()) if truncated is None else truncated
+            probs = window[..., :m].to(dtype, copy=True)
+            logits = self.window(logits.detach(), dim=-2)[..., :m].to(dtype)
+            if pending.truncated:
+                probs /= probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
+            allowed = probs > 0
+            attended = allowed.any(dim=-2, keepdim=True).any(dim=-3, keepdim=True)  # (B_s, 1, 1, m)
+            seen = logits.masked_fill(~allowed | ~attended.transpose(-1, -2), float("-inf"))
+            max_logit = seen.flatten(1).amax(dim=-1)
+            self._scored(module, pending, probs, max_logit, allowed, dropout)
+
+    def _scored(
+        self, module: nn.Module, pending: _Pending, probs: Tensor, max_logit: Tensor, allowed: Tensor, dropout: bool
+    ) -> None:
+        pending.probs = probs.to(self.dtype)
+        pending.max_logit = max_logit.to(self.dtype)
+        keys = allowed.any(dim=-2).any(dim=-2)  # (B_s | 1, m): keys some query of some head may attend
+        pending.key_mask = keys.expand(probs.shape[0], probs.shape[-1]).clone()
+        pending.scored, pending.dropout = True, dropout
+        self._maybe_finish(module, pending)
 
     def close(self) -> None:
         """End the session: every armed layer that ran but left no record is reported once, with the reason."""
@@ -248,10 +299,17 @@ class CaptureSession:
     @staticmethod
     def _missing(pending: _Pending) -> str:
         if not pending.scored:
+            ran = pending.adapter_state.get("softmax_ran")
+            if ran:
+                return (
+                    "it ran a softmax over a square map but connmon did not see those probabilities multiplied with "
+                    "values (matmul, @, bmm or einsum) as they came out of it (a sink, a slice or a mix of heads in "
+                    "between?), so the walk is unknown; register an adapter (connmon.capture.register_adapter)"
+                )
             return (
-                "it ran but made no attention call connmon reads (F.scaled_dot_product_attention or transformers' "
-                "'sdpa'/'eager' attention functions); hand-written softmax attention and flex_attention are not "
-                "read: call SDPA, or register an adapter (connmon.capture.register_adapter)"
+                "it ran no attention connmon reads: no F.scaled_dot_product_attention, transformers 'sdpa'/'eager' "
+                "function, flex_attention call or softmax over a square map ran inside its forward (compiled code, "
+                "a flash or varlen kernel?); register an adapter (connmon.capture.register_adapter)"
             )
         if pending.x is None:
             return (

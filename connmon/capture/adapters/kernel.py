@@ -30,12 +30,16 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from connmon.capture.adapters import flex, handwritten
 from connmon.capture.adapters.base import Adapter, transport_maps
-from connmon.capture.session import CaptureSession, warn_once
+from connmon.capture.session import CaptureSession, busy
 
-_KERNEL_NAMES = frozenset({"scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface"})
+_KERNEL_NAMES = frozenset(
+    {"scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "flex_attention"}
+)
 _CROSS_KWARGS = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
 # Keywords of a transformers attention call: those connmon reads into the scores, and those that do not change what
 # the kernel computes. Any other keyword with a value leaves the layer unrecorded, with a warning naming it.
@@ -46,6 +50,7 @@ _INERT_KWARGS = frozenset(
         "output_hidden_states", "return_dict", "layer_idx", "position_embeddings", "token_type_ids",
         "output_router_logits", "num_items_in_batch", "seq_idx",
         "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",  # flash only; sdpa and eager read the mask
+        "deterministic",  # flash only (ModernBERT): the sdpa and eager functions take it and ignore it
     }
 )  # fmt: skip
 
@@ -81,7 +86,10 @@ def linear_weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
 
 
 def calls_attention_kernel(module: nn.Module) -> bool:
-    """Whether the module's ``forward`` names SDPA or transformers' attention dispatch in its code.
+    """Whether the module's ``forward`` reaches SDPA, flex_attention or transformers' attention dispatch.
+
+    The scan follows the forward into the class's own methods it calls (x-transformers' ``Attend.flash_attn``); it
+    only says which modules are candidates: what a capture records is decided by the calls that run.
 
     Examples:
         >>> import torch
@@ -97,9 +105,20 @@ def calls_attention_kernel(module: nn.Module) -> bool:
 
 @functools.cache
 def _forward_calls_kernel(cls: type) -> bool:
-    forward = getattr(cls, "forward", None)
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return code is not None and bool(_KERNEL_NAMES & _names(code))
+    seen, todo = set(), ["forward"]
+    while todo:
+        method = todo.pop()
+        function = inspect.getattr_static(cls, method, None)
+        function = getattr(function, "__func__", function)  # a staticmethod or classmethod
+        code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
+        if code is None or method in seen:
+            continue
+        seen.add(method)
+        names = _names(code)
+        if _KERNEL_NAMES & names:
+            return True
+        todo.extend(n for n in names if n not in seen and callable(inspect.getattr_static(cls, n, None)))
+    return False
 
 
 def _names(code: types.CodeType) -> set[str]:
@@ -120,7 +139,11 @@ def kernel_caller_hooks(module: nn.Module) -> list[RemovableHandle]:
 
 def _entered(module: nn.Module, *args: object) -> None:
     """A forward pre-hook: ``module`` is now the innermost running attention module of this thread."""
-    _stack().append(module)
+    stack = _stack()
+    stack.append(module)
+    if len(stack) == 1 and _SESSIONS and not torch.compiler.is_compiling():
+        _LOCAL.reader = _Reader()
+        _LOCAL.reader.__enter__()
 
 
 def _left(module: nn.Module, *args: object) -> None:
@@ -128,6 +151,33 @@ def _left(module: nn.Module, *args: object) -> None:
     stack = _stack()
     if stack and stack[-1] is module:
         stack.pop()
+    reader = getattr(_LOCAL, "reader", None)
+    if not stack and reader is not None:
+        _LOCAL.reader = None
+        reader.__exit__(None, None, None)
+
+
+class _Reader(TorchFunctionMode):
+    """Sees every torch call while an attention module runs in this thread; runs it unchanged, then reads it.
+
+    The call's result goes back to the model as it is; the reading (:func:`handwritten.observe`) is for the innermost
+    running attention module, if an armed session wants it. Under ``torch.compile`` (a compiled region called
+    inside the module, such as flex_attention's own) the mode only runs the call, so that it traces as nothing.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            return func(*args, **kwargs)
+        result = func(*args, **kwargs)
+        stack = _stack()
+        if stack and not _inside() and not busy():
+            module = stack[-1]
+            for session in _SESSIONS:
+                if session.wants(module) and isinstance(session.layers[id(module)].adapter, KernelAttention):
+                    with session.guarded(module):
+                        handwritten.observe(session, module, func, args, kwargs, result)
+        return result
 
 
 def projections(module: nn.Module) -> list[nn.Module]:
@@ -208,14 +258,9 @@ class KernelAttention(Adapter):
                     session.skip(mod, "it is called as cross-attention (queries and keys from different sequences)")
 
         def projected(proj: nn.Module, args: tuple, output: Tensor) -> None:
-            if not (session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor)):
-                return
-            state = session.pending(module).adapter_state
-            if "consumes" in state:  # after the kernel call: is this the output projection?
+            if session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
                 with session.guarded(module):
-                    self._output(session, module, proj, args[0], output)
-            elif module in _stack():
-                state.setdefault("calls", []).append((proj, args[0], output))
+                    self.read_projection(session, module, *linear_weight(proj), args[0], output)
 
         return [
             module.register_forward_pre_hook(enter, with_kwargs=True),
@@ -225,17 +270,35 @@ class KernelAttention(Adapter):
 
     @contextlib.contextmanager
     def armed(self, model: nn.Module, session: CaptureSession) -> Iterator[None]:  # noqa: D102
-        with intercepted(session):
+        modules = [layer.module for layer in session.layers.values() if layer.adapter is self]
+        with intercepted(session), flex.wrapped(modules, _flex_call):
             yield
 
-    def _output(self, session: CaptureSession, module: nn.Module, proj: nn.Module, inp: Tensor, out: Tensor) -> None:
+    def read_projection(
+        self, session: CaptureSession, module: nn.Module, weight: Tensor, bias: Tensor | None, inp: Tensor, out: Tensor
+    ) -> None:
+        """A projection ``out = inp W^T + b`` ran for ``module``: a value candidate, or its output projection.
+
+        Called by the hooks on its Linear layers and for ``F.linear`` calls on its parameters (the same call seen
+        both ways is read once).
+        """
+        state = session.pending(module).adapter_state
+        if "consumes" in state:  # after the kernel call: is this the output projection?
+            self._output(session, module, (weight, bias), inp, out)
+        elif module in _stack():
+            calls = state.setdefault("calls", [])
+            if not any(out is call[4] for call in calls):
+                flat = inp.dim() == out.dim() == 4 and inp.shape[1] == out.shape[1] == 1  # (B, 1, n, F): DeepSeek
+                calls.append((weight, bias, inp[:, 0] if flat else inp, out[:, 0] if flat else out, out))
+
+    def _output(self, session: CaptureSession, module: nn.Module, projection: tuple, inp: Tensor, out: Tensor) -> None:
         state = session.pending(module).adapter_state
         consumed = state["consumes"]  # (B_s, m, H d_h), the kernel's output as an output projection reads it
         seen = session.window(inp)
         if seen.shape != consumed.shape or not _same(seen.detach(), consumed.to(seen.dtype)):
             return
-        value, value_bias = linear_weight(state["value"])
-        out_weight, out_bias = linear_weight(proj)
+        value, value_bias = state["value"]
+        out_weight, out_bias = projection
         value_bias, out_bias = (None if b is None else b.detach() for b in (value_bias, out_bias))
         weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), out_bias)
         self._resolved[module] = weights
@@ -262,30 +325,75 @@ class KernelAttention(Adapter):
             output: the kernel's output as ``(B, L, H, E)``.
             **scores: mask and score features for :meth:`CaptureSession.put_scores`.
         """
-        pending = session.pending(module)
-        if pending.scored:
+        if session.pending(module).scored:
             return
         session.put_scores(module, query, key, **scores)
-        if not session.wants(module):
-            return
+        if session.wants(module):
+            self.read_values(session, module, value, output)
+
+    def read_values(self, session: CaptureSession, module: nn.Module, value: Tensor, output: Tensor) -> None:
+        """The values ``(B, H_v, S, E)`` an attention call of ``module`` read and its output ``(B, L, H, E)``.
+
+        Finds the value projection among the projections that ran before (their output columns are the values),
+        and remembers the output that the output projection must take unchanged.
+        """
+        pending = session.pending(module)
         with session.guarded(module):
-            heads = query.shape[-3]
+            heads = output.shape[-2]
             found = _find_value(session, pending.adapter_state.pop("calls", []), session.window(value, dim=-2), heads)
             if found is None:
                 return  # reported when the session closes
-            proj, rows, inp = found
-            pending.adapter_state.update(value=proj, rows=rows)
+            projection, rows, inp = found
+            pending.adapter_state.update(value=projection, rows=rows)
             session.put(module, x=inp)
             window = session.window(output).detach()
             pending.adapter_state["consumes"] = window.reshape(*window.shape[:2], -1)
 
+    def read_flex_call(
+        self,
+        session: CaptureSession,
+        module: nn.Module,
+        output: Tensor,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        *,
+        score_mod: object,
+        block_mask: object,
+        scale: float | None,
+    ) -> None:
+        """Read one ``flex_attention`` call (its output ``(B, H, L, E)``) from its own score and mask functions."""
+        if session.pending(module).scored:
+            return
+        with session.guarded(module):
+            if query.shape[-2] != key.shape[-2]:
+                raise ValueError("queries and keys differ in length: cross-attention or cached decoding")
+            probs, logits, truncated = flex.flex_scores(
+                query.detach(), key.detach(), score_mod=score_mod, block_mask=block_mask, scale=scale,
+                window=session.max_tokens or query.shape[-2], sequences=session.num_sequences,
+            )  # fmt: skip
+        session.put_probabilities(module, probs, logits, truncated=truncated)
+        if session.wants(module):
+            self.read_values(session, module, value, output.transpose(1, 2))
 
-def _find_value(
-    session: CaptureSession, calls: list, value: Tensor, heads: int
-) -> tuple[nn.Module, Tensor, Tensor] | None:
-    """The projection whose output columns are ``value`` ``(B_s, H_v, m, d_h)``, its rows per query head, its input."""
+    def read_sdpa_call(
+        self, session: CaptureSession, module: nn.Module, args: tuple, kwargs: dict, output: Tensor
+    ) -> None:
+        """Read one ``F.scaled_dot_product_attention(*args, **kwargs)`` call that returned ``output``."""
+        query, key, value, *rest = args
+        bound = dict(zip(_SDPA_PARAMETERS, rest, strict=False)) | kwargs
+        with session.guarded(module):
+            self.read_kernel_call(
+                session, module, query, key, value, output.transpose(1, 2),
+                mask=bound.get("attn_mask"), scale=bound.get("scale"), is_causal=bool(bound.get("is_causal")),
+                dropout=float(bound.get("dropout_p") or 0.0) > 0,
+            )  # fmt: skip
+
+
+def _find_value(session: CaptureSession, calls: list, value: Tensor, heads: int) -> tuple[tuple, Tensor, Tensor] | None:
+    """The projection ``(W, b)`` whose columns are ``value`` ``(B_s, H_v, m, d_h)``, its rows per head, its input."""
     batch, value_heads, m, d_h = value.shape
-    for proj, inp, out in reversed(calls):  # the value projection usually runs last of q, k, v
+    for weight, bias, inp, out, _ in reversed(calls):  # the value projection usually runs last of q, k, v
         columns = session.window(out).detach()  # (B_s, m, F)
         if columns.shape[:2] != (batch, m):
             continue
@@ -296,8 +404,33 @@ def _find_value(
             read = columns[..., rows.flatten()].view(batch, m, kv, d_h).transpose(1, 2)  # (B_s, kv, m, d_h)
             read = read.repeat_interleave(value_heads // kv, dim=1)
             if _same(read.to(value.dtype), value.detach()):
-                return proj, rows.repeat_interleave(heads // kv, dim=0), inp
+                return (weight, bias), rows.repeat_interleave(heads // kv, dim=0), inp
+        rows = _matching_columns(columns, value) if heads % value_heads == 0 else None
+        if rows is not None:  # any other layout: each value feature is one output column (DeepSeek's kv_b_proj)
+            return (weight, bias), rows.repeat_interleave(heads // value_heads, dim=0), inp
     return None
+
+
+def _matching_columns(columns: Tensor, value: Tensor) -> Tensor | None:
+    """``(H_v, d_h)`` indices of the columns ``(B_s, m, F)`` equal to each value feature ``(B_s, H_v, m, d_h)``.
+
+    Columns are matched by a random projection over the tokens, then checked bitwise; None if one feature has none.
+    """
+    batch, value_heads, m, d_h = value.shape
+    if not columns.is_floating_point() or m * batch < 2:
+        return None
+    probe = torch.randn(batch * m, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    flat = columns.reshape(batch * m, -1).to(torch.float64)
+    features = value.detach().permute(0, 2, 1, 3).reshape(batch * m, -1).to(torch.float64)
+    keys, order = (probe.to(flat.device) @ flat).sort()
+    wanted = probe.to(flat.device) @ features
+    at = torch.searchsorted(keys, wanted).clamp(max=keys.numel() - 1)
+    below = (at - 1).clamp(min=0)
+    nearest = torch.where((keys[at] - wanted).abs() <= (keys[below] - wanted).abs(), at, below)
+    rows = order[nearest]
+    if not _same(flat[:, rows], features):
+        return None
+    return rows.view(value_heads, d_h)
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
@@ -368,21 +501,27 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, *args: object, **kwargs: ob
     """``F.scaled_dot_product_attention``, run unchanged; then read for the innermost armed module."""
     output = _sdpa.original(query, key, value, *args, **kwargs)
     stack = _stack()
-    if stack and not _inside():
+    if stack and not _inside() and not busy():
         module = stack[-1]
-        bound = dict(zip(_SDPA_PARAMETERS, args, strict=False)) | kwargs
         for session in _SESSIONS:
-            if session.wants(module):
-                with session.guarded(module):
-                    session.layers[id(module)].adapter.read_kernel_call(
-                        session, module, query, key, value, output.transpose(1, 2),
-                        mask=bound.get("attn_mask"), scale=bound.get("scale"), is_causal=bool(bound.get("is_causal")),
-                        dropout=float(bound.get("dropout_p") or 0.0) > 0,
-                    )  # fmt: skip
+            if session.wants(module) and isinstance(session.layers[id(module)].adapter, KernelAttention):
+                session.layers[id(module)].adapter.read_sdpa_call(session, module, (query, key, value, *args), kwargs,
+                                                                  output)  # fmt: skip
     return output
 
 
 _sdpa.original = torch.nn.functional.scaled_dot_product_attention
+
+
+def _flex_call(output: Tensor, query: Tensor, key: Tensor, value: Tensor, **features: object) -> None:
+    """After a wrapped flex_attention call: read it for the innermost armed module."""
+    stack = _stack()
+    if stack and not _inside() and not busy():
+        module = stack[-1]
+        for session in _SESSIONS:
+            if session.wants(module) and isinstance(session.layers[id(module)].adapter, KernelAttention):
+                session.layers[id(module)].adapter.read_flex_call(session, module, output, query, key, value,
+                                                                  **features)  # fmt: skip
 
 
 def _get_interface(self: object, attn_implementation: str, default: object) -> object:
@@ -462,17 +601,6 @@ def _read_transformers_call(
     )  # fmt: skip
 
 
-def warn_unreadable(name: str, module: nn.Module) -> None:
-    """Warn once that a module looks like attention but calls no kernel connmon reads."""
-    warn_once(
-        f"connmon: {name} ({type(module).__name__}) looks like attention but calls neither "
-        "F.scaled_dot_product_attention nor transformers' attention functions (hand-written softmax, flex_attention, "
-        "ALiBi as in Bloom): not recorded. Call it through SDPA or register an adapter "
-        "(connmon.capture.register_adapter)",
-        key=("unreadable", id(module)),
-    )
-
-
 class FusedQKVAttention(KernelAttention):
     """A named attention class, for a module whose forward reaches SDPA through code connmon cannot see.
 
@@ -514,11 +642,4 @@ class FusedQKVAttention(KernelAttention):
                 session.skip(module, f"{name}.{attribute} transforms the attention output before {self.proj} (for "
                                      "example scale-norm attention), which the walk does not model")  # fmt: skip
                 return []
-        if getattr(module, "fused_attn", True) is False:  # timm's eager path: softmax by hand, never switched here
-            session.skip(
-                module,
-                "it computes attention by hand (timm's fused_attn=False), which connmon does not read; it runs "
-                "unchanged. Set fused_attn=True (the same math through SDPA) to record it",
-            )
-            return []
         return super().hooks(model, name, module, session)
