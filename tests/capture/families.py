@@ -86,6 +86,8 @@ FAMILIES = [
     Family("OLMo2", "Olmo2ForCausalLM", "Olmo2Config", dict(_DECODER, **_GQA)),
     Family("StarCoder2", "Starcoder2ForCausalLM", "Starcoder2Config", dict(_DECODER, **_GQA)),
     Family("GPT-OSS", "GptOssForCausalLM", "GptOssConfig", dict(_DECODER, **_GQA, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=4)),
+    Family("ModernBERT", "ModernBertModel", "ModernBertConfig", dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, local_attention=4), causal=False),
+    Family("DeepSeek-V3", "DeepseekV3ForCausalLM", "DeepseekV3Config", dict(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=HEADS, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),
     Family("BERT", "BertModel", "BertConfig", dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=64, max_position_embeddings=64), causal=False),
     Family("RoBERTa", "RobertaModel", "RobertaConfig", dict(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=64, max_position_embeddings=64), causal=False),
     Family("DistilBERT", "DistilBertModel", "DistilBertConfig", dict(vocab_size=VOCAB, dim=WIDTH, n_layers=2, n_heads=HEADS, hidden_dim=64, max_position_embeddings=64), causal=False),

@@ -262,10 +262,16 @@ class KernelAttention(Adapter):
                 with session.guarded(module):
                     self.read_projection(session, module, *linear_weight(proj), args[0], output)
 
+        def normed(norm: nn.Module, args: tuple, output: Tensor) -> None:  # a latent norm (DeepSeek's kv_a_layernorm)
+            if session.wants(module) and module in _stack() and args and isinstance(args[0], Tensor):
+                session.pending(module).adapter_state.setdefault("norms", []).append((norm, args[0], output))
+
+        norms = [m for m in module.modules() if "Norm" in type(m).__name__ and _gain(m) is not None]
         return [
             module.register_forward_pre_hook(enter, with_kwargs=True),
             module.register_forward_hook(_left, with_kwargs=True, always_call=True),
             *(proj.register_forward_hook(projected) for proj in candidates),
+            *(norm.register_forward_hook(normed) for norm in norms),
         ]
 
     @contextlib.contextmanager
@@ -298,6 +304,9 @@ class KernelAttention(Adapter):
         if seen.shape != consumed.shape or not _same(seen.detach(), consumed.to(seen.dtype)):
             return
         value, value_bias = state["value"]
+        if value.shape[-1] != out.shape[-1]:  # the values are not linear in the module's input
+            value, x = self._latent(session, state, value)
+            session.put(module, x=x)
         out_weight, out_bias = projection
         value_bias, out_bias = (None if b is None else b.detach() for b in (value_bias, out_bias))
         weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), out_bias)
@@ -340,14 +349,51 @@ class KernelAttention(Adapter):
         pending = session.pending(module)
         with session.guarded(module):
             heads = output.shape[-2]
-            found = _find_value(session, pending.adapter_state.pop("calls", []), session.window(value, dim=-2), heads)
+            calls = pending.adapter_state.pop("calls", [])
+            pending.adapter_state["projections"] = calls
+            found = _find_value(session, calls, session.window(value, dim=-2), heads)
             if found is None:
                 return  # reported when the session closes
             projection, rows, inp = found
-            pending.adapter_state.update(value=projection, rows=rows)
+            pending.adapter_state.update(value=projection, rows=rows, value_input=session.window(inp).detach())
             session.put(module, x=inp)
             window = session.window(output).detach()
             pending.adapter_state["consumes"] = window.reshape(*window.shape[:2], -1)
+
+    @staticmethod
+    def _latent(session: CaptureSession, state: dict, value: Tensor) -> tuple[Tensor, Tensor]:
+        """Values read from a normed latent ``z_j = s_j g * (A x_j)``: the map ``V diag(g) A`` and the input ``s x``.
+
+        Multi-head latent attention (DeepSeek-V2/V3) projects each token to a latent ``A x_j``, normalizes it (an
+        RMS norm: a per-token factor ``s_j`` and a gain ``g``) and projects the values from it, so each value is
+        ``V diag(g) A (s_j x_j)``: linear in the input scaled by its token's factor. That scaled input is what the
+        record holds as ``x``; ``s_j`` is read from the norm's own input and output (least squares per token, checked
+        by the reconstruction error).
+
+        Raises:
+            ValueError: if the values come from no such latent (the layer is skipped with this reason).
+        """
+        latent = state["value_input"]  # (B_s, m, r)
+        for norm, inp, out in state.get("norms", []):
+            out = session.window(out).detach()
+            if out.shape != latent.shape or not _same(out, latent.to(out.dtype)):
+                continue
+            gain = _gain(norm).detach().to(torch.float64)
+            normed_input = session.window(inp).detach()
+            for weight, bias, x, projected, _ in state.get("projections", []):
+                columns = _matching_columns(session.window(projected).detach(), normed_input.unsqueeze(1))
+                if columns is None or (bias is not None and bool(bias.detach().any())):
+                    continue
+                scaled = gain * normed_input.to(torch.float64)  # g * (A x_j), without the factor s_j
+                factor = (latent.to(torch.float64) * scaled).sum(-1) / scaled.square().sum(-1).clamp_min(1e-300)
+                folded = value.detach().to(torch.float64) @ (
+                    gain[:, None] * weight.detach()[columns[0]].to(torch.float64)
+                )
+                return folded.to(value.dtype), session.window(x).detach().to(torch.float64) * factor[..., None]
+        raise ValueError(
+            f"its values are linear in a {value.shape[-1]}-wide latent, not in its input, and connmon found no "
+            "per-token norm of a projection of the input between them, so the walk does not model it"
+        )
 
     def read_flex_call(
         self,
@@ -431,6 +477,12 @@ def _matching_columns(columns: Tensor, value: Tensor) -> Tensor | None:
     if not _same(flat[:, rows], features):
         return None
     return rows.view(value_heads, d_h)
+
+
+def _gain(norm: nn.Module) -> Tensor | None:
+    """A norm's per-feature gain (its 1-dim ``weight``), or None."""
+    weight = getattr(norm, "weight", None)
+    return weight if isinstance(weight, Tensor) and weight.dim() == 1 else None
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
