@@ -5,6 +5,9 @@ marker: the default run deselects them and `.ci/run` runs them in a second envir
 torchvision 0.29.1 and timm (`python -m pytest -m timm tests/capture/test_timm.py`).
 """
 
+import contextlib
+import warnings
+
 import pytest
 import torch
 
@@ -37,23 +40,70 @@ def test_vision_transformer_attention_is_exact(qk_norm):
         assert record.reconstruction_error.item() <= TOL
 
 
-def test_the_eager_path_is_left_alone_and_skipped_with_a_warning():
-    """fused_attn=False (softmax by hand) is never switched to SDPA: outputs and gradients stay bitwise equal."""
-    model = vit()
-    for block in model.blocks:
-        block.attn.fused_attn = False
+def swin():
+    from timm.models.swin_transformer import SwinTransformer
+
+    torch.manual_seed(0)
+    return SwinTransformer(img_size=32, patch_size=4, embed_dim=16, depths=(2,), num_heads=(2,), window_size=4,
+                           num_classes=0, attn_drop_rate=0.1).eval()  # fmt: skip
+
+
+def eva():
+    from timm.models.eva import Eva
+
+    torch.manual_seed(0)
+    return Eva(img_size=32, patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=0, use_rot_pos_emb=True,
+               qkv_fused=True, attn_drop_rate=0.1).eval()  # qkv through F.linear with a concatenated bias  # fmt: skip
+
+
+MODELS = {"ViT": (vit, 2, 17), "Swin": (swin, 2, 16), "EVA": (eva, 2, 17)}  # builder, layers, tokens per window
+
+
+def _set_path(model, fused):
+    for module in model.modules():
+        if hasattr(module, "fused_attn"):
+            module.fused_attn = fused
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_attention_layer_is_recorded_exactly_on_both_paths(name, fused):
+    """timm's eager path (softmax by hand) is read from the calls that run, never switched to SDPA."""
+    build, layers, tokens = MODELS[name]
+    model = build()
+    _set_path(model, fused)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="connmon")
+        records = connmon.capture(model, torch.randn(2, 3, 32, 32), dtype=torch.float64)
+    assert len(records) == layers
+    for record in records:
+        assert record.attn.shape[-1] == tokens and record.reconstruction_error.item() <= TOL
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "eager"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_arming_changes_neither_outputs_nor_gradients(name, fused, mode):
+    build, layers, _ = MODELS[name]
+    model = build().train(mode == "train")
+    _set_path(model, fused)
     x = torch.randn(2, 3, 32, 32)
-    plain = model(x)
-    plain.square().sum().backward()
-    plain_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    with pytest.warns(UserWarning, match="fused_attn=False"):
-        with connmon.capture.armed(model) as session:
-            armed = model(x)
-    armed.square().sum().backward()
-    assert torch.equal(plain, armed) and session.records == []
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain_grads, strict=True))
-    assert all(block.attn.fused_attn is False for block in model.blocks)
+
+    def run(armed):
+        model.zero_grad()
+        torch.manual_seed(3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # attention dropout in train mode: said once
+            with connmon.capture.armed(model) if armed else contextlib.nullcontext() as session:
+                out = model(x)
+        out.square().sum().backward()
+        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None], session
+
+    plain, plain_grads, _ = run(False)
+    armed, armed_grads, session = run(True)
+    assert torch.equal(plain, armed) and all(map(torch.equal, plain_grads, armed_grads))
+    assert len(session.records) == layers
+    assert all(getattr(m, "fused_attn", fused) is fused for m in model.modules())
 
 
 def test_scale_norm_attention_is_reported_and_skipped():
