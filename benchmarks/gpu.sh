@@ -25,6 +25,9 @@ status=0
   echo "## bench_sample.py --device cuda (each part of a full sample, in training steps of the example)"
   timeout 120 python3 benchmarks/bench_sample.py --device cuda || status=1
   echo
+  echo "## flex_attention trained with the capture armed (no flex backward on CPU): tests/capture/test_code_bases.py"
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/capture/test_code_bases.py -k "cuda or flex" || status=1
+  echo
   echo "## Lightning FSDPStrategy (FSDP1 needs CUDA): logged values equal one process's (tests/callbacks/test_ddp.py)"
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/callbacks/test_ddp.py -k "fsdp and not fsdp2" || status=1
   echo

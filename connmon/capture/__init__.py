@@ -34,7 +34,7 @@ from connmon.capture.adapters.kernel import (
     FusedQKVAttention,
     KernelAttention,
     kernel_caller_hooks,
-    projections,
+    linear_weight,
 )
 from connmon.capture.adapters.torch_mha import TorchMultiheadAttention, python_attention_path
 from connmon.capture.record import AttentionRecord, reconstruction_error
@@ -87,11 +87,11 @@ def attention_layers(model: nn.Module) -> list[Layer]:
 
     An attention module inside another (an outer module that runs an inner one before its own kernel call) is a layer
     of its own: each kernel call is read as the innermost running attention module's. A module whose class name says
-    attention, that holds Linear layers and that no adapter matches (it computes attention by hand: nanoGPT's
-    ``flash=False``, minGPT, Bloom's ALiBi, timm's eager path) is a layer too, the innermost of such modules and
-    only where no matched module sits inside or around it: a capture reads it from the calls that run in its
-    forward (:mod:`connmon.capture.adapters.handwritten`), and a layer whose calls do not rebuild its output is
-    skipped with one warning then.
+    attention, that has two Linear layers or more as its own children and that no adapter matches (it computes
+    attention by hand: nanoGPT's ``flash=False``, minGPT, Bloom's ALiBi, timm's eager path) is a layer too, the
+    innermost of such modules and only where no matched module sits inside or around it: a capture reads it from
+    the calls that run in its forward (:mod:`connmon.capture.adapters.handwritten`), and a layer whose calls do not
+    rebuild its output is skipped with one warning then.
 
     Raises:
         ValueError: if the model has none; the message lists the module types seen and how to add an adapter.
@@ -113,8 +113,8 @@ def attention_layers(model: nn.Module) -> list[Layer]:
         adapter = next((a for a in ADAPTERS if a.matches(module)), None)
         if adapter is not None:  # one inside another is a layer of its own: each kernel call is its caller's
             adapters[name] = (module, adapter)
-        elif _LOOKS_LIKE_ATTENTION.search(type(module).__name__) and projections(module):
-            by_name[name] = module
+        elif _LOOKS_LIKE_ATTENTION.search(type(module).__name__) and _own_projections(module) >= 2:
+            by_name[name] = module  # named attention, with its own input and output projections at least
     matched = list(adapters)
     for name, module in by_name.items():  # attention by hand: read from what runs, in the innermost such module
         inside = [other for other in by_name if other.startswith(f"{name}.")]
@@ -133,6 +133,11 @@ def attention_layers(model: nn.Module) -> list[Layer]:
             "connmon.capture.register_adapter(...) with a subclass of connmon.capture.Adapter."
         )
     return layers
+
+
+def _own_projections(module: nn.Module) -> int:
+    """How many Linear (or ``Conv1D``) layers are the module's own children."""
+    return sum(linear_weight(child) is not None for child in module.children())
 
 
 def _nested(name: str, other: str) -> bool:

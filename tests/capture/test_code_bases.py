@@ -7,6 +7,7 @@ For each: every self-attention layer recorded exactly in eval mode, and arming c
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -98,3 +99,27 @@ def test_flex_attention_window_of_a_bidirectional_call_is_renormalized():
     assert torch.allclose(flex_attention(q, k, v, scale=0.3), reference, atol=1e-12)  # flex agrees
     window, _, cut = flex_scores(q, k, score_mod=None, block_mask=None, scale=0.3, window=5, sequences=1)
     assert cut and torch.allclose(window, torch.softmax(q[:1, :, :5] @ k[:1, :, :5].mT * 0.3, dim=-1), atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention has no backward on CPU: benchmarks/gpu.sh")
+def test_flex_attention_trains_unchanged_on_cuda():
+    torch.manual_seed(0)
+    model, _ = flex_model()
+    model = model.cuda().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, VOCAB, (3, TOKENS), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    twin = copy.deepcopy(model)
+    twin_optimizer = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    for step in range(3):
+        with connmon.capture.armed(model) as session:
+            loss = model(ids).square().mean()
+        loss.backward()
+        twin_loss = twin(ids).square().mean()
+        twin_loss.backward()
+        assert torch.equal(loss, twin_loss), step
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+        assert [r.name for r in session.records] == ["layers.0", "layers.1"]
+        assert all(r.reconstruction_error.item() <= 1e-3 for r in session.records)
+        for opt in (optimizer, twin_optimizer):
+            opt.step()
+            opt.zero_grad()

@@ -1,19 +1,23 @@
-"""Any self-attention module that calls an attention kernel connmon reads, whatever its class or attribute names.
+"""Any self-attention module, read from the attention calls that run inside its forward, whatever its names.
 
-The kernels: ``torch.nn.functional.scaled_dot_product_attention`` (nanoGPT, minGPT-style SDPA modules, litgpt,
-x-transformers, torchtitan, timm, your own) and the attention functions that Hugging Face ``transformers`` models
-dispatch to through ``AttentionInterface`` (``"sdpa"`` and ``"eager"``, with each family's own eager function).
+The calls: ``torch.nn.functional.scaled_dot_product_attention`` (nanoGPT, litgpt, x-transformers, timm, your own),
+the attention functions that Hugging Face ``transformers`` models dispatch to through ``AttentionInterface``
+(``"sdpa"`` and ``"eager"``, with each family's own eager function), ``flex_attention``
+(:mod:`~connmon.capture.adapters.flex`) and attention computed by hand
+(:mod:`~connmon.capture.adapters.handwritten`), at any depth inside the module.
 
 Nothing is switched: the model keeps its own attention implementation and kernel. While a capture is armed, the
 kernel is wrapped so that it runs first, unchanged, and then connmon scores the recorded window from the exact
 ``query``, ``key``, mask and score features it received (scaling, soft-capping, position bias, attention sinks,
 after RoPE, qk-norm and GQA). A feature connmon does not model (an unknown keyword of the attention call, a
-``BlockMask``, a flash kernel) leaves that layer unrecorded with one warning that names it.
+``BlockMask`` handed to a transformers function, a flash kernel) leaves that layer unrecorded with one warning that
+names it.
 
 The transport maps are found from the data, not from names: the value projection is the Linear (or GPT-2
-``Conv1D``) inside the module whose output columns are exactly the values the kernel read (separate, fused
-``[q; k; v]``, per-head interleaved as in GPT-NeoX, or grouped as in Falcon; GQA repeated or not), and the output
-projection is the Linear that takes the kernel's output unchanged (inside the module, or the sibling
+``Conv1D``, or an ``F.linear`` call on the module's parameters) whose output columns are exactly the values the
+attention read (separate, fused ``[q; k; v]``, per-head interleaved as in GPT-NeoX, grouped as in Falcon, any other
+column layout; GQA repeated or not; through a normed latent as in DeepSeek's multi-head latent attention), and the
+output projection is the Linear that takes the attention output unchanged (inside the module, or the sibling
 ``output.dense`` of the BERT family). The record's reconstruction error then proves the capture exact.
 """
 
