@@ -2,6 +2,8 @@
 
 Per architecture (built from code or configs, random weights, eval mode, float32):
 
+Architectures: nn.TransformerEncoder, nanoGPT (SDPA), minGPT (vendored, attention by hand), HF GPT-2, LLaMA, BERT.
+
 * time: ``connmon.capture(model, batch)`` against ``model(batch)`` under ``no_grad``, run alternately, median of
   ``--repeats`` pairs; the ratio is what one sampled step's forward costs.
 * memory (CPU, Linux): the peak resident memory a capture adds over the plain forward's own peak (the high-water
@@ -23,8 +25,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
+import io
 import statistics
 import sys
 import time
@@ -50,6 +54,16 @@ def build(arch: str) -> tuple[nn.Module, dict]:
         return nn.TransformerEncoder(layer, LAYERS), {"src": torch.randn(BATCH, TOKENS, WIDTH)}
     if arch == "nanoGPT":
         return TinyGPT(vocab=100, n_embd=WIDTH, n_head=HEADS, n_layer=LAYERS), {"idx": ids}
+    if arch == "minGPT (by hand)":  # softmax by hand: read from the calls that run (the reading mode's cost)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vendored"))
+        from mingpt.model import GPT
+
+        config = GPT.get_default_config()
+        config.merge_from_dict(
+            dict(model_type=None, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH, vocab_size=100, block_size=TOKENS)
+        )
+        with contextlib.redirect_stdout(io.StringIO()):  # minGPT prints its size
+            return GPT(config), {"idx": ids}
     import transformers
 
     if arch == "HF GPT-2":
@@ -68,7 +82,7 @@ def build(arch: str) -> tuple[nn.Module, dict]:
     return transformers.BertModel(config, add_pooling_layer=False), {"input_ids": ids}
 
 
-ARCHITECTURES = ["nn.TransformerEncoder", "nanoGPT", "HF GPT-2", "HF LLaMA (GQA)", "HF BERT"]
+ARCHITECTURES = ["nn.TransformerEncoder", "nanoGPT", "minGPT (by hand)", "HF GPT-2", "HF LLaMA (GQA)", "HF BERT"]
 
 
 def timing(arch: str, device: torch.device, repeats: int) -> tuple[float, float]:

@@ -119,9 +119,9 @@ class CaptureSession:
         self.thread = threading.get_ident()
 
     def name(self, module: nn.Module) -> str:
-        """The module's path in the model (its class name if it is not armed here)."""
+        """The module's path in the model (its class name if it is not armed here, or is the model itself)."""
         layer = self.layers.get(id(module))
-        return layer.name if layer else type(module).__name__
+        return layer.name if layer and layer.name else type(module).__name__
 
     def skip(self, module: nn.Module, why: str | None = None) -> None:
         """Record nothing for ``module`` in this session; ``why`` is warned once per cause and layer."""

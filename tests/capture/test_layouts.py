@@ -224,3 +224,82 @@ class SelfAttentionGate(nn.Module):
 def test_a_named_module_that_computes_no_attention_warns_once_at_the_end_of_the_capture():
     with pytest.warns(UserWarning, match="ran no attention connmon reads"):
         assert connmon.capture(SelfAttentionGate(), torch.randn(2, TOKENS, D)) == []
+
+
+_attend = F.scaled_dot_product_attention  # bound at import, before any capture is armed: read all the same
+
+
+class BoundKernelMixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.to_qkv, self.to_out = sharp(nn.Linear(D, 3 * D), 2 * D), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.to_qkv(x).view(B, T, 3, HEADS, HS).permute(2, 0, 3, 1, 4)
+        return self.to_out(_attend(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C))
+
+
+class SharedValueAttention(nn.Module):
+    """Multi-query by hand: one values head read by every query head through einsum('bhij,bjd->bhid')."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.kv, self.out = sharp(nn.Linear(D, D), D), nn.Linear(D, 2 * HS), nn.Linear(D, D)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q = self.q(x).view(B, T, HEADS, HS).transpose(1, 2)
+        k, v = self.kv(x).split(HS, dim=-1)
+        scores = torch.einsum("bhid,bjd->bhij", q, k) / math.sqrt(HS)
+        probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
+        return self.out(torch.einsum("bhij,bjd->bhid", probs, v).transpose(1, 2).reshape(B, T, C))
+
+
+class TalkingHeadsAttention(nn.Module):
+    """Mixes heads after the softmax: not a walk of those probabilities, so the reconstruction rejects it."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out, self.mix = (
+            sharp(nn.Linear(D, 3 * D), 2 * D),
+            nn.Linear(D, D),
+            nn.Parameter(torch.randn(4, 4)),
+        )
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, HEADS, HS).permute(2, 0, 3, 1, 4)
+        probs = (q @ k.transpose(-2, -1) / math.sqrt(HS)).softmax(dim=-1)
+        probs = torch.einsum("bhij,hg->bgij", probs, self.mix)
+        return self.out((probs @ v).transpose(1, 2).reshape(B, T, C))
+
+
+@pytest.mark.parametrize("module", [BoundKernelMixer, SharedValueAttention], ids=lambda m: m.__name__)
+def test_kernels_bound_before_arming_and_shared_values_by_hand_are_read(module):
+    torch.manual_seed(0)
+    model = module()
+    (record,) = connmon.capture(model, torch.randn(2, TOKENS, D), dtype=torch.float64)
+    assert record.attn.shape == (2, HEADS, TOKENS, TOKENS) and record.reconstruction_error.item() <= 1e-6
+
+
+def test_hand_written_attention_that_is_not_a_walk_is_skipped_with_a_warning_and_runs_unchanged():
+    torch.manual_seed(0)
+    model, x = TalkingHeadsAttention(), torch.randn(2, TOKENS, D)
+    plain = model(x)
+    with pytest.warns(UserWarning, match="TalkingHeadsAttention is not recorded"):
+        with connmon.capture.armed(model) as session:
+            armed = model(x)
+    assert torch.equal(plain, armed) and session.records == []
+
+
+def test_a_compiled_hand_written_model_trains_unchanged_to_round_off():
+    """Under torch.compile the reading mode only runs each call: the compiled graph is the model's own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(MinGPTSelfAttention()), Block(MinGPTSelfAttention()))
+    compiled, x = torch.compile(model, backend="aot_eager"), torch.randn(2, TOKENS, D)
+    plain = compiled(x)
+    with connmon.capture.armed(model) as session:
+        armed = compiled(x)
+    assert torch.allclose(plain, armed, atol=1e-6)
+    assert len(session.records) <= 2  # read where the hooks broke the graph, else said in a warning

@@ -119,10 +119,17 @@ def _forward_calls_kernel(cls: type) -> bool:
             continue
         seen.add(method)
         names = _names(code)
-        if _KERNEL_NAMES & names:
+        namespace = getattr(inspect.unwrap(function), "__globals__", {})
+        if _KERNEL_NAMES & names or any(_is_kernel(namespace.get(name)) for name in names):
             return True
         todo.extend(n for n in names if n not in seen and callable(inspect.getattr_static(cls, n, None)))
     return False
+
+
+def _is_kernel(value: object) -> bool:
+    """Whether a global is SDPA or flex_attention under another name (``attend = F.scaled_dot_product_attention``)."""
+    flex_attention = flex.flex_function()
+    return value is not None and (value is _sdpa.original or (flex_attention is not None and value is flex_attention))
 
 
 def _names(code: types.CodeType) -> set[str]:
