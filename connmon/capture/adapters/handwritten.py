@@ -53,7 +53,7 @@ def observe(
         if isinstance(weight, nn.Parameter) and any(weight is p for p in module.parameters()):
             adapter.read_projection(session, module, weight, bias, args[0], result)
     elif name in _SOFTMAX and isinstance(result, Tensor):
-        _softmax(state, args, kwargs, result)
+        _softmax(session, state, args, kwargs, result)
     elif "softmax" in state and isinstance(result, Tensor):
         if name in _PRODUCT:
             _product(session, module, state, name, args, result)
@@ -61,15 +61,23 @@ def observe(
             _derived(state, name, args, kwargs, result)
 
 
-def _softmax(state: dict, args: tuple, kwargs: dict, probs: Tensor) -> None:
-    """A softmax over the last dim of a square map of 3 or 4 dims: the candidate attention probabilities."""
+def _softmax(session: CaptureSession, state: dict, args: tuple, kwargs: dict, probs: Tensor) -> None:
+    """A softmax over the last dim of a square map of 3 or 4 dims: the candidate attention probabilities.
+
+    The probabilities are the model's own tensor (it holds them until its product with the values); of the logits,
+    which the model may free, only the recorded window is copied.
+    """
     dim = args[1] if len(args) > 1 else kwargs.get("dim")
     if probs.dim() not in (3, 4) or dim not in (-1, probs.dim() - 1) or probs.shape[-1] != probs.shape[-2]:
         return
     if not probs.is_floating_point() or probs.is_nested:
         return
+    logits = args[0].detach()
+    if logits.dim() == 4:
+        window = min(logits.shape[-1], session.max_tokens or logits.shape[-1])
+        logits = session.window(logits, dim=-2)[..., :window].clone()
     state["softmax_ran"] = True
-    state["softmax"] = {"logits": args[0], "probs": probs, "derived": [probs], "dropout": False}
+    state["softmax"] = {"logits": logits, "probs": probs, "derived": [probs], "dropout": False}
 
 
 def _is_derived(softmax: dict, tensor: object) -> bool:
@@ -104,7 +112,7 @@ def _product(session: CaptureSession, module: nn.Module, state: dict, name: str,
     del state["softmax"]
     values, output = canonical
     batch = values.shape[0]
-    probs4, logits4 = (t.reshape(batch, -1, *t.shape[-2:]) for t in (probs, softmax["logits"]))
+    probs4, logits4 = (t if t.dim() == 4 else t.reshape(batch, -1, *t.shape[-2:]) for t in (probs, softmax["logits"]))
     session.put_probabilities(module, probs4, logits4, dropout=softmax["dropout"])
     if session.wants(module):
         session.layers[id(module)].adapter.read_values(session, module, values, output.transpose(1, 2))
