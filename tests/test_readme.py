@@ -62,3 +62,22 @@ def test_readme_reaches_install_and_the_two_commands_on_its_first_screen():
     assert "## Install" in first_screen and "python -m pytest" in first_screen
     assert "python examples/train_tiny_gpt.py" in first_screen
     assert 'name = "torch-connmon"' in (ROOT / "pyproject.toml").read_text()
+
+
+BENCHMARKS = ROOT / "benchmarks" / "README.md"
+# (what README says, the benchmark section whose current table must say the same)
+QUOTED = [
+    (r"under 1% of the\s+training time on the example \((\d\.\d+x)", "## `bench_overhead.py`"),
+    (r"\((\d+ s) on a 2-core CPU", "## The example"),
+    (r"median (\d+ steps) ahead\) \|", "## `bench_sharpness.py`"),
+]
+
+
+@pytest.mark.parametrize(("quote", "section"), QUOTED)
+def test_figures_quoted_in_readme_are_the_benchmark_tables(quote, section):
+    figure = re.search(quote, README.read_text()).group(1)
+    text = BENCHMARKS.read_text()
+    body = text.split(section, 1)[1].split("\n## ", 1)[0]
+    number, unit = re.match(r"([\d.]+)\s*(\S+)", figure).groups()
+    # the figure stands in that section's text, as README quotes it (1.0073x; 46 s; 97 steps ahead)
+    assert re.search(rf"\b{re.escape(number)}\s*{re.escape(unit.rstrip('x'))}", body), (figure, section)

@@ -102,11 +102,14 @@ def walks_figure(walks: Mapping[int, Tensor], title: str = "walk matrices P (fir
     for ax, (index, walk) in zip(axes, sorted(walks.items()), strict=False):
         norm = PowerNorm(gamma=0.3, vmin=0.0, vmax=1.0)
         image = ax.imshow(walk.detach().cpu().double().numpy(), cmap="magma", norm=norm)
-        ax.set(title=f"L{index:02d}", xlabel="key", ylabel="query")
+        ax.set_title(f"L{index:02d}")
     for ax in axes[len(walks) :]:
         ax.set_axis_off()
-    if image is not None:
-        fig.colorbar(image, ax=axes.tolist(), shrink=0.8, label="P_ij (power scale)")
+    if image is not None:  # one colour bar with ticks spread along the power scale, not crowded at its top
+        bar = fig.colorbar(image, ax=axes.tolist(), shrink=0.8, label="P_ij (power scale)")
+        bar.set_ticks([0.0, 0.001, 0.01, 0.05, 0.2, 0.5, 1.0], labels=["0", "0.001", "0.01", "0.05", "0.2", "0.5", "1"])
+    fig.supxlabel("key")  # once for the grid: per-panel labels ran into the titles of the row below
+    fig.supylabel("query")
     fig.suptitle(title)
     return fig
 

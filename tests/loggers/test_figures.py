@@ -1,5 +1,7 @@
 """Figures say true things: labelled axes, integer layers, no empty legend entry, no lone point shown as a trend."""
 
+import itertools
+
 import torch
 
 from connmon.loggers import depth_figure, series_figure, spectra_figure, walks_figure
@@ -53,3 +55,16 @@ def test_float_round_off_is_drawn_flat_not_as_spikes():
     trend = series_figure({"connmon/attention_entropy/all": ([0, 25], [3.0, 2.5])})
     low, high = trend.axes[0].get_ylim()
     assert high - low < 1.0  # a real change keeps matplotlib's own scale
+
+
+def test_walk_heatmaps_label_the_grid_once_and_spread_the_colour_bar_ticks():
+    torch.manual_seed(0)
+    fig = walks_figure({i: torch.softmax(torch.randn(12, 12) * 2, -1) for i in range(6)})  # two rows
+    fig.canvas.draw()
+    panels, bar = fig.axes[:6], fig.axes[-1]
+    assert all(ax.get_xlabel() == "" and ax.get_ylabel() == "" for ax in panels)  # no label runs into a title
+    assert fig.get_supxlabel() == "key" and fig.get_supylabel() == "query"
+    ticks = sorted(
+        bar.transAxes.inverted().transform(bar.transData.transform([(0, t) for t in bar.get_yticks()]))[:, 1]
+    )
+    assert len(ticks) >= 5 and min(b - a for a, b in itertools.pairwise(ticks)) > 0.05  # no crowding at the top
