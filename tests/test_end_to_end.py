@@ -1,7 +1,10 @@
-"""The way users hold their models: each HF family and each custom layout inside a LightningModule, trained a few
-steps with ConnectionMonitor(every_n_steps=1) and DriftAlert(), a CSV and an offline W&B logger. The run finishes,
-every layer's keys are logged, no hook or kernel wrapper is left, and losses and weights equal a run without the
-callbacks."""
+"""The way users hold their models: each HF family, custom layout and real code base inside a LightningModule,
+trained a few steps with ConnectionMonitor(every_n_steps=1) and DriftAlert(), a CSV and an offline W&B logger. The
+run finishes, every layer's keys are logged, no hook, kernel wrapper or reading mode is left, and losses and weights
+equal a run without the callbacks."""
+
+import contextlib
+import io
 
 import lightning as L
 import pytest
@@ -13,7 +16,7 @@ from connmon.callbacks import ConnectionMonitor, DriftAlert
 from connmon.capture import attention_layers
 from tests.callbacks.test_connection_monitor import read_csv
 from tests.callbacks.wandb_run import finish_and_read, history, offline_logger
-from tests.capture import test_layouts
+from tests.capture import code_bases, test_layouts
 from tests.capture.families import FAMILIES
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
@@ -58,9 +61,22 @@ def layout_case(layout):
     return build, batches
 
 
-CASES = [pytest.param(*family_case(f), id=f.name) for f in FAMILIES if f.name != "Bloom"] + [
-    pytest.param(*layout_case(c), id=c.__name__) for c in test_layouts.LAYOUTS
-]
+def code_base_case(name):
+    def build():
+        with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT and minGPT print their sizes
+            return code_bases.build(name, pytest.MonkeyPatch())[0]
+
+    def batches():
+        return [(torch.randint(0, code_bases.VOCAB, (2, 8), generator=torch.Generator().manual_seed(1)),)] * STEPS
+
+    return build, batches
+
+
+CASES = (
+    [pytest.param(*family_case(f), id=f.name) for f in FAMILIES]
+    + [pytest.param(*layout_case(c), id=c.__name__) for c in test_layouts.LAYOUTS]
+    + [pytest.param(*code_base_case(name), id=name) for name in code_bases.CODE_BASES]
+)
 
 
 def fit(tmp_path, build, batches, callbacks, loggers):
@@ -96,3 +112,4 @@ def test_monitored_training_equals_plain_training_and_logs_every_layer(tmp_path,
     assert any("connmon/ov_isometry_gap/L00" in item for item in logged)
     assert torch.nn.functional.scaled_dot_product_attention is sdpa
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in watched.modules())
+    assert torch._C._len_torch_function_stack() == 0  # the reading mode of hand-written attention is gone
