@@ -67,7 +67,7 @@ def test_readme_reaches_install_and_the_two_commands_on_its_first_screen():
 BENCHMARKS = ROOT / "benchmarks" / "README.md"
 # (what README says, the benchmark section whose current table must say the same)
 QUOTED = [
-    (r"under 1% of the\s+training time on the example \((\d\.\d+x)", "## `bench_overhead.py`"),
+    (r"about 1% of the\s+training time on the example \((\d\.\d+x)", "## `bench_overhead.py`"),
     (r"\((\d+ s) on a 2-core CPU", "## The example"),
     (r"median (\d+ steps) ahead\) \|", "## `bench_sharpness.py`"),
 ]
