@@ -61,7 +61,6 @@ ADAPTERS: list[Adapter] = [
     FusedQKVAttention("Attention", qkv="qkv", proj="proj", heads="num_heads", identity=("norm",)),  # timm ViT
     _KERNEL,
 ]
-_BY_HAND = _KERNEL  # a module named attention that calls no kernel is read from the calls that run in it
 _LOOKS_LIKE_ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
 
 
@@ -117,9 +116,9 @@ def attention_layers(model: nn.Module) -> list[Layer]:
             by_name[name] = module  # named attention, with its own input and output projections at least
     matched = list(adapters)
     for name, module in by_name.items():  # attention by hand: read from what runs, in the innermost such module
-        inside = [other for other in by_name if other.startswith(f"{name}.")]
-        if not inside and not any(_nested(name, other) for other in matched):
-            adapters[name] = (module, _BY_HAND)
+        innermost = not any(other.startswith(f"{name}.") for other in by_name)
+        if innermost and not any(_nested(name, other) for other in matched):
+            adapters[name] = (module, _KERNEL)  # read from the calls that run in it
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     adapters = dict(sorted(adapters.items(), key=lambda item: order[item[0]]))
     layers = [Layer(name, index, module, adapter) for index, (name, (module, adapter)) in enumerate(adapters.items())]

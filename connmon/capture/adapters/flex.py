@@ -29,8 +29,7 @@ def flex_function() -> Callable | None:
         from torch.nn.attention import flex_attention as module
     except ImportError:
         return None
-    original = getattr(module.flex_attention, "connmon_original", module.flex_attention)
-    return original
+    return getattr(module.flex_attention, "connmon_original", module.flex_attention)
 
 
 def _is_flex(value: object, flex: Callable) -> bool:

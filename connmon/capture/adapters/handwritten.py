@@ -50,7 +50,9 @@ def observe(
     elif name == "linear":
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
-        if isinstance(weight, nn.Parameter) and any(weight is p for p in module.parameters()):
+        if "parameters" not in state:  # the module's own weights, once per forward
+            state["parameters"] = {id(p) for p in module.parameters()}
+        if isinstance(weight, nn.Parameter) and id(weight) in state["parameters"]:
             adapter.read_projection(session, module, weight, bias, args[0], result)
     elif name in _SOFTMAX and isinstance(result, Tensor):
         _softmax(session, state, args, kwargs, result)

@@ -181,14 +181,24 @@ class _Reader(TorchFunctionMode):
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
         result = func(*args, **kwargs)
-        stack = _stack()
-        if stack and not _inside() and not busy():
-            module = stack[-1]
-            for session in _SESSIONS:
-                if session.wants(module) and isinstance(session.layers[id(module)].adapter, KernelAttention):
-                    with session.guarded(module):
-                        handwritten.observe(session, module, func, args, kwargs, result)
+        for module, session in _readers():
+            with session.guarded(module):
+                handwritten.observe(session, module, func, args, kwargs, result)
         return result
+
+
+def _readers() -> Iterator[tuple[nn.Module, CaptureSession]]:
+    """``(module, session)`` for the innermost running attention module of this thread, per session that wants it.
+
+    Nothing while a transformers attention function runs (it is read as a whole) or connmon's own work does.
+    """
+    stack = _stack()
+    if not stack or _inside() or busy():
+        return
+    module = stack[-1]
+    for session in _SESSIONS:
+        if session.wants(module) and isinstance(session.layers[id(module)].adapter, KernelAttention):
+            yield module, session
 
 
 def projections(module: nn.Module) -> list[nn.Module]:
@@ -563,13 +573,8 @@ _SDPA_PARAMETERS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"
 def _sdpa(query: Tensor, key: Tensor, value: Tensor, *args: object, **kwargs: object) -> Tensor:
     """``F.scaled_dot_product_attention``, run unchanged; then read for the innermost armed module."""
     output = _sdpa.original(query, key, value, *args, **kwargs)
-    stack = _stack()
-    if stack and not _inside() and not busy():
-        module = stack[-1]
-        for session in _SESSIONS:
-            if session.wants(module) and isinstance(session.layers[id(module)].adapter, KernelAttention):
-                session.layers[id(module)].adapter.read_sdpa_call(session, module, (query, key, value, *args), kwargs,
-                                                                  output)  # fmt: skip
+    for module, session in _readers():
+        session.layers[id(module)].adapter.read_sdpa_call(session, module, (query, key, value, *args), kwargs, output)
     return output
 
 
@@ -578,13 +583,8 @@ _sdpa.original = torch.nn.functional.scaled_dot_product_attention
 
 def _flex_call(output: Tensor, query: Tensor, key: Tensor, value: Tensor, **features: object) -> None:
     """After a wrapped flex_attention call: read it for the innermost armed module."""
-    stack = _stack()
-    if stack and not _inside() and not busy():
-        module = stack[-1]
-        for session in _SESSIONS:
-            if session.wants(module) and isinstance(session.layers[id(module)].adapter, KernelAttention):
-                session.layers[id(module)].adapter.read_flex_call(session, module, output, query, key, value,
-                                                                  **features)  # fmt: skip
+    for module, session in _readers():
+        session.layers[id(module)].adapter.read_flex_call(session, module, output, query, key, value, **features)
 
 
 def _get_interface(self: object, attn_implementation: str, default: object) -> object:
