@@ -110,7 +110,8 @@ def wrapped(modules: list[nn.Module], read: Callable[..., None]) -> Iterator[Non
         return
     from torch.nn.attention import flex_attention as flex_module
 
-    places = {(id(vars(flex_module)), "flex_attention"): vars(flex_module)}  # holder dicts by (id, name)
+    places = {(id(vars(flex_module)), "flex_attention"): vars(flex_module)}  # holders by (id, name)
+    namespaces = {}  # the module globals the classes' functions read, each scanned once
     for cls in {type(m) for module in modules for m in module.modules()}:
         for klass in cls.__mro__:
             if klass in (nn.Module, object):
@@ -120,9 +121,12 @@ def wrapped(modules: list[nn.Module], read: Callable[..., None]) -> Iterator[Non
                 if _is_flex(function, flex):
                     places[(id(klass), name)] = klass
                 namespace = getattr(inspect.unwrap(function), "__globals__", None) if callable(function) else None
-                for global_name, global_value in (namespace or {}).items():
-                    if _is_flex(global_value, flex):
-                        places[(id(namespace), global_name)] = namespace
+                if namespace is not None:
+                    namespaces[id(namespace)] = namespace
+    for namespace in namespaces.values():
+        for global_name, global_value in namespace.items():
+            if _is_flex(global_value, flex):
+                places[(id(namespace), global_name)] = namespace
     restore = []
     for (_, name), holder in places.items():
         raw = vars(holder)[name] if isinstance(holder, type) else holder[name]
