@@ -17,6 +17,7 @@ Examples:
 """
 
 from connmon.functional.drift import depth_drift, time_drift, transport_drift
+from connmon.functional.laplacian import connection_laplacian_distance, edge_compatibility_gap
 from connmon.functional.spectrum import (
     Spectra,
     SpectrumResult,
@@ -55,6 +56,7 @@ __all__ = [
     "Spectra",
     "SpectrumResult",
     "attention_entropy",
+    "connection_laplacian_distance",
     "connection_laplacian_gap",
     "connection_matvec",
     "connection_operator",
@@ -63,6 +65,7 @@ __all__ = [
     "connection_spectral_radius",
     "connection_spectrum",
     "depth_drift",
+    "edge_compatibility_gap",
     "edge_isometry_gap",
     "head_isometry_gap",
     "isometry_gap",

@@ -221,3 +221,49 @@ def operator_norm(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray, deflate: b
 
 def relative_change(current: np.ndarray, previous: np.ndarray) -> float:
     return float(np.linalg.norm(current - previous) / np.linalg.norm(current))
+
+
+# --- connection Laplacian form ------------------------------------------------------------------------------------
+
+
+def _blocks(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
+    """The d x d blocks B_ij of M / s, sliced out of the dense operator: (n, n, d, d)."""
+    n, d = attn.shape[-1], w_v.shape[-1]
+    M = connection_operator(attn, w_v, w_o) / transport_scale(w_v, w_o)
+    return M.reshape(n, d, n, d).transpose(0, 2, 1, 3)
+
+
+def edge_compatibility_gap(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> float:
+    """sum P_ij P_ji ||T_ij - T_ji^T||^2 / (2 sum P_ij P_ji (||T_ij||^2 + ||T_ji||^2)) over i != j, square root."""
+    heads, n, _ = attn.shape
+    maps, W = head_maps(w_v, w_o), attn.sum(axis=0)
+    P = W / heads
+
+    def edge(i: int, j: int) -> np.ndarray:
+        return sum(attn[h, i, j] / W[i, j] * maps[h] for h in range(heads)) if W[i, j] else 0 * maps[0]
+
+    num = den = 0.0
+    for i in range(n):
+        for j in range(n):
+            if i != j and P[i, j] * P[j, i] > 0:
+                num += P[i, j] * P[j, i] * np.linalg.norm(edge(i, j) - edge(j, i).T) ** 2
+                den += 2 * P[i, j] * P[j, i] * (np.linalg.norm(edge(i, j)) ** 2 + np.linalg.norm(edge(j, i)) ** 2)
+    return float(np.sqrt(num / den)) if den else float("nan")
+
+
+def laplacian_form(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
+    """The nearest N with N_ij = P_ij R_ij, R_ij = polar(P_ij B_ij + P_ji B_ji^T), R_ji = R_ij^T: (n d, n d)."""
+    n, d = attn.shape[-1], w_v.shape[-1]
+    B, P = _blocks(attn, w_v, w_o), walk(attn)
+    N = np.zeros((n, n, d, d))
+    for i in range(n):
+        for j in range(i, n):
+            u, _, vt = np.linalg.svd(P[i, j] * B[i, j] + P[j, i] * B[j, i].T)
+            N[i, j], N[j, i] = P[i, j] * (u @ vt), P[j, i] * (u @ vt).T
+    return N.transpose(0, 2, 1, 3).reshape(n * d, n * d)
+
+
+def connection_laplacian_distance(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> float:
+    """||M/s - N||_F / ||M/s||_F, N the nearest operator of the random-walk connection Laplacian's form."""
+    M = connection_operator(attn, w_v, w_o) / transport_scale(w_v, w_o)
+    return float(np.linalg.norm(M - laplacian_form(attn, w_v, w_o)) / np.linalg.norm(M))
