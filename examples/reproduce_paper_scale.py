@@ -168,14 +168,19 @@ def valid_tokens(record: AttentionRecord, b: int) -> tuple[torch.Tensor, torch.T
 
 def laplacian_readings(record: AttentionRecord, tokens: int) -> dict[str, float]:
     """Edge compatibility and the distance from the connection Laplacian form, mean over the record's sequences."""
-    compat, distance = [], []
+    compat, distance, fitted = [], [], []
     for b in range(record.attn.shape[0]):
         attn, _ = valid_tokens(record, b)
         attn = attn[:, :tokens, :tokens]
         attn = attn / attn.sum(-1, keepdim=True).clamp(min=1e-30)  # a causal prefix is already stochastic
         compat.append(F.edge_compatibility_gap(attn, record.w_v, record.w_o).item())
         distance.append(F.connection_laplacian_distance(attn, record.w_v, record.w_o).item())
-    return {"edge_compatibility_gap": _mean(compat), "laplacian_distance": _mean(distance)}
+        fitted.append(F.connection_laplacian_distance(attn, record.w_v, record.w_o, fit_scale=True).item())
+    return {
+        "edge_compatibility_gap": _mean(compat),
+        "laplacian_distance": _mean(distance),
+        "laplacian_distance_fitted_scale": _mean(fitted),
+    }
 
 
 def transport_readings(record: AttentionRecord) -> dict[str, float]:
@@ -378,6 +383,7 @@ CONDITIONS = (
     "reversibility_gap",
     "edge_compatibility_gap",
     "laplacian_distance",
+    "laplacian_distance_fitted_scale",
     "connection_spectral_radius",
     "connection_laplacian_gap",
     "spectrum_imag_share",

@@ -89,7 +89,9 @@ def edge_compatibility_gap(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
     return torch.where(both.sum(dim=(-2, -1)) > 0, gap, torch.full_like(gap, float("nan")))
 
 
-def connection_laplacian_distance(attn: Tensor, w_v: Tensor, w_o: Tensor, chunk: int = 128) -> Tensor:
+def connection_laplacian_distance(
+    attn: Tensor, w_v: Tensor, w_o: Tensor, fit_scale: bool = False, chunk: int = 128
+) -> Tensor:
     """Relative distance of ``M / s`` from the nearest random-walk connection Laplacian form, in ``[0, ...)``.
 
     The form (with the layer's own walk ``P``) is ``N_ij = P_ij R_ij``: ``R_ij`` a ``d x d`` orthogonal map with
@@ -102,7 +104,10 @@ def connection_laplacian_distance(attn: Tensor, w_v: Tensor, w_o: Tensor, chunk:
 
     (``||.||_*`` the nuclear norm). 0 iff ``M / s`` has the form; a layer whose transports are orthogonal and
     compatible but scaled by ``c`` has distance ``|1 - 1/c|``. Reversibility of ``P`` is not imposed (it is
-    :func:`~connmon.functional.reversibility_gap`). On a causal layer only ``P_ij`` or ``P_ji`` is nonzero, so it
+    :func:`~connmon.functional.reversibility_gap`). ``fit_scale=True`` fits the form's overall scale too:
+    ``min_c ||M/s - c N||_F / ||M/s||_F = sqrt(1 - (sum_ij ||C_ij||_*)^2 / (4 d sum_ij P_ij^2 sum_ij ||B_ij||_F^2))``,
+    the sine of the angle between ``M / s`` and the nearest form, which separates the shape of the transports from
+    the normalization by ``s``. On a causal layer only ``P_ij`` or ``P_ji`` is nonzero, so it
     measures how far each used edge's transport is from an orthogonal map (and each ``B_ii`` from a symmetric one).
 
     Cost: one ``r x r`` singular value decomposition per used pair ``i <= j``, ``r = min(d, 2 H d_h)``:
@@ -113,6 +118,7 @@ def connection_laplacian_distance(attn: Tensor, w_v: Tensor, w_o: Tensor, chunk:
         attn: attention probabilities ``(*, H, n, n)``.
         w_v: ``(*, H, d_h, d)``.
         w_o: ``(*, H, d, d_h)``.
+        fit_scale: also fit the form's overall scale (see above).
         chunk: pairs decomposed per batch (memory ``chunk r^2``).
 
     Returns:
@@ -176,6 +182,9 @@ def connection_laplacian_distance(attn: Tensor, w_v: Tensor, w_o: Tensor, chunk:
             total = total + (pair[start : start + chunk] * gram_svdvals(cores).to(wide).sum(dim=-1)).sum()
         nuclear.append(total)
     nuclear = torch.stack(nuclear).view(lead) if nuclear else walk.new_zeros(lead)
-    numerator = blocks / scale**2 + d * squares - nuclear / scale
-    distance = safe_divide(numerator.clamp(min=0), blocks / scale**2).sqrt()
+    if fit_scale:
+        distance = (1 - safe_divide(nuclear**2, 4 * d * squares * blocks)).clamp(min=0).sqrt()
+    else:
+        numerator = blocks / scale**2 + d * squares - nuclear / scale
+        distance = safe_divide(numerator.clamp(min=0), blocks / scale**2).sqrt()
     return torch.where(scale > 0, distance, torch.full_like(distance, float("nan"))).to(attn.dtype)

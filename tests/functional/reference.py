@@ -263,7 +263,12 @@ def laplacian_form(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> np.nda
     return N.transpose(0, 2, 1, 3).reshape(n * d, n * d)
 
 
-def connection_laplacian_distance(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> float:
-    """||M/s - N||_F / ||M/s||_F, N the nearest operator of the random-walk connection Laplacian's form."""
+def connection_laplacian_distance(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray, fit_scale: bool = False) -> float:
+    """||M/s - c N||_F / ||M/s||_F, N the nearest operator of the random-walk connection Laplacian's form.
+
+    c = 1, or (fit_scale) the least-squares c = <M/s, N> / ||N||^2.
+    """
     M = connection_operator(attn, w_v, w_o) / transport_scale(w_v, w_o)
-    return float(np.linalg.norm(M - laplacian_form(attn, w_v, w_o)) / np.linalg.norm(M))
+    N = laplacian_form(attn, w_v, w_o)
+    c = np.sum(M * N) / np.sum(N * N) if fit_scale else 1.0
+    return float(np.linalg.norm(M - c * N) / np.linalg.norm(M))

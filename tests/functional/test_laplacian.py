@@ -20,9 +20,10 @@ def test_edge_compatibility_gap_matches_reference(layer):
         assert got == pytest.approx(expected, abs=1e-12)
 
 
-def test_connection_laplacian_distance_matches_reference(layer):
-    expected = ref.connection_laplacian_distance(*layer.np)
-    got = F.connection_laplacian_distance(layer.attn, layer.w_v, layer.w_o).item()
+@pytest.mark.parametrize("fit_scale", [False, True])
+def test_connection_laplacian_distance_matches_reference(layer, fit_scale):
+    expected = ref.connection_laplacian_distance(*layer.np, fit_scale=fit_scale)
+    got = F.connection_laplacian_distance(layer.attn, layer.w_v, layer.w_o, fit_scale=fit_scale).item()
     assert got == pytest.approx(expected, abs=1e-10)
 
 
@@ -54,6 +55,17 @@ def test_an_operator_of_the_form_has_distance_zero_and_a_scaled_one_its_scale():
     eye = torch.eye(5, dtype=torch.float64)[None]
     assert F.connection_laplacian_distance(attn, reflection[None], eye).item() == pytest.approx(0, abs=1e-7)
     assert F.edge_compatibility_gap(attn, reflection[None], eye).item() == pytest.approx(0, abs=1e-12)
+    # two symmetric orthogonal maps, each edge read by one head (head 1 where i + j is even): every block is
+    # P_ij R_h scaled by c = 2 / s, s = mean singular value of R_1 + R_2: distance |1 - 1/c|, 0 once c is fitted
+    parity = (torch.arange(6)[:, None] + torch.arange(6)) % 2 == 0
+    heads = torch.stack([kernel * parity, kernel * ~parity])
+    heads = heads / heads.sum(-1, keepdim=True)
+    v = torch.nn.functional.normalize(torch.randn(5, 1, generator=gen, dtype=torch.float64), dim=0)
+    maps = torch.stack([reflection, torch.eye(5, dtype=torch.float64) - 2 * v @ v.T])
+    s = torch.linalg.svdvals(maps.sum(0)).mean().item()
+    eyes = torch.stack([eye[0], eye[0]])
+    assert F.connection_laplacian_distance(heads, maps, eyes).item() == pytest.approx(abs(1 - s / 2), abs=1e-7)
+    assert F.connection_laplacian_distance(heads, maps, eyes, fit_scale=True).item() == pytest.approx(0, abs=1e-6)
     # two heads with orthogonal maps in different directions: T_ij = a Q1 + (1 - a) Q2 is no longer orthogonal
     two = torch.cat([attn, attn.flip(-1) / attn.flip(-1).sum(-1, keepdim=True)])
     w_v = torch.stack([reflection, eye[0]])
