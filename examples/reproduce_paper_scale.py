@@ -309,7 +309,8 @@ def width_study(plan: Plan) -> dict:
         for seed in plan.seeds:
             snapshots = train(example, width, seed, plan, data)
             for stage, snapshot in snapshots.items():
-                tokens = plan.laplacian_tokens if stage == "loss" else None
+                conditions = seed == plan.seeds[0] and stage in ("init", "loss")  # the per-layer table's models
+                tokens = plan.laplacian_tokens if conditions else None
                 layers = measure(snapshot["model"], probe, laplacian_tokens=tokens)
                 runs.append(
                     {"width": width, "seed": seed, "stage": stage, "step": snapshot["step"], "loss": snapshot["loss"]}
@@ -347,8 +348,8 @@ def minilm_conditions(plan: Plan) -> dict[str, list[dict]] | None:
     batch = tokenizer(sentences.SENTENCES[: plan.minilm_sentences], padding=True, return_tensors="pt")
     torch.manual_seed(0)
     models = {
-        "pretrained": AutoModel.from_pretrained(path, local_files_only=True),
-        "random init": AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True)),
+        "MiniLM pretrained": AutoModel.from_pretrained(path, local_files_only=True),
+        "MiniLM random init": AutoModel.from_config(AutoConfig.from_pretrained(path, local_files_only=True)),
     }
     return {name: measure(model, laplacian_tokens=64, **batch) for name, model in models.items()}
 
@@ -458,9 +459,9 @@ def main() -> None:
     start = time.perf_counter()
     study = width_study(plan)
     trained = {
-        f"TinyGPT d={r['width']}, seed {r['seed']}, matched loss": r["layers"]
+        f"TinyGPT d={r['width']} {STAGES[r['stage']]}": r["layers"]
         for r in study["runs"]
-        if r["seed"] == plan.seeds[0] and r["stage"] == "loss"
+        if r["seed"] == plan.seeds[0] and "laplacian_distance" in r["layers"][0]
     }
     minilm = minilm_conditions(plan)
     seconds = time.perf_counter() - start
