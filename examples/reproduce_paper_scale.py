@@ -26,7 +26,7 @@ so is an edge transport under the near-uniform attention of initialization.
 Writes docs/paper_scale_tables.md, docs/paper_scale_results.json and docs/figures/scale_*.png; docs/paper_findings.md
 discusses them.
 
-    python examples/reproduce_paper_scale.py           # about 45 minutes on 2 CPU cores (the figure it prints)
+    python examples/reproduce_paper_scale.py           # about 37 minutes on 2 CPU cores (it prints its time)
     python examples/reproduce_paper_scale.py --quick   # a smoke run (tiny widths, few steps) for tests
 """
 
