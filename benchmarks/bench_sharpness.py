@@ -20,6 +20,7 @@ Usage:
     python benchmarks/bench_sharpness.py --load /tmp/sharpness.json /tmp/phase.json   # the tables again, merged
     python benchmarks/bench_sharpness.py --check   # the estimator against a dense Hessian (a few seconds)
     python benchmarks/bench_sharpness.py --batch-choice   # the next batch or the one just trained on (3 runs, ~12 min)
+    python benchmarks/bench_sharpness.py --step-size --save /tmp/steps.jsonl   # gradient-difference step rules
     python benchmarks/bench_sharpness.py --update-every 5 --save /tmp/readings.json   # + the update readings (~20 min)
 """
 
@@ -85,9 +86,25 @@ def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     return nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
 
 
-def ratio_of(model: nn.Module, batch: tuple, optimizer: torch.optim.AdamW, steps: int, seed: int) -> float:
-    """The shipped estimate, ``connmon.curvature.sharpness_ratio``: ``lr lambda_max(P^-1 H) / 38`` for AdamW."""
-    return sharpness_ratio(lambda: gpt_loss(model, batch), optimizer, steps=steps, model=model, seed=seed).ratio
+def ratio_of(
+    model: nn.Module,
+    batch: tuple,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    seed: int,
+    products: str = "double_backward",
+    relative_step: float | None = None,
+) -> float:
+    """``connmon.curvature.sharpness_ratio``: ``lr lambda_max(P^-1 H) / 38`` for AdamW (exact products by default)."""
+    return sharpness_ratio(
+        lambda: gpt_loss(model, batch),
+        optimizer,
+        steps=steps,
+        model=model,
+        seed=seed,
+        products=products,
+        relative_step=relative_step,
+    ).ratio
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple, losses: list[float]) -> bool:
@@ -165,8 +182,8 @@ def train(
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], betas=(BETA1, 0.999), weight_decay=0.0)
     gen = torch.Generator().manual_seed(config["seed"])
-    losses, ratio, readings, probes = [], {}, {"difference": {}, "secant": {}}, None
-    seconds = {"lanczos": 0.0, "difference": 0.0, "secant": 0.0}
+    losses, ratio, gradient, readings, probes = [], {}, {}, {"difference": {}, "secant": {}}, None
+    seconds = {"lanczos": 0.0, "gradient_difference": 0.0, "difference": 0.0, "secant": 0.0}
     begin = time.perf_counter()
     for step in range(steps):
         idx, target, _ = next_batch(config, step, optimizer, data, gen)
@@ -174,6 +191,10 @@ def train(
         if step % every == 0 and step > 0:
             ratio[step] = ratio_of(model, (idx, target), optimizer, iterations, step)
         seconds["lanczos"] += time.perf_counter() - clock
+        clock = time.perf_counter()
+        if step % every == 0 and step > 0:
+            gradient[step] = ratio_of(model, (idx, target), optimizer, iterations, step, "gradient_difference")
+        seconds["gradient_difference"] += time.perf_counter() - clock
         clock = time.perf_counter()
         if probes is not None:
             loss_fn = lambda batch=(idx, target): gpt_loss(model, batch)  # noqa: E731
@@ -203,10 +224,72 @@ def train(
         **config,
         "loss": losses,
         "ratio": ratio,
+        "gradient_ratio": gradient,
         "readings": readings,
         "cost_seconds": seconds,
         "seconds": time.perf_counter() - begin,
     }
+
+
+STEP_POINTS = (200, 600, 1000, 1150, 1250, 1300)  # base ramp seed 0: learning, healthy, then up to its divergence
+RELATIVE_STEPS = (1e-3, 1e-4, 1e-5, 1e-6)  # ||h w|| / ||theta||, the rule the first measurements used
+GRADIENT_CHANGES = {"float32": (1e-4, 1e-3, 1e-2), "bf16 autocast": (1e-3, 1e-2, 1e-1, 3e-1)}
+
+
+def step_size_study(seed: int = 0, points: tuple[int, ...] = STEP_POINTS) -> list[dict]:
+    """Gradient-difference Lanczos (8 steps) against exact Lanczos (8 steps, the same start) on a base ramp run.
+
+    At each point, before the step trains on its batch: the exact ratio (double backward, float32), then
+    ``sharpness_ratio`` with gradient differences under each step rule, in float32 and under bf16 autocast (the
+    reading's forwards in bf16, the parameters float32).
+    """
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    example = example_module()
+    config = {**BASE, "variant": "base", "arm": "ramp", "seed": seed, "start": 1e-3, "peak": 1e-1, "ramp": 1500}
+    data = corpus(config, example)
+    torch.manual_seed(seed)
+    model = GPT(example.VOCAB, example.TOKENS, False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-1, betas=(BETA1, 0.999), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    losses, rows = [], []
+    for step in range(max(points) + 1):
+        idx, target, _ = next_batch(config, step, optimizer, data, gen)
+        if step in points:
+            batch = (idx, target)
+            row = {"step": step, "exact": ratio_of(model, batch, optimizer, 8, step), "rules": {}}
+            for eps in RELATIVE_STEPS:
+                row["rules"][f"float32, relative step {eps:g}"] = ratio_of(
+                    model, batch, optimizer, 8, step, "gradient_difference", relative_step=eps
+                )
+            for precision, changes in GRADIENT_CHANGES.items():
+                for change in changes:
+                    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "float32")
+                    with autocast:
+                        result = sharpness_ratio(lambda batch=batch: gpt_loss(model, batch), optimizer, steps=8,
+                                                 model=model, seed=step, gradient_change=change)  # fmt: skip
+                    row["rules"][f"{precision}, gradient change {change:g}"] = result.ratio
+                    row["rules"][f"{precision}, gradient change {change:g}, gradients"] = result.gradient_evaluations
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if not train_step(model, optimizer, (idx, target), losses):
+            break
+    return rows
+
+
+def step_size_table(rows: list[dict]) -> None:
+    """Each rule's ratio over the exact one, per point, and the gradients it took."""
+    rules = [r for r in rows[0]["rules"] if not r.endswith("gradients")]
+    print("\n| rule | " + " | ".join(f"step {row['step']}" for row in rows) + " | worst | gradients per sample |")
+    print("|---|" + "---|" * (len(rows) + 2))
+    print("| exact ratio | " + " | ".join(f"{row['exact']:.3g}" for row in rows) + " | - | - |")
+    for rule in rules:
+        quotients = [row["rules"][rule] / row["exact"] for row in rows]
+        worst = max(quotients, key=lambda q: abs(math.log(q)) if q > 0 else math.inf)
+        counts = [row["rules"].get(f"{rule}, gradients") for row in rows]
+        count = f"{min(counts)}-{max(counts)}" if counts[0] is not None else "9"
+        cells = [f"{q:.3f}" for q in quotients]
+        print(f"| {rule} | " + " | ".join(cells) + f" | {worst:.3f} | {count} |")
 
 
 def batch_choice(seed: int, start: int, until: int, every: int = 10) -> dict:
@@ -425,9 +508,19 @@ def main() -> None:
     parser.add_argument(
         "--batch-choice", action="store_true", help="only compare the next batch with the one just trained on"
     )
+    parser.add_argument(
+        "--step-size", action="store_true", help="only measure the gradient-difference step rules against exact"
+    )
     args = parser.parse_args()
     if args.check:
         check_against_dense()
+        return
+    if args.step_size:
+        rows = [json.loads(line) for path in args.load for line in path.read_text().splitlines()] if args.load else (
+            step_size_study())  # fmt: skip
+        if args.save:
+            args.save.write_text("\n".join(json.dumps(row) for row in rows))
+        step_size_table(rows)
         return
     if args.batch_choice:
         if args.load:

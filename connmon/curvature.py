@@ -21,8 +21,9 @@ What ``U`` and ``c`` are, per optimizer (the state read is the optimizer's own, 
   ``beta1 = 0.9``.
 
 ``lambda_max`` is the algebraically largest eigenvalue (a negative curvature does not destabilize the step), the top
-Ritz value of ``steps`` Lanczos steps with Hessian-vector products (double backward): a lower bound that converges
-from below. Each step costs about one double backward of the batch's loss.
+Ritz value of ``steps`` Lanczos steps with Hessian-vector products: a lower bound that converges from below. Each
+product is by default a difference of two first-order gradients (one gradient of the batch's loss per step, through
+the model's own kernels); the exact double-backward product is the reference (:mod:`connmon._hessian`).
 
 Examples:
     >>> import torch
@@ -32,7 +33,7 @@ Examples:
     >>> x = torch.eye(3) * torch.tensor([[1.0], [2.0], [3.0]])  # loss = mean((x w)^2): H = diag(2, 8, 18) / 3
     >>> loss_fn = lambda: model(x).pow(2).mean()
     >>> result = sharpness_ratio(loss_fn, optimizer, steps=3)
-    >>> round(result.ratio, 6)  # lr * 18 / 3 / 2
+    >>> round(result.ratio, 4)  # lr * 18 / 3 / 2
     0.3
 """
 
@@ -40,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,6 +49,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from connmon._hessian import PRODUCTS, DoubleBackwardProducts, GradientDifferenceProducts, Products, scalar_loss
 from connmon._options import check_int
 from connmon.functional._lanczos import largest_eigenvalue
 
@@ -63,6 +65,8 @@ __all__ = [
     "step_geometry",
 ]
 
+Storage = Literal["device", "cpu"]
+STORAGES: tuple[Storage, ...] = ("device", "cpu")
 _TOL = 1e-3  # Ritz residual, relative, below which the top value counts as converged
 
 
@@ -75,12 +79,19 @@ class Sharpness:
         eigenvalue: ``lambda_max(U^1/2 H U^1/2)``, the curvature in units of the step.
         constant: ``c``, the momentum's stability constant.
         converged: whether the Lanczos residual of the top Ritz value is within 1e-3 of it.
+        gradient_evaluations: passes through the loss's backward it took: ``steps + 1`` gradients with gradient
+            differences; one gradient with its graph and ``steps`` double backward products (each about twice a
+            gradient's cost) with double backward.
+        step: the gradient differences' last ``||h w|| / ||theta||`` (NaN with double backward), where the next
+            reading's search for its step may start (``initial_step``).
     """
 
     ratio: float
     eigenvalue: float
     constant: float
     converged: bool
+    gradient_evaluations: int = 0
+    step: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -205,34 +216,58 @@ def _step_sizes(optimizer: torch.optim.Optimizer) -> tuple[Iterator[tuple[Tensor
 
 
 def sharpness_ratio(
-    loss_fn: Callable[[], Tensor],
+    loss_fn: Callable[[], Tensor] | Sequence[Callable[[], Tensor]],
     optimizer: torch.optim.Optimizer,
     *,
     steps: int = 20,
     model: nn.Module | None = None,
     seed: int = 0,
+    products: Products = "gradient_difference",
+    relative_step: float | None = None,
+    gradient_change: float | None = None,
+    initial_step: float | None = None,
+    storage: Storage = "device",
 ) -> Sharpness:
     """``lambda_max(U^1/2 H U^1/2) / c`` on the loss ``loss_fn()``: 1 is the optimizer's edge of stability.
 
-    ``loss_fn`` is called once, with gradients enabled and SDPA restricted to its math kernel (the fused kernels have
-    no double backward), inside :func:`torch.random.fork_rng`, so dropout draws the same mask for every
-    Hessian-vector product and the training run's random stream is untouched. Nothing of the training state changes:
-    the products go through :func:`torch.autograd.grad` (``.grad`` is not touched), and ``model``'s buffers (batch-norm
-    statistics) are restored afterwards when ``model`` is given. The Lanczos start vector comes from its own generator
-    (``seed``), so every process draws the same one.
+    ``steps`` Lanczos steps, each one Hessian-vector product (:mod:`connmon._hessian` has both ways of taking it):
+
+    * ``products="gradient_difference"`` (the default): ``H w ~= (g(theta + h w) - g(theta)) / h`` from first-order
+      gradients, through the model's own kernels (fused or flash SDPA, compiled graphs): ``steps + 1`` gradient
+      evaluations of the loss (and one per product retaken with a corrected step). The parameters are written from
+      a saved copy for each product and copied back after it, bitwise. By default ``h`` is set so that the gradient
+      changes by a measured fraction of its norm (``1e-3`` in float32; :data:`connmon._hessian.GRADIENT_CHANGE`);
+      with ``relative_step``, so that ``||h w|| = relative_step ||theta||``.
+    * ``products="double_backward"``: the exact products by double backward through one graph, SDPA held to its math
+      kernel (the fused kernels have no double backward): the reference.
+
+    ``loss_fn`` may be a sequence of losses, one per micro-batch of an accumulated step: their mean is read (the
+    whole batch the step trains on). Every forward runs with gradients enabled inside :func:`torch.random.fork_rng`,
+    reseeded with ``seed`` (dropout draws one mask for every product; the training run's random streams are
+    untouched); ``.grad`` is not touched (:func:`torch.autograd.grad`), and ``model``'s buffers (batch-norm
+    statistics) are restored afterwards when ``model`` is given. The Lanczos start vector comes from its own
+    generator (``seed``), so every process draws the same one.
 
     Args:
         loss_fn: computes the scalar loss of a batch through the model (for example
-            ``lambda: F.cross_entropy(model(x), y)``).
+            ``lambda: F.cross_entropy(model(x), y)``), or a sequence of them whose mean is the loss.
         optimizer: the optimizer that trains the model (see :func:`step_geometry`).
         steps: Lanczos steps (Hessian-vector products).
         model: the module whose buffers are restored after ``loss_fn`` (None: the buffers are not saved).
-        seed: the start vector's seed.
+        seed: the start vector's and the forwards' seed.
+        products: ``"gradient_difference"`` or ``"double_backward"``.
+        relative_step: a fixed ``||h w|| / ||theta||`` for gradient differences (None: the gradient-change rule).
+        gradient_change: the gradient-change rule's target ``||g(theta + h w) - g(theta)|| / ||g(theta)||`` (None:
+            the measured one for the parameters' dtype).
+        initial_step: where the gradient-change rule starts looking for the step, ``||h w|| / ||theta||``: a
+            previous reading's :attr:`Sharpness.step` saves the gradients of retaken products (None: ``1e-5``).
+        storage: ``"device"``, or ``"cpu"`` to keep the solve's parameter-sized vectors (six with gradient
+            differences) in host memory, the device holding only the gradient being taken.
 
     Raises:
         ValueError: for an unsupported optimizer (see :func:`step_geometry`), ``steps < 1``, a loss that is not a
-            scalar, or parameters on several devices.
-        RuntimeError: from autograd, where the model has an operation without a double backward.
+            scalar, parameters on several devices, or an unknown option.
+        RuntimeError: from autograd, where the model has an operation without a double backward (double backward).
 
     Examples:
         >>> import torch
@@ -246,53 +281,63 @@ def sharpness_ratio(
         >>> loss_fn().backward()
         >>> optimizer.step()
         >>> result = sharpness_ratio(loss_fn, optimizer, model=model)
-        >>> 0 < result.ratio < 1, result.converged
-        (True, True)
+        >>> exact = sharpness_ratio(loss_fn, optimizer, model=model, products="double_backward")
+        >>> 0 < result.ratio < 1, abs(result.ratio / exact.ratio - 1) < 1e-2, result.gradient_evaluations
+        (True, True, 21)
     """
     check_int("steps", steps)
+    if products not in PRODUCTS:
+        raise ValueError(f"products must be one of {PRODUCTS}, got products={products!r}")
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got storage={storage!r}")
+    for name, value in (("relative_step", relative_step), ("gradient_change", gradient_change),
+                        ("initial_step", initial_step)):  # fmt: skip
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1):
+            raise ValueError(f"{name} must be a number in (0, 1) or None, got {name}={value!r}")
+    loss_fns = [loss_fn] if callable(loss_fn) else list(loss_fn)
+    if not loss_fns or not all(callable(f) for f in loss_fns):
+        raise ValueError("loss_fn must be a callable or a non-empty sequence of callables, each returning the loss")
     geometry = step_geometry(optimizer)
     params = geometry.params
     devices = {p.device for p in params}
     if len(devices) != 1:
         raise ValueError(f"the parameters live on several devices ({sorted(map(str, devices))}); connmon needs one")
     device = devices.pop()
+    where = torch.device("cpu") if storage == "cpu" else device
     dtype = torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
-    scale = torch.cat([_root(size, p, dtype) for size, p in zip(geometry.step_sizes, params, strict=True)])
-    decay = torch.cat([torch.full((p.numel(),), wd, dtype=dtype, device=device) for wd, p in zip(
-        geometry.weight_decay, params, strict=True)])  # fmt: skip
+    scale = torch.cat([_root(size, p, dtype).to(where) for size, p in zip(geometry.step_sizes, params, strict=True)])
     sizes = [p.numel() for p in params]
+    exact = products == "double_backward"
+    kernels = sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext()
 
-    with _training_state_kept(model, device), sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
-        loss = loss_fn()
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise ValueError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
-        grads = torch.autograd.grad(loss.reshape(()), params, create_graph=True, allow_unused=True)
-        live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]  # the rest: H is 0 there
+    with _training_state_kept(model, device), kernels, torch.enable_grad():
+        if exact:
+            hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed)
+        else:
+            hessian = GradientDifferenceProducts(
+                loss_fns, params, dtype, seed, relative_step, gradient_change, where, initial_step
+            )
 
-        def matvec(v: Tensor) -> Tensor:  # (1, N) -> U^1/2 (H + decay) U^1/2 v
-            u = v[0] * scale
-            parts = u.split(sizes)
-            hessian = torch.zeros_like(u)
-            if live:
-                products = torch.autograd.grad(
-                    [grads[i] for i in live],
-                    [params[i] for i in live],
-                    grad_outputs=[parts[i].view_as(params[i]).to(params[i].dtype) for i in live],
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-                pieces = [torch.zeros(n, dtype=dtype, device=device) for n in sizes]
-                for i, product in zip(live, products, strict=True):
-                    if product is not None:
-                        pieces[i] = product.reshape(-1).to(dtype)
-                hessian = torch.cat(pieces)
-            return ((hessian + decay * u) * scale).unsqueeze(0)
+        def matvec(v: Tensor) -> Tensor:  # (1, N) -> U^1/2 (H + decay) U^1/2 v, no N-sized temporary held
+            product = hessian(v[0], scale)
+            for wd, out, part, root in zip(geometry.weight_decay, product.split(sizes), v[0].split(sizes),
+                                           scale.split(sizes), strict=True):  # fmt: skip
+                if wd:
+                    out.add_(part * root, alpha=wd)
+            return product.mul_(scale).unsqueeze(0)
 
         generator = torch.Generator().manual_seed(seed)
-        start = torch.randn(1, scale.numel(), generator=generator, dtype=dtype).to(device)
+        start = torch.randn(1, scale.numel(), generator=generator, dtype=dtype).to(where)
         value, converged = largest_eigenvalue(matvec, start, steps, _TOL, dtype=dtype)
     eigenvalue = float(value[0])
-    return Sharpness(eigenvalue / geometry.constant, eigenvalue, geometry.constant, bool(converged[0]))
+    return Sharpness(
+        eigenvalue / geometry.constant,
+        eigenvalue,
+        geometry.constant,
+        bool(converged[0]),
+        hessian.evaluations,
+        hessian.step,
+    )
 
 
 def _root(size: Tensor | float, p: Tensor, dtype: torch.dtype) -> Tensor:
@@ -300,12 +345,6 @@ def _root(size: Tensor | float, p: Tensor, dtype: torch.dtype) -> Tensor:
     if isinstance(size, Tensor):
         return size.detach().to(dtype).reshape(-1).sqrt()
     return torch.full((p.numel(),), math.sqrt(size), dtype=dtype, device=p.device)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return type(value).__name__
 
 
 @contextlib.contextmanager
@@ -552,7 +591,4 @@ def _local(tensor: Tensor) -> Tensor:
 
 def _scalar(loss_fn: Callable[[], Tensor], seed: int) -> float:
     torch.manual_seed(seed)
-    loss = loss_fn()
-    if not isinstance(loss, Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss_fn must return a scalar tensor, got {_describe(loss)}")
-    return float(loss.detach().to(torch.float64))
+    return float(scalar_loss(loss_fn).detach().to(torch.float64))

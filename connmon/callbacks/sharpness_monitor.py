@@ -10,35 +10,41 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 from torch import Tensor
 
 from connmon.callbacks._cost import say_cost
-from connmon.integrations.sharpness import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessSampler, keys_of
+from connmon.curvature import Storage
+from connmon.integrations.sharpness import EIGENVALUE_KEY, RATIO_KEY, Cadence, Estimator, SharpnessSampler, keys_of
 
 __all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
 
 
 class SharpnessMonitor(Callback):
-    """Logs how close the optimizer's step is to its edge of stability, every ``every_n_steps`` optimizer steps.
+    """Logs how close the optimizer's step is to its edge of stability, on a cadence that follows it.
 
     The estimate is :class:`connmon.integrations.sharpness.SharpnessSampler`'s (the same in every entry point):
 
-    * ``estimator="lanczos"`` (the default): the top of the preconditioned Hessian's spectrum
-      (:func:`connmon.curvature.sharpness_ratio`) on the sampled step's first micro-batch, by double backward
-      through SDPA's math kernel: about ``lanczos_steps + 1`` double backward passes per sample. It logs
+    * ``estimator="gradient_difference"`` (the default): the top of the preconditioned Hessian's spectrum
+      (:func:`connmon.curvature.sharpness_ratio`) by ``lanczos_steps`` Lanczos steps whose Hessian products are
+      differences of first-order gradients, through the model's own kernels (fused and flash SDPA, compiled
+      models, bf16 autocast): ``lanczos_steps + 1`` gradients of the sampled step's whole batch (every micro-batch of
+      an accumulated step), read after its backward and before its optimizer step. It logs
       ``connmon/sharpness_ratio`` (1 is the edge of stability: on the quadratic model the steps oscillate with a
       growing amplitude past it) and ``connmon/sharpness_eigenvalue``. :class:`DriftAlert` sees the ratio on the
       steps it is measured; its default rules alert when it is above 1 on two samples in a row from step 20 on
       (:func:`connmon.alerts.edge_of_stability_rule`).
-    * ``estimator="difference"``: the curvature along the optimizer's own update from three forwards of ``loss_fn``
-      (:meth:`connmon.curvature.UpdateProbe.difference`), on the model's own kernels (flash, fused, compiled).
-    * ``estimator="secant"``: the same from the gradients of the step before a sampled one and of the sampled one
-      (:meth:`connmon.curvature.UpdateProbe.secant`): no forward, no ``loss_fn``, one copy of the parameters for a
-      step.
+    * ``estimator="lanczos"``: the same with exact products by double backward through SDPA's math kernel (the
+      reference: about twice the time, a double-backward graph's memory, no compiled models).
+    * ``estimator="difference"`` and ``"secant"``: the curvature along the optimizer's own update
+      (:class:`connmon.curvature.UpdateProbe`), logged as ``connmon/update_sharpness_ratio`` and
+      ``connmon/update_sharpness_eigenvalue``: a lower bound of the Lanczos ratio that, on the instability suite,
+      read 2-30% of it and never crossed the edge before a divergence, so no default rule watches it.
 
-    The update readings log ``connmon/update_sharpness_ratio`` and ``connmon/update_sharpness_eigenvalue``: a lower
-    bound of the Lanczos ratio that, on the instability suite, read 2-30% of it and never crossed the edge
-    before a divergence, so no default rule watches it (benchmarks/README.md). Every sample also logs what the
-    monitor costs: ``connmon/overhead/curvature`` (its time over the training time, synchronized on accelerators)
-    and ``connmon/overhead`` (every connmon monitor of the run); the end of the fit says it in one line. Under DDP
-    each process reads its own value and the mean is logged.
+    With ``cadence="adaptive"`` (the default) ``every_n_steps`` is the densest interval, kept while the ratio is above
+    0.25, and the interval doubles per halving of the ratio below that, up to ``8 every_n_steps``
+    (:func:`connmon.integrations.sharpness.adaptive_interval`); ``cadence="fixed"`` samples every ``every_n_steps``.
+    Every sample logs the interval it chose (``connmon/curvature_interval``), what the samples cost in gradients of
+    a step's batch per training step (``connmon/overhead/curvature_gradients``) and in time
+    (``connmon/overhead/curvature``, synchronized on accelerators, and ``connmon/overhead`` for every connmon monitor
+    of the run); the end of the fit says it in one line. Under DDP each process reads its own batch and the mean is
+    logged.
 
     Nothing of the training run changes: parameters, gradients, optimizer state, random streams and buffers are
     bitwise as they were. The update estimators also run under FSDP2 (``ModelParallelStrategy``: the sums over
@@ -49,16 +55,19 @@ class SharpnessMonitor(Callback):
 
     Args:
         loss_fn: the batch's scalar loss, ``loss_fn(pl_module, batch)`` (for example
-            ``lambda module, batch: F.cross_entropy(module(batch[0]), batch[1])``); needed by ``"lanczos"`` and
-            ``"difference"``, not by ``"secant"``. It is called outside ``training_step`` and before it, on the
-            batch as the dataloader gave it (on the model's device). A capture that a :class:`ConnectionMonitor`
-            armed for the same step records nothing of these forwards.
-        every_n_steps: sample at optimizer steps ``every_n_steps``, ``2 every_n_steps``, ...
-        estimator: ``"lanczos"``, ``"difference"`` or ``"secant"``.
-        lanczos_steps: Hessian-vector products per sample with ``"lanczos"``.
-        budget: None, or the fraction of training time the samples may take (e.g. 0.01): the monitor then samples
-            every ``k``-th of those steps, ``k`` chosen from the measured costs (the same on every process, saved in
-            checkpoints, said once per change).
+            ``lambda module, batch: F.cross_entropy(module(batch[0]), batch[1])``); needed by every estimator but
+            ``"secant"``. It is called outside ``training_step``, on the batch as the dataloader gave it (on the
+            model's device), in the trainer's precision context (autocast under ``bf16-mixed``). A capture that a
+            :class:`ConnectionMonitor` armed for the same step records nothing of these forwards.
+        every_n_steps: the densest interval between samples, in optimizer steps (every sample with ``"fixed"``).
+        estimator: ``"gradient_difference"``, ``"lanczos"``, ``"difference"`` or ``"secant"``.
+        lanczos_steps: Hessian-vector products per sample with ``"gradient_difference"`` and ``"lanczos"``.
+        budget: None, or the fraction of training time the samples may take (e.g. 0.01): the monitor then stretches
+            its intervals by ``k``, chosen from the measured costs at the densest interval (the same on every
+            process, saved in checkpoints, said once per change).
+        cadence: ``"adaptive"`` or ``"fixed"``.
+        storage: ``"device"``, or ``"cpu"`` to keep a gradient-difference solve's six parameter-sized vectors in host
+            memory.
 
     Raises:
         ValueError: for a ``loss_fn`` that is not callable, an estimator that needs one and has none, or an invalid
@@ -69,21 +78,25 @@ class SharpnessMonitor(Callback):
         >>> from connmon.callbacks import DriftAlert, SharpnessMonitor
         >>> import torch.nn.functional as F
         >>> loss_fn = lambda module, batch: F.cross_entropy(module(batch[0]).flatten(0, 1), batch[1].flatten())
-        >>> callbacks = [SharpnessMonitor(loss_fn, every_n_steps=20), DriftAlert()]
+        >>> callbacks = [SharpnessMonitor(loss_fn), DriftAlert()]
         >>> trainer = L.Trainer(callbacks=callbacks, logger=False, enable_progress_bar=False)
     """
 
     def __init__(
         self,
         loss_fn: Callable[[LightningModule, Any], Tensor] | None = None,
-        every_n_steps: int = 40,
-        estimator: Estimator = "lanczos",
+        every_n_steps: int = 20,
+        estimator: Estimator = "gradient_difference",
         lanczos_steps: int = 8,
         budget: float | None = None,
+        cadence: Cadence = "adaptive",
+        storage: Storage = "device",
     ) -> None:
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable as loss_fn(pl_module, batch), got loss_fn={loss_fn!r}")
-        self.sampler = SharpnessSampler(every_n_steps, estimator, lanczos_steps, budget, owner="SharpnessMonitor")
+        self.sampler = SharpnessSampler(
+            every_n_steps, estimator, lanczos_steps, budget, cadence, storage, owner="SharpnessMonitor"
+        )
         if loss_fn is None and estimator != "secant":
             raise ValueError(f"estimator={estimator!r} reads a loss: pass loss_fn=..., or use estimator='secant'")
         self.loss_fn = loss_fn
@@ -92,7 +105,7 @@ class SharpnessMonitor(Callback):
 
     @property
     def every_n_steps(self) -> int:
-        """The cadence (before any budget stride)."""
+        """The densest interval (before any budget stride)."""
         return self.sampler.every_n_steps
 
     @property
@@ -129,7 +142,7 @@ class SharpnessMonitor(Callback):
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
         fsdp2 = isinstance(strategy, ModelParallelStrategy)  # DTensor parameters: the update sums add their shards
-        if not plain and not (fsdp2 and self.sampler.estimator != "lanczos"):
+        if not plain and not (fsdp2 and not self.sampler.reads_lanczos):
             supported = "single-device, DDP, and FSDP2 (ModelParallelStrategy) with the update estimators"
             self.sampler.turn_off(f"the {type(strategy).__name__} shards or wraps the parameters; {supported}")
 
@@ -143,7 +156,7 @@ class SharpnessMonitor(Callback):
         self.sampler.attach(trainer.optimizers[0], pl_module.device)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Before a sampled step's first forward: the ``"difference"`` and ``"lanczos"`` readings."""
+        """Before each forward of a sampled step: its batch kept (Lanczos), or the ``"difference"`` reading."""
         if not self.sampler.reads_forward(trainer.global_step):
             return
         with trainer.precision_plugin.train_step_context():
@@ -151,8 +164,10 @@ class SharpnessMonitor(Callback):
         self._publish(trainer, trainer.global_step, values)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        """After the backward, before the step: the ``"secant"`` reading, and the parameters copied before a sample."""
-        self._publish(trainer, trainer.global_step, self.sampler.before_step(trainer.global_step))
+        """After the backward, before the step: the Lanczos and ``"secant"`` readings, the copy before a sample."""
+        with trainer.precision_plugin.train_step_context():
+            values = self.sampler.before_step(trainer.global_step)
+        self._publish(trainer, trainer.global_step, values)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Say what the monitor cost (console, and the W&B run's summary)."""

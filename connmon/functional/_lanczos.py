@@ -90,16 +90,18 @@ def _recurrence(
     q = torch.where(norm > 0, start / norm.clamp(min=torch.finfo(start.dtype).tiny), 0)
     previous = torch.zeros_like(q)
     for j in range(steps):
-        w = matvec(q).to(dtype)
+        w = matvec(q).to(dtype)  # updated in place below: three vectors held, not more (operators of a model's size)
         scale = w.norm(dim=-1, dtype=torch.float64)
         a = (w * q).sum(dim=-1, dtype=torch.float64)
-        w = w - a.to(dtype).unsqueeze(-1) * q - (beta[:, j - 1].to(dtype).unsqueeze(-1) * previous if j else 0)
+        w.addcmul_(a.to(dtype).unsqueeze(-1), q, value=-1)
+        if j:
+            w.addcmul_(beta[:, j - 1].to(dtype).unsqueeze(-1), previous, value=-1)
         b = w.norm(dim=-1, dtype=torch.float64)
         ended = b <= _BREAKDOWN * scale
         alpha[:, j] = a
         beta[:, j] = torch.where(ended, 0, b)
         norm = b.clamp(min=torch.finfo(dtype).tiny).to(dtype)
-        previous, q = q, torch.where(ended.unsqueeze(-1), 0, w / norm.unsqueeze(-1))
+        previous, q = q, w.div_(norm.unsqueeze(-1)).masked_fill_(ended.unsqueeze(-1), 0)
     return alpha, beta
 
 

@@ -97,10 +97,13 @@ class Monitor:
         optimizer: the training's optimizer, for ``sharpness``.
         sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
             optimizer's edge of stability on its own cadence, logged and shown to ``alerts`` like the attention
-            values (``connmon/sharpness_ratio`` with Lanczos, ``connmon/update_sharpness_ratio`` with an update
-            estimator). It watches ``optimizer.step()`` through the optimizer's hooks.
+            values (``connmon/sharpness_ratio`` with the Lanczos estimators, ``connmon/update_sharpness_ratio`` with
+            an update estimator). It watches ``optimizer.step()`` through the optimizer's hooks: the Lanczos
+            estimators read every batch the step's ``monitor.step(step, batch=...)`` blocks were given (its
+            micro-batches) in the optimizer's step pre-hook, before the parameters move.
         loss_fn: ``loss_fn(model, batch)``, the batch's scalar loss, for a ``sharpness`` estimator that reads one
-            (``"difference"``, ``"lanczos"``); pass the batch as ``monitor.step(step, batch=batch)``.
+            (all but ``"secant"``); pass the batch as ``monitor.step(step, batch=batch)``. It runs inside
+            ``optimizer.step()``, outside the training's autocast: wrap it in the same autocast to read in bf16.
 
     Every sample's values include what the monitor costs, ``connmon/overhead/attention`` (its time over the
     training time since :meth:`attach`) and ``connmon/overhead`` (all connmon monitors running);

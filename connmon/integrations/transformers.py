@@ -69,9 +69,10 @@ class ConnectionMonitorCallback(TrainerCallback):
         alerts: an :class:`connmon.alerts.AlertRunner` (e.g. ``AlertRunner()`` for the default rules), or None.
         sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
             optimizer's edge of stability on its own cadence, logged through ``trainer.log`` and shown to ``alerts``
-            on its steps. ``"lanczos"`` and ``"difference"`` read ``loss_fn`` on the step's first micro-batch (taken
-            from the model's forward, before it runs); ``"secant"`` reads the Trainer's own gradients (after
-            clipping, before ``optimizer.step()``).
+            on its steps. ``"gradient_difference"`` and ``"lanczos"`` read ``loss_fn`` on every micro-batch of the
+            sampled step (the inputs taken from the model's forwards before they run), after the backward and before
+            ``optimizer.step()``; ``"difference"`` reads it on the step's first micro-batch before its forward;
+            ``"secant"`` reads the Trainer's own gradients (after clipping, before ``optimizer.step()``).
         loss_fn: ``loss_fn(model, inputs)``, the scalar loss of the Trainer's ``inputs`` dict; default
             ``model(**inputs).loss`` (the inputs carry labels).
 
@@ -129,7 +130,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         self.loss_fn = loss_fn or _model_loss
         self._reading = False  # the curvature's own forwards are running: the capture's guard ignores them
         self._batch_hook: Any = None
-        self._curvature_step: int | None = None  # the step whose first forward the batch hook reads
+        self._curvature_step: int | None = None  # the step whose forwards the batch hook keeps
         if sharpness is not None:
             sharpness.owner = "ConnectionMonitorCallback (sharpness)"
         self.monitor.owner = "ConnectionMonitorCallback"
@@ -168,7 +169,7 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
     ) -> None:
-        """Arm the capture for the first micro-batch of a sampled optimizer step; a curvature reading before it."""
+        """Arm the capture for the first micro-batch of a sampled optimizer step; keep the curvature's batches."""
         if model is not None and self.sharpness is not None and self.sharpness.reads_forward(state.global_step):
             self._batch_hook = model.register_forward_pre_hook(self._read_curvature, with_kwargs=True, prepend=True)
             self._curvature_step = state.global_step
@@ -182,19 +183,24 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """After the backward (and clipping), before the step: the secant sample, or the parameters copied for one."""
+        """After the backward (and clipping), before the step: the Lanczos and secant samples, the copy for one."""
         if self.sharpness is not None:
-            self.monitor.publish_curvature(state.global_step, self.sharpness.before_step(state.global_step))
+            self._drop_batch_hook()
+            self._reading = True
+            try:
+                self.monitor.publish_curvature(state.global_step, self.sharpness.before_step(state.global_step))
+            finally:
+                self._reading = False
 
     def _read_curvature(self, module: Any, args: tuple, kwargs: dict | None = None) -> None:
-        """The model's first forward of a sampled step, before it runs: read the curvature on its inputs.
+        """Each forward of a sampled step, before it runs: its inputs kept for the curvature (or read, difference).
 
         The hook is not removed here (torch calls the hooks it listed before the forward, removed or not, and a
-        removed one without its keyword arguments); it is spent, and removed when the step ends.
+        removed one without its keyword arguments); it is removed before the optimizer step.
         """
         if self._reading or self._curvature_step is None:
             return
-        step, self._curvature_step = self._curvature_step, None
+        step = self._curvature_step
         inputs = dict(kwargs) if kwargs else (args[0] if args and isinstance(args[0], dict) else None)
         loss = None if inputs is None else lambda: self.loss_fn(module, inputs)
         self._reading = True
@@ -204,9 +210,8 @@ class ConnectionMonitorCallback(TrainerCallback):
             self._reading = False
 
     def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
-        """The first micro-batch of an accumulation is done: stop recording."""
+        """The first micro-batch of an accumulation is done: stop recording (the curvature keeps every batch)."""
         self._forward_done()
-        self._drop_batch_hook()
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Log the sample of this optimizer step and act on its alerts."""

@@ -1,3 +1,4 @@
+import contextlib
 import itertools
 import math
 import warnings
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
 from connmon.curvature import sharpness_ratio
+from connmon.integrations.sharpness import adaptive_interval
 from tests.callbacks.lightning_models import LitGPT, loader
 from tests.callbacks.test_connection_monitor import read_csv
 
@@ -18,8 +20,12 @@ RATIO = "connmon/sharpness_ratio"
 UPDATE = "connmon/update_sharpness_ratio"  # what the update estimators log, which no default rule watches
 
 
+LANCZOS = ("gradient_difference", "lanczos")  # the top of the spectrum, what the edge rule watches
+PRODUCTS = {"gradient_difference": "gradient_difference", "lanczos": "double_backward"}
+
+
 def key_of(estimator):
-    return RATIO if estimator == "lanczos" else UPDATE
+    return RATIO if estimator in LANCZOS else UPDATE
 
 
 def gpt_loss(module, batch):
@@ -28,18 +34,27 @@ def gpt_loss(module, batch):
 
 
 class Direct(L.Callback):
-    """After the monitor, the ratio computed directly from connmon.curvature on the same batch, seed and state."""
+    """After the monitor, the ratio from connmon.curvature on the same micro-batches, seed and state, before the step."""
 
-    def __init__(self, every_n_steps: int, loss_fn=gpt_loss) -> None:
-        self.every_n_steps, self.loss_fn, self.ratios = every_n_steps, loss_fn, {}
+    def __init__(self, every_n_steps: int, loss_fn=gpt_loss, products="gradient_difference", precision=True) -> None:
+        self.every_n_steps, self.loss_fn, self.products, self.precision = every_n_steps, loss_fn, products, precision
+        self.ratios, self.batches = {}, {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        step = trainer.global_step  # before the next optimizer step, on the batch it is about to train on
-        if step and step % self.every_n_steps == 0 and step not in self.ratios:
-            with trainer.precision_plugin.train_step_context():
-                result = sharpness_ratio(lambda: self.loss_fn(pl_module, batch), trainer.optimizers[0], steps=8,
-                                         model=pl_module, seed=step)  # fmt: skip
-            self.ratios[step] = result.ratio
+        step = trainer.global_step  # the batches the next optimizer step trains on
+        if step and step % self.every_n_steps == 0:
+            self.batches.setdefault(step, []).append(batch)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        step = trainer.global_step
+        if step not in self.batches:
+            return
+        losses = [lambda b=b: self.loss_fn(pl_module, b) for b in self.batches.pop(step)]
+        context = trainer.precision_plugin.train_step_context() if self.precision else contextlib.nullcontext()
+        with context:
+            result = sharpness_ratio(losses, trainer.optimizers[0], steps=8, model=pl_module, seed=step,
+                                     products=self.products)  # fmt: skip
+        self.ratios[step] = result.ratio
 
 
 def fit(tmp_path, callbacks, module=None, max_steps=6, data=None, **trainer_kwargs):
@@ -58,8 +73,10 @@ def logged(tmp_path, key=RATIO):
     return {int(row["step"]): float(row[key]) for row in read_csv(tmp_path) if row.get(key)}
 
 
-def test_lanczos_logs_the_ratio_of_connmon_curvature_of_the_step_after_every_sampled_one(tmp_path):
-    monitor, direct = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="lanczos"), Direct(2)
+@pytest.mark.parametrize("estimator", LANCZOS)
+def test_the_ratio_is_connmon_curvature_of_the_sampled_step_before_its_optimizer_step(tmp_path, estimator):
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed")
+    direct = Direct(2, products=PRODUCTS[estimator])
     fit(tmp_path, [monitor, direct], max_steps=7)
     values = logged(tmp_path)
     assert sorted(values) == [2, 4, 6] and monitor.samples == 3
@@ -67,6 +84,51 @@ def test_lanczos_logs_the_ratio_of_connmon_curvature_of_the_step_after_every_sam
     assert all(0 < v < 1 for v in values.values())  # SGD at lr 1e-2: far inside the edge
     eigenvalues = logged(tmp_path, "connmon/sharpness_eigenvalue")
     assert eigenvalues == pytest.approx({s: 2 * v for s, v in values.items()}, rel=1e-6)  # plain SGD: c = 2
+
+
+def test_gradient_differences_read_what_exact_lanczos_reads_through_the_fused_attention_kernel(tmp_path):
+    """The default estimator on SDPA's fused CPU kernel against double backward on its math kernel, same run."""
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
+    exact = Direct(2, products="double_backward")
+    fit(tmp_path, [monitor, exact], module=AdamGPT(), max_steps=9)
+    values = logged(tmp_path)
+    assert sorted(values) == [2, 4, 6, 8]
+    assert values == pytest.approx(exact.ratios, rel=0.02)
+
+
+def test_the_whole_accumulated_batch_reads_what_one_batch_of_its_size_reads_and_raises_no_alert(tmp_path):
+    """4 micro-batches of 4 against one batch of 16, the same sequences: the same Hessian, so the same ratio."""
+    runs = {}
+    for name, batch_size, accumulate in (("one batch", 16, 1), ("four micro-batches", 4, 4)):
+        series = {}
+        monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
+        monitor.add_listener(lambda trainer, step, values, series=series: series.update({step: values[RATIO]}))
+        alert = DriftAlert(actions=("log",))
+        fit(tmp_path / name, [monitor, alert], module=AdamGPT(), max_steps=7, data=loader(batch_size),
+            accumulate_grad_batches=accumulate)  # fmt: skip
+        runs[name] = series
+        assert alert.total == 0
+    assert sorted(runs["one batch"]) == [2, 4, 6]
+    assert runs["four micro-batches"] == pytest.approx(runs["one batch"], rel=1e-3)
+
+
+def test_the_adaptive_cadence_samples_sparsely_far_from_the_edge_and_logs_its_interval_and_gradients(tmp_path):
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, lanczos_steps=4)
+    fit(tmp_path, [monitor], max_steps=40)
+    rows = {int(r["step"]): r for r in read_csv(tmp_path) if r.get(RATIO)}
+    steps = sorted(rows)
+    assert steps[0] == 2
+    for before, after in itertools.pairwise(steps):  # each interval is the rule's for the ratio before it
+        assert after - before == adaptive_interval(float(rows[before][RATIO]), 2)
+        assert float(rows[before]["connmon/curvature_interval"]) == after - before
+    assert len(steps) < 19  # SGD at lr 1e-2 is far inside the edge: fewer samples than every 2 steps
+    spent = [float(rows[step]["connmon/overhead/curvature_gradients"]) * step for step in steps]  # gradients so far
+    assert all(abs(total - round(total)) < 1e-3 for total in spent)
+    assert all(later - earlier >= 5 for earlier, later in itertools.pairwise([0, *spent]))  # 4 products + g(theta)
+    assert round(spent[-1]) == monitor.sampler.gradients
+    fresh = SharpnessMonitor(gpt_loss, every_n_steps=2, lanczos_steps=4)
+    fresh.load_state_dict(monitor.state_dict())
+    assert fresh.sampler.next_step == monitor.sampler.next_step > steps[-1]
 
 
 class Noisy(L.LightningModule):
@@ -94,10 +156,10 @@ def noisy_data():
     return DataLoader(TensorDataset(torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen)), batch_size=8)
 
 
-@pytest.mark.parametrize("estimator", ["secant", "difference", "lanczos"])
+@pytest.mark.parametrize("estimator", ["gradient_difference", "secant", "difference", "lanczos"])
 def test_training_is_bitwise_the_same_with_the_monitor(tmp_path, estimator):
     runs = {}
-    monitor = SharpnessMonitor(noisy_loss, every_n_steps=2, estimator=estimator)
+    monitor = SharpnessMonitor(noisy_loss, every_n_steps=2, estimator=estimator, cadence="fixed")
     for name, callbacks in (("plain", []), ("monitored", [monitor])):
         torch.manual_seed(5)
         module = Noisy()
@@ -116,7 +178,7 @@ def _optimizer_tensors(trainer):
 def test_the_connection_monitor_reads_the_same_with_it_listed_before_after_or_absent(tmp_path):
     def read(name, sharpness_first):
         monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
-        sharpness = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="lanczos")
+        sharpness = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
         callbacks = {None: [monitor], True: [sharpness, monitor], False: [monitor, sharpness]}[sharpness_first]
         fit(tmp_path / name, callbacks)
         return {(int(r["step"]), k): v for r in read_csv(tmp_path / name) for k, v in r.items()
@@ -126,17 +188,18 @@ def test_the_connection_monitor_reads_the_same_with_it_listed_before_after_or_ab
     assert alone and read("before", True) == alone and read("after", False) == alone
 
 
-def test_lanczos_sampled_once_per_optimizer_step_under_gradient_accumulation(tmp_path):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos")
-    direct = Direct(1)
+@pytest.mark.parametrize("estimator", LANCZOS)
+def test_sampled_once_per_optimizer_step_on_every_micro_batch_under_gradient_accumulation(tmp_path, estimator):
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator=estimator, cadence="fixed")
+    direct = Direct(1, products=PRODUCTS[estimator])
     trainer = fit(tmp_path, [monitor, direct], max_steps=4, accumulate_grad_batches=2)
     assert trainer.global_step == 4 and sorted(logged(tmp_path)) == [1, 2, 3]  # none after the last step
-    assert logged(tmp_path) == pytest.approx(direct.ratios, rel=1e-6)  # on each step's first micro-batch
+    assert logged(tmp_path) == pytest.approx(direct.ratios, rel=1e-6)  # the mean loss of each step's two batches
 
 
 def test_drift_alert_default_rules_warn_past_the_edge_of_stability_on_two_samples_in_a_row(tmp_path):
     series = {}
-    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos")
+    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1)
     sharpness.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
     alert = DriftAlert(actions=("log",))
     with pytest.warns(UserWarning, match=r"connmon: past the edge of stability \[WARN\]: connmon/sharpness_ratio"):
@@ -152,14 +215,14 @@ class AdamGPT(LitGPT):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-@pytest.mark.parametrize("estimator", ["lanczos", "secant"])
+@pytest.mark.parametrize("estimator", ["gradient_difference", "secant"])
 def test_no_default_alert_in_the_first_steps_of_a_healthy_adam_run_sampled_every_step(tmp_path, estimator):
     series = {}
-    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator=estimator)
+    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator=estimator, cadence="fixed")
     sharpness.add_listener(lambda trainer, step, values: series.update({step: values[key_of(estimator)]}))
     alert = DriftAlert(actions=("log",))
     fit(tmp_path, [sharpness, alert], module=AdamGPT(), max_steps=30)
-    if estimator == "lanczos":
+    if estimator in LANCZOS:
         assert max(series[s] for s in range(1, 4)) > 1  # Adam's young second moment: far above the edge at first
     assert alert.total == 0 and len(series) == 29
 
@@ -185,7 +248,7 @@ def flat(tensors):
 def test_secant_is_the_update_times_the_gradient_change_against_the_sgd_edge(tmp_path):
     """Plain SGD, lr 1e-2: ratio = u.(g_s - g_{s-1}) / (u.u / lr) / 2 with u = theta_s - theta_{s-1}."""
     series, recorder = {}, Recorder()
-    monitor = SharpnessMonitor(every_n_steps=2, estimator="secant")
+    monitor = SharpnessMonitor(every_n_steps=2, estimator="secant", cadence="fixed")
     monitor.add_listener(lambda trainer, step, values: series.update({step: values[UPDATE]}))
     fit(tmp_path, [monitor, recorder], max_steps=7, accumulate_grad_batches=2)
     assert sorted(series) == [2, 4, 6] and sorted(logged(tmp_path, UPDATE)) == [2, 4, 6]
@@ -198,7 +261,7 @@ def test_secant_is_the_update_times_the_gradient_change_against_the_sgd_edge(tmp
 
 def test_difference_is_three_losses_along_the_update_on_the_step_batch(tmp_path):
     series, recorder = {}, Recorder()
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="difference")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="difference", cadence="fixed")
     monitor.add_listener(lambda trainer, step, values: series.update({step: values[UPDATE]}))
     module = LitGPT()
     fit(tmp_path, [monitor, recorder], module=module, max_steps=7)
@@ -222,24 +285,39 @@ def test_difference_is_three_losses_along_the_update_on_the_step_batch(tmp_path)
         assert ratio == pytest.approx(expected, rel=1e-6)  # u in float32 there, float64 here
 
 
-@pytest.mark.parametrize("estimator", ["secant", "difference"])
-def test_update_estimators_run_on_a_compiled_model_with_fused_attention_and_leave_training_unchanged(
-    tmp_path, estimator
+@pytest.mark.parametrize("estimator", ["gradient_difference", "secant", "difference"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_first_order_estimators_run_on_a_compiled_model_with_fused_attention_and_leave_training_unchanged(
+    tmp_path, estimator, backend
 ):
-    states = {}
+    if backend == "inductor" and estimator != "gradient_difference":
+        pytest.skip("the update estimators are covered on aot_eager; inductor is the default estimator's case")
+    states, exact = {}, Direct(2, products="double_backward")
     for name in ("plain", "monitored"):
         module = LitGPT()
-        module.model = torch.compile(module.model, backend="aot_eager")
-        callbacks = [SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator)] if name == "monitored" else []
-        fit(tmp_path / name, callbacks, module=module, max_steps=5)
+        if name == "monitored":
+            uncompiled = module.model  # the same parameters: exact Lanczos reads them through the eager model
+            exact.loss_fn = lambda m, b, model=uncompiled: next_token(model, b)
+        module.model = torch.compile(module.model, backend=backend)
+        callbacks = [SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed")]
+        if estimator == "gradient_difference":
+            callbacks.append(exact)
+        fit(tmp_path / name, callbacks if name == "monitored" else [], module=module, max_steps=5)
         states[name] = module.state_dict()
     assert all(torch.equal(states["plain"][k], states["monitored"][k]) for k in states["plain"])
-    values = logged(tmp_path / "monitored", UPDATE)
+    values = logged(tmp_path / "monitored", key_of(estimator))
     assert sorted(values) == [2, 4] and all(math.isfinite(v) for v in values.values())
+    if estimator == "gradient_difference":
+        assert values == pytest.approx(exact.ratios, rel=0.02)
+
+
+def next_token(model, batch):
+    idx, target = batch
+    return nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
 
 
 def test_it_logs_what_it_costs_and_says_it_at_the_end(tmp_path, caplog):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="lanczos")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="lanczos", cadence="fixed")
     with caplog.at_level("INFO"):
         fit(tmp_path, [monitor], max_steps=7)
     rows = [r for r in read_csv(tmp_path) if r.get("connmon/overhead/curvature")]
@@ -253,16 +331,16 @@ def test_it_logs_what_it_costs_and_says_it_at_the_end(tmp_path, caplog):
 
 
 def test_a_budget_thins_the_samples_the_same_way_and_resumes(tmp_path):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", budget=0.05)
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", budget=0.05, cadence="fixed")
     with pytest.warns(
-        UserWarning, match=r"SharpnessMonitor: budget 5%: a curvature sample costs .* so it samples every"
+        UserWarning, match=r"SharpnessMonitor: budget 5%: a curvature sample costs .* so its intervals are"
     ):
         fit(tmp_path, [monitor], max_steps=30)
     stride = monitor.sampler.stride
-    assert stride > 1 and monitor.state_dict() == {"samples": monitor.samples, "stride": stride}
+    assert stride > 1 and monitor.state_dict()["stride"] == stride
     steps = sorted(logged(tmp_path))
     assert steps[0] == 1 and all(s % stride == 0 for s in steps[2:] if s > steps[1] * stride)
-    fresh = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", budget=0.05)
+    fresh = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", budget=0.05, cadence="fixed")
     fresh.load_state_dict(monitor.state_dict())
     assert fresh.sampler.stride == stride and fresh.samples == monitor.samples
 
@@ -285,7 +363,7 @@ def failing_loss(module, batch):
     ],
 )
 def test_what_it_cannot_measure_turns_it_off_with_one_warning_and_the_run_goes_on(tmp_path, module, loss_fn, why):
-    monitor = SharpnessMonitor(loss_fn, every_n_steps=1, estimator="lanczos")
+    monitor = SharpnessMonitor(loss_fn, every_n_steps=1)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer = fit(tmp_path, [monitor], module=module(), max_steps=4)
@@ -297,15 +375,15 @@ def test_what_it_cannot_measure_turns_it_off_with_one_warning_and_the_run_goes_o
 def test_lanczos_on_a_compiled_model_has_no_double_backward_so_it_is_turned_off_and_trains_on(tmp_path):
     module = LitGPT()
     module.model = torch.compile(module.model, backend="aot_eager")
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", cadence="fixed")
     with pytest.warns(UserWarning, match="SharpnessMonitor is off for the rest of this run: RuntimeError"):
         trainer = fit(tmp_path, [monitor], module=module, max_steps=3)
     assert trainer.global_step == 3 and monitor.off is not None
 
 
-@pytest.mark.parametrize("estimator", ["secant", "difference", "lanczos"])
+@pytest.mark.parametrize("estimator", ["gradient_difference", "secant", "difference", "lanczos"])
 def test_bf16_mixed_precision_measures_a_finite_ratio_in_the_training_autocast(tmp_path, estimator):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator)
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed")
     fit(tmp_path, [monitor], max_steps=5, precision="bf16-mixed")
     values = logged(tmp_path, key_of(estimator))
     assert sorted(values) == [2, 4] and all(math.isfinite(v) for v in values.values())
@@ -330,10 +408,12 @@ def test_a_hugging_face_model_held_by_a_lightning_module(tmp_path):
     def hf_loss(module, batch):
         return module.model(input_ids=batch[0], labels=batch[0]).loss
 
-    monitor, direct = SharpnessMonitor(hf_loss, every_n_steps=2, estimator="lanczos"), Direct(2, hf_loss)
-    fit(tmp_path, [monitor, direct], module=LitHF(), max_steps=5)
+    monitor, direct = SharpnessMonitor(hf_loss, every_n_steps=2, cadence="fixed"), Direct(2, hf_loss)
+    exact = Direct(2, hf_loss, products="double_backward")
+    fit(tmp_path, [monitor, direct, exact], module=LitHF(), max_steps=5)
     values = logged(tmp_path)
     assert sorted(values) == [2, 4] and values == pytest.approx(direct.ratios, rel=1e-6)
+    assert values == pytest.approx(exact.ratios, rel=0.05)  # dropout 0.1: one mask for every product
 
 
 def test_bad_options_are_refused_with_the_value():
@@ -343,8 +423,12 @@ def test_bad_options_are_refused_with_the_value():
         SharpnessMonitor(gpt_loss, every_n_steps=0)
     with pytest.raises(ValueError, match="lanczos_steps"):
         SharpnessMonitor(gpt_loss, lanczos_steps=True)
-    with pytest.raises(ValueError, match=r"estimator must be one of \('lanczos', 'difference', 'secant'\), got"):
+    with pytest.raises(ValueError, match=r"estimator must be one of \('gradient_difference', 'lanczos', .*got"):
         SharpnessMonitor(gpt_loss, estimator="hutchinson")
+    with pytest.raises(ValueError, match=r"cadence must be one of \('adaptive', 'fixed'\), got cadence='dense'"):
+        SharpnessMonitor(gpt_loss, cadence="dense")
+    with pytest.raises(ValueError, match=r"storage must be one of \('device', 'cpu'\), got storage='gpu'"):
+        SharpnessMonitor(gpt_loss, storage="gpu")
     with pytest.raises(ValueError, match="estimator='difference' reads a loss: pass loss_fn"):
         SharpnessMonitor(estimator="difference")
     with pytest.raises(ValueError, match="budget must be None or a fraction of training time in \\(0, 1\\)"):

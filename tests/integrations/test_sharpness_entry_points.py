@@ -20,7 +20,9 @@ UPDATE = "connmon/update_sharpness_ratio"
 
 def lightning_ratios(estimator: str, max_steps: int = 7) -> dict[int, float]:
     series = {}
-    monitor = SharpnessMonitor(lambda m, b: next_token_loss(m.model, b), every_n_steps=2, estimator=estimator)
+    monitor = SharpnessMonitor(
+        lambda m, b: next_token_loss(m.model, b), every_n_steps=2, estimator=estimator, cadence="fixed"
+    )
     monitor.add_listener(lambda trainer, step, values: series.update({step: values[keys_of(estimator)[0]]}))
     trainer = L.Trainer(
         max_steps=max_steps, callbacks=[monitor], logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -62,9 +64,9 @@ def plain_loop(monitor_options: dict, max_steps: int = 7) -> tuple[dict[int, flo
     return logged, model
 
 
-@pytest.mark.parametrize("estimator", ["lanczos", "secant", "difference"])
+@pytest.mark.parametrize("estimator", ["gradient_difference", "lanczos", "secant", "difference"])
 def test_a_plain_loop_logs_what_lightning_logs(estimator):
-    sampler = SharpnessSampler(every_n_steps=2, estimator=estimator)
+    sampler = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed")
     loop, _ = plain_loop({"sharpness": sampler, "loss_fn": next_token_loss})
     assert sorted(loop) == [2, 4, 6]
     assert loop == pytest.approx(lightning_ratios(estimator), rel=1e-9)
@@ -72,7 +74,7 @@ def test_a_plain_loop_logs_what_lightning_logs(estimator):
 
 def test_the_plain_loop_trains_bitwise_the_same_and_leaves_no_hook():
     _, plain = plain_loop({})
-    sampler = SharpnessSampler(every_n_steps=1, estimator="secant")
+    sampler = SharpnessSampler(every_n_steps=1, estimator="secant", cadence="fixed")
     _, monitored = plain_loop({"sharpness": sampler})
     assert all(
         torch.equal(a, b) for a, b in zip(plain.state_dict().values(), monitored.state_dict().values(), strict=True)
@@ -123,7 +125,7 @@ def test_the_hugging_face_trainer_logs_the_secant_of_its_own_gradients(tmp_path)
                 "lr": optimizer.param_groups[0]["lr"],  # the next step's
             }
 
-    sharpness = SharpnessSampler(every_n_steps=2, estimator="secant")
+    sharpness = SharpnessSampler(every_n_steps=2, estimator="secant", cadence="fixed")
     callback = ConnectionMonitorCallback(trainer, every_n_steps=1000, sharpness=sharpness)
     trainer.add_callback(callback)
     trainer.add_callback(Recorder())
@@ -140,30 +142,42 @@ def test_the_hugging_face_trainer_logs_the_secant_of_its_own_gradients(tmp_path)
     assert callback.sharpness.optimizer is optimizer and not optimizer._optimizer_step_post_hooks  # removed
 
 
-@pytest.mark.parametrize("estimator", ["lanczos", "difference"])
-def test_the_hugging_face_trainer_reads_a_loss_on_the_step_first_batch(tmp_path, estimator):
-    """The estimators that read a loss take the Trainer's inputs from the model's forward, before it runs."""
+@pytest.mark.parametrize(
+    ("estimator", "accumulation"),
+    [("gradient_difference", 1), ("gradient_difference", 2), ("lanczos", 2), ("difference", 1)],
+)
+def test_the_hugging_face_trainer_reads_a_loss_on_the_sampled_step_batches(tmp_path, estimator, accumulation):
+    """The estimators that read a loss take the Trainer's inputs from the model's forwards, before they run.
+
+    The Lanczos ones read every micro-batch of the sampled step after its backward, before ``optimizer.step()``.
+    """
     transformers = pytest.importorskip("transformers")
     from connmon.curvature import sharpness_ratio
     from connmon.integrations.transformers import ConnectionMonitorCallback
     from tests.integrations.test_transformers import make_trainer
 
-    trainer = make_trainer(tmp_path, max_steps=5)
-    direct = {}
+    trainer = make_trainer(tmp_path, max_steps=5, gradient_accumulation_steps=accumulation)
+    direct, inputs_of_step = {}, []
+    products = "double_backward" if estimator == "lanczos" else "gradient_difference"
 
-    class Direct(transformers.TrainerCallback):  # Lanczos on the same inputs, seed and state, taken the same way
+    class Direct(transformers.TrainerCallback):  # the same micro-batches, seed and state, taken the same way
         def on_step_begin(self, args, state, control, model=None, **kwargs):
-            if state.global_step == 2 and estimator == "lanczos":
+            if state.global_step == 2:
 
                 def hook(module, hook_args, inputs):
-                    if 2 not in direct:  # the first forward of step 3; the reading's own forwards come after
-                        direct[2] = None
-                        loss = lambda: module(**inputs).loss  # noqa: E731
-                        direct[2] = sharpness_ratio(loss, trainer.optimizer.optimizer, steps=8, model=module, seed=2)
+                    if len(inputs_of_step) < accumulation:  # the step's own forwards, not the readings' after them
+                        inputs_of_step.append((module, dict(inputs)))
 
-                model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+                self.handle = model.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
 
-    sharpness = SharpnessSampler(every_n_steps=2, estimator=estimator)
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                self.handle.remove()
+                losses = [lambda m=m, i=i: m(**i).loss for m, i in inputs_of_step]
+                direct[2] = sharpness_ratio(losses, trainer.optimizer.optimizer, steps=8, model=inputs_of_step[0][0],
+                                            seed=2, products=products)  # fmt: skip
+
+    sharpness = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed")
     callback = ConnectionMonitorCallback(trainer, every_n_steps=2, diagnostics=("walk",), sharpness=sharpness)
     trainer.add_callback(callback)
     trainer.add_callback(Direct())
@@ -171,7 +185,8 @@ def test_the_hugging_face_trainer_reads_a_loss_on_the_step_first_batch(tmp_path,
     key = keys_of(estimator)[0]
     logged = {row["step"]: row[key] for row in trainer.state.log_history if key in row}
     assert sorted(logged) == [2, 4] and all(math.isfinite(v) for v in logged.values())
-    if estimator == "lanczos":
+    if estimator != "difference":
+        assert len(inputs_of_step) == accumulation
         assert logged[2] == pytest.approx(direct[2].ratio, rel=1e-6)
     attention = [row for row in trainer.state.log_history if "connmon/attention_entropy/L00" in row]
     assert [row["step"] for row in attention] == [2, 4]  # the capture recorded the training forward, not the reading

@@ -1,0 +1,210 @@
+"""Hessian-vector products of a loss in the parameters an optimizer updates, two ways, for Lanczos.
+
+:func:`connmon.curvature.sharpness_ratio` runs Lanczos on ``U^1/2 (H + decay) U^1/2`` (``U`` the optimizer's step
+sizes, see :mod:`connmon.curvature`); each Lanczos step asks for one product ``H w``, ``w = U^1/2 v``. Both ways read
+the loss as the mean of one or more losses (the micro-batches of an accumulated step), with the random streams
+reseeded before every forward (one dropout mask for every product) and ``.grad`` never touched
+(:func:`torch.autograd.grad`).
+
+* :class:`GradientDifferenceProducts` (``"gradient_difference"``): ``H w ~= (g(theta + h w) - g(theta)) / h`` from
+  first-order gradients only, so it runs through whatever the model's forward runs (fused and flash SDPA kernels,
+  compiled graphs) and holds no graph between products. Its forwards run in the parameters' dtype with autocast
+  off: a difference of two bf16 gradients is round-off, so under bf16 autocast the reading is of the float32 loss
+  (twice the activation memory of a bf16 forward); float32 and float64 parameters only. ``h`` comes from a measured rule: the gradient should change
+  by a fixed fraction of its norm (:data:`GRADIENT_CHANGE`, ``benchmarks/bench_sharpness.py --step-size``). The
+  parameters are written as ``theta + h w`` from a saved copy and copied back after every product (bitwise, never an
+  add-and-subtract). It costs one gradient of the loss per product, plus one at ``theta`` (and one per retaken
+  product when the step had to be corrected).
+* :class:`DoubleBackwardProducts` (``"double_backward"``): the exact product by double backward through one graph
+  kept for the whole solve, SDPA held to its math kernel (the fused kernels have no double backward). The reference
+  the other is tested against.
+
+Parameter-sized buffers a gradient-difference solve holds beside the model and its ``.grad``: the parameter copy,
+``g(theta)``, the step-size root ``U^1/2``, and Lanczos's three vectors (six), plus the gradient of the product being
+taken while it is taken. With ``storage="cpu"`` all six live in host memory and only that gradient is on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Products = Literal["gradient_difference", "double_backward"]
+PRODUCTS: tuple[Products, ...] = ("gradient_difference", "double_backward")
+
+# The step: the gradient changes by GRADIENT_CHANGE times its norm, by the parameters' dtype (the forwards run in it:
+# autocast is off for them). benchmarks/README.md, bench_sharpness.py --step-size: the ratio against double backward
+# on the instability suite's model, healthy and near divergence; under bf16 autocast no target read within 15%.
+# FIRST_STEP (||h w|| / ||theta||) starts the search.
+GRADIENT_CHANGE = {torch.float64: 1e-7, torch.float32: 1e-3}
+FIRST_STEP = 1e-5
+_SLACK = 4.0  # a product whose gradient change is further than this factor from the target is taken again
+_RETAKES = 2
+_SHORTEST, _LONGEST = 1e-9, 1e-1  # bounds of ||h w|| / ||theta||
+
+
+def scalar_loss(loss_fn: Callable[[], Tensor]) -> Tensor:
+    """``loss_fn()`` as a 0-d tensor, or a ValueError that says what it returned."""
+    loss = loss_fn()
+    if not isinstance(loss, Tensor) or loss.numel() != 1:
+        described = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, Tensor) else type(loss).__name__
+        raise ValueError(f"loss_fn must return a scalar tensor, got {described}")
+    return loss.reshape(())
+
+
+class GradientDifferenceProducts:
+    """``w -> H w`` by forward differences of first-order gradients (see the module docstring).
+
+    The step ``h`` along ``w``: with ``relative_step`` given, ``||h w|| = relative_step ||theta||``. By default it is
+    set so that the gradient changes by ``gradient_change ||g(theta)||`` (:data:`GRADIENT_CHANGE`, by compute dtype):
+    far enough above the gradient's round-off that the difference is not noise, and no further, so the product stays
+    local where the curvature is sharp. The step length found for one product starts the next; a product whose
+    gradient change is more than a factor :data:`_SLACK` off the target is taken again with the corrected step
+    (each retake is one more gradient, counted in :attr:`evaluations`).
+
+    Args:
+        loss_fns: the losses whose mean is read (one per micro-batch).
+        params: the parameters (plain tensors or parameters of one device).
+        dtype: the dtype of the flat vectors (float32 or float64).
+        seed: the random streams' seed before every forward.
+        relative_step: a fixed ``||h w|| / ||theta||``; None: the gradient-change rule.
+        gradient_change: the rule's target (None: :data:`GRADIENT_CHANGE` for the parameters' dtype).
+        initial_step: where the rule's search starts, ``||h w|| / ||theta||`` (a previous solve's :attr:`step`;
+            None: :data:`FIRST_STEP`).
+        storage: the device of the flat vectors (the parameters' own by default; ``"cpu"`` to keep them off it).
+    """
+
+    def __init__(
+        self,
+        loss_fns: Sequence[Callable[[], Tensor]],
+        params: list[Tensor],
+        dtype: torch.dtype,
+        seed: int,
+        relative_step: float | None = None,
+        gradient_change: float | None = None,
+        storage: torch.device | None = None,
+        initial_step: float | None = None,
+    ) -> None:
+        self.loss_fns, self.params, self.dtype, self.seed = list(loss_fns), params, dtype, seed
+        self.storage = storage if storage is not None else params[0].device
+        self.sizes = [p.numel() for p in params]
+        self.evaluations = 0  # gradients of the whole (mean) loss taken
+        self.relative_step = relative_step
+        if params[0].dtype not in GRADIENT_CHANGE:
+            raise ValueError(
+                f"the parameters are {params[0].dtype}: a difference of two gradients at that precision is round-off "
+                "(bf16 resolves 4e-3 of a weight); train with float32 weights (bf16-mixed: autocast, under which "
+                "the reading computes in float32), or use the double-backward products"
+            )
+        self.target = gradient_change or GRADIENT_CHANGE[params[0].dtype]
+        with torch.no_grad():
+            self.saved = [p.detach().clone() for p in params]
+            theta = torch.sqrt(sum(p.detach().double().square().sum() for p in params)).item()
+        self.theta_norm = theta if theta > 0 else 1.0
+        self.base = self._gradient()
+        self.base_norm = float(self.base.norm(dtype=torch.float64))
+        self.length = (relative_step or initial_step or FIRST_STEP) * self.theta_norm  # ||h w||, product to product
+        self.changes: list[float] = []  # ||g(theta + h w) - g(theta)|| / ||g(theta)|| of each product kept
+
+    def __call__(self, v: Tensor, scale: Tensor) -> Tensor:
+        """``H w`` for ``w = scale * v`` (flat, ``dtype``, on the storage device), ``w`` never held whole."""
+        w_norm = math.sqrt(
+            sum(float((a * b).square().sum(dtype=torch.float64)) for a, b in _pieces(v, scale, self.sizes))
+        )
+        if not w_norm > 0:
+            return torch.zeros_like(v)
+        for attempt in range(_RETAKES + 1):
+            h = self.length / w_norm
+            difference = self._gradient_at(v, scale, h).sub_(self.base)
+            change = float(difference.norm(dtype=torch.float64)) / self.base_norm if self.base_norm > 0 else 0.0
+            if self.relative_step is not None or not math.isfinite(change) or change <= 0:
+                break
+            factor = self.target / change
+            self.length = min(max(self.length * factor, _SHORTEST * self.theta_norm), _LONGEST * self.theta_norm)
+            if 1 / _SLACK <= factor <= _SLACK or attempt == _RETAKES:
+                break
+        self.changes.append(change)
+        return difference.div_(h)
+
+    @property
+    def step(self) -> float:
+        """``||h w|| / ||theta||`` the rule settled on (what the next solve may start from)."""
+        return self.length / self.theta_norm
+
+    def restore(self) -> None:
+        """The parameters back to the saved copy, bitwise."""
+        with torch.no_grad():
+            for p, saved in zip(self.params, self.saved, strict=True):
+                p.copy_(saved)
+
+    def _gradient_at(self, v: Tensor, scale: Tensor, h: float) -> Tensor:
+        """The gradient at ``theta + h scale v``, the parameters copied back after it (also when it raises)."""
+        try:
+            with torch.no_grad():
+                for p, saved, (a, b) in zip(self.params, self.saved, _pieces(v, scale, self.sizes), strict=True):
+                    p.copy_(saved + (h * a * b).view_as(p).to(device=p.device, dtype=p.dtype))
+            return self._gradient()
+        finally:
+            self.restore()
+
+    def _gradient(self) -> Tensor:
+        """The mean loss's gradient, flat (one buffer; the micro-batches' gradients added into it)."""
+        flat = torch.zeros(sum(self.sizes), dtype=self.dtype, device=self.storage)
+        for loss_fn in self.loss_fns:
+            torch.manual_seed(self.seed)
+            with torch.enable_grad(), torch.autocast(self.params[0].device.type, enabled=False):
+                loss = scalar_loss(loss_fn)
+                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+            for part, grad in zip(flat.split(self.sizes), grads, strict=True):
+                if grad is not None:
+                    part.add_(grad.reshape(-1).to(device=self.storage, dtype=self.dtype))
+            del grads
+        self.evaluations += 1
+        return flat.div_(len(self.loss_fns)) if len(self.loss_fns) > 1 else flat
+
+
+class DoubleBackwardProducts:
+    """``w -> H w`` exactly, by double backward through one graph of the mean loss (see the module docstring)."""
+
+    def __init__(self, loss_fns: Sequence[Callable[[], Tensor]], params: list[Tensor], dtype: torch.dtype, seed: int):
+        self.params, self.dtype = params, dtype
+        self.sizes = [p.numel() for p in params]
+        self.evaluations = 1
+        torch.manual_seed(seed)
+        with torch.enable_grad():
+            loss = sum(scalar_loss(loss_fn) for loss_fn in loss_fns) / len(loss_fns)
+            grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+        self.grads = grads
+        self.live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]  # the rest: H is 0 there
+
+    def __call__(self, v: Tensor, scale: Tensor) -> Tensor:
+        """``H w`` for ``w = scale * v`` (flat, ``dtype``, on ``v``'s device)."""
+        parts = [(a * b).view_as(p).to(p) for (a, b), p in zip(_pieces(v, scale, self.sizes), self.params, strict=True)]
+        pieces = [torch.zeros(n, dtype=self.dtype, device=v.device) for n in self.sizes]
+        if self.live:
+            products = torch.autograd.grad(
+                [self.grads[i] for i in self.live],
+                [self.params[i] for i in self.live],
+                grad_outputs=[parts[i] for i in self.live],
+                retain_graph=True,
+                allow_unused=True,
+            )
+            for i, product in zip(self.live, products, strict=True):
+                if product is not None:
+                    pieces[i] = product.reshape(-1).to(device=v.device, dtype=self.dtype)
+        self.evaluations += 1
+        return torch.cat(pieces)
+
+    step = math.nan  # no step: the products are exact
+
+    def restore(self) -> None:
+        """Nothing to restore: the parameters are never written."""
+
+
+def _pieces(v: Tensor, scale: Tensor, sizes: list[int]) -> zip:
+    """``(v, scale)`` one parameter's slice at a time."""
+    return zip(v.split(sizes), scale.split(sizes), strict=True)
