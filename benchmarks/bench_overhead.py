@@ -9,10 +9,13 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
 
 * plain: no monitor (CSV logger).
 * ConnectionMonitor(every_n_steps=100) and (every_n_steps=10): the default diagnostics on the training forward.
-* recipe (secant): the alerting recipe of docs/monitoring.md with SharpnessMonitor(every_n_steps=20,
-  estimator="secant") + ConnectionMonitor(every_n_steps=25, diagnostics=("walk",)) + DriftAlert.
-* recipe (lanczos): the same with SharpnessMonitor's default estimator, Lanczos (the one that warns).
-* secant_1, difference_10, lanczos_10: one SharpnessMonitor alone at that cadence.
+* recipe: the alerting recipe of README and docs/monitoring.md at its defaults: SharpnessMonitor(loss_fn) (gradient
+  differences, the adaptive cadence from every_n_steps=20) + ConnectionMonitor(every_n_steps=25,
+  diagnostics=("walk",)) + DriftAlert; "recipe x4" the same with 4 micro-batches of 16 per step
+  (accumulate_grad_batches=4), against "plain x4".
+* recipe (lanczos): the same with exact Lanczos (double backward) every 20 steps, the previous default.
+* recipe (secant): the same with the secant along the update every 20 steps.
+* gradient_difference_10, secant_1, difference_10, lanczos_10: one SharpnessMonitor alone at that fixed cadence.
 * lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="lanczos", budget=0.05): the cadence it chooses.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
 
@@ -24,7 +27,7 @@ first, untimed: the process's first fit pays for thread pools and allocator grow
 Usage:
     python benchmarks/bench_overhead.py               # about 10 minutes on 2 CPU cores
     python benchmarks/bench_overhead.py --rounds 3
-    python benchmarks/bench_overhead.py --rounds 3 --configs "recipe (secant)" "recipe (lanczos)"   # ~4 minutes
+    python benchmarks/bench_overhead.py --rounds 3 --configs recipe "plain x4" "recipe x4"   # the default recipe
 """
 
 from __future__ import annotations
@@ -96,25 +99,32 @@ def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
         full = {"full_every_n_samples": 10} if every == 10 else {}  # 2 full samples in the window, to time them
         callbacks.append(ConnectionMonitor(every_n_steps=every, figures_every_n_samples=None, **full))
     if config.startswith("recipe"):
-        estimator = "lanczos" if "lanczos" in config else "secant"
+        sharpness = SharpnessMonitor(next_token_loss)  # the defaults: gradient differences, adaptive from 20 steps
+        if "(" in config:
+            estimator = config.split("(")[1].rstrip(")")
+            sharpness = SharpnessMonitor(next_token_loss, every_n_steps=20, estimator=estimator, cadence="fixed")
         callbacks += [
-            SharpnessMonitor(next_token_loss, every_n_steps=20, estimator=estimator),
+            sharpness,
             ConnectionMonitor(every_n_steps=25, diagnostics=("walk",), figures_every_n_samples=None),
             DriftAlert(actions=("log",)),
         ]
-    for estimator in ("secant", "difference", "lanczos"):
+    for estimator in ("gradient_difference", "secant", "difference", "lanczos"):
         if config.startswith(f"{estimator}_"):
+            every = int(config.split("_")[-1])
             callbacks.append(
-                SharpnessMonitor(next_token_loss, every_n_steps=int(config.split("_")[1]), estimator=estimator)
+                SharpnessMonitor(next_token_loss, every_n_steps=every, estimator=estimator, cadence="fixed")
             )
     if config == "lanczos budget 5%":
-        callbacks.append(SharpnessMonitor(next_token_loss, every_n_steps=1, estimator="lanczos", budget=0.05))
+        callbacks.append(
+            SharpnessMonitor(next_token_loss, every_n_steps=1, estimator="lanczos", budget=0.05, cadence="fixed")
+        )
     if config == "wandb.watch":
         logger = WandbLogger(project="connmon-bench", save_dir=str(workdir), mode="offline")
         logger.watch(model, log="all", log_freq=100)
     trainer = L.Trainer(
         max_steps=STEPS, accelerator="cpu", devices=1, callbacks=[*callbacks, clock.stop], logger=logger,
         log_every_n_steps=50, enable_checkpointing=False, enable_model_summary=False, enable_progress_bar=False,
+        accumulate_grad_batches=4 if config.endswith(" x4") else 1,
     )  # fmt: skip
     trainer.fit(model, data)
     if config == "wandb.watch":
@@ -124,7 +134,8 @@ def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
     spent = sum(c.spent for c in clocks)  # as connmon/overhead: every monitor's time over the rest of the fit's
     logged = spent / (max(c.training + c.spent for c in clocks) - spent) if clocks else 0.0
     stride = [cb.sampler.stride * cb.every_n_steps for cb in callbacks if isinstance(cb, SharpnessMonitor)]
-    return clock.times, logged, stride[0] if stride else None
+    gradients = [cb.sampler.gradients / STEPS for cb in callbacks if isinstance(cb, SharpnessMonitor)]
+    return clock.times, logged, (stride[0] if stride else None), (gradients[0] if gradients else None)
 
 
 def peak_memory(estimator: str | None) -> tuple[int, int]:
@@ -165,6 +176,8 @@ for step in range(4):
         before = reset()  # the sample from here: the parameter copy, the step it spans, the reading
         if {estimator!r} in ("secant", "difference"):
             probe = UpdateProbe(optimizer)
+        if {estimator!r} == "gradient_difference":  # where SharpnessMonitor reads it: .grad held, before the step
+            sharpness_ratio(loss_fn, optimizer, steps=8, model=model)
     optimizer.step()
 if probe is not None:
     probe.stepped()
@@ -173,7 +186,7 @@ if {estimator!r} == "difference":
 elif {estimator!r} == "secant":
     probe.secant()  # after the next backward, which training does anyway
 elif {estimator!r} == "lanczos":
-    sharpness_ratio(loss_fn, optimizer, steps=8, model=model)
+    sharpness_ratio(loss_fn, optimizer, steps=8, model=model, products="double_backward")
 print(step_peak, status("VmHWM") - before)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -190,21 +203,24 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
     data = DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
     configs = [
-        "plain", "monitor_100", "monitor_10", "recipe (secant)", "recipe (lanczos)", "secant_1", "difference_10",
-        "lanczos_10", "lanczos budget 5%", "wandb.watch",
+        "plain", "monitor_100", "monitor_10", "recipe", "plain x4", "recipe x4", "recipe (lanczos)", "recipe (secant)",
+        "gradient_difference_10", "secant_1", "difference_10", "lanczos_10", "lanczos budget 5%", "wandb.watch",
     ]  # fmt: skip
     if args.configs:
         configs = ["plain", *[c for c in configs if c in args.configs and c != "plain"]]
     throughput: dict[str, list[float]] = {c: [] for c in configs}
     logged: dict[str, list[float]] = {c: [] for c in configs}
     strides: dict[str, int | None] = {}
+    gradients: dict[str, list[float]] = {c: [] for c in configs}
     light_cost: list[float] = []
     full_cost: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         run("plain", data, Path(tmp) / "warm-up")  # the process's first fit pays for thread pools and allocator growth
         for round_ in range(args.rounds):
             for config in configs:
-                times, fraction, strides[config] = run(config, data, Path(tmp) / f"{round_}")
+                times, fraction, strides[config], spent = run(config, data, Path(tmp) / f"{round_}")
+                if spent is not None:
+                    gradients[config].append(spent)
                 window = [times[s] for s in range(1, STEPS)]
                 throughput[config].append(len(window) / sum(window))
                 logged[config].append(fraction)
@@ -215,25 +231,28 @@ def main() -> None:
                 print(f"round {round_ + 1}: {config} {throughput[config][-1]:.2f} steps/s", flush=True)
     base = statistics.median(throughput["plain"])
     print(f"\ntorch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {args.rounds} rounds, steps 1..200\n")
-    print("| configuration | steps/s (median) | step time vs plain | connmon/overhead logged in the run |")
-    print("|---|---|---|---|")
+    print("| configuration | steps/s (median) | step time vs plain | connmon/overhead logged in the run | "
+          "curvature gradients per step |")  # fmt: skip
+    print("|---|---|---|---|---|")
     for config in configs:
         rate = statistics.median(throughput[config])
-        inside = f"{100 * statistics.median(logged[config]):.1f}%" if config not in ("plain", "wandb.watch") else "-"
+        reference = statistics.median(throughput["plain x4"]) if config.endswith(" x4") else base
+        unmonitored = config.startswith("plain") or config == "wandb.watch"
+        inside = f"{100 * statistics.median(logged[config]):.1f}%" if not unmonitored else "-"
         if strides[config] is not None and "budget" in config:
             inside += f" (it chose every {strides[config]} steps)"
-        print(f"| {config} | {rate:.2f} | {base / rate:.3f}x | {inside} |")
-    if not light_cost:
-        return
-    light, full = statistics.median(light_cost), statistics.median(full_cost)
-    print(f"\none sampled step costs, in training steps (every_n_steps=10 run): light {light:.2f}, full {full:.2f}")
-    cadence = inspect.signature(ConnectionMonitor).parameters["full_every_n_samples"].default
-    per_sample = ((cadence - 1) * light + full) / cadence
-    print(f"amortized at the default full_every_n_samples={cadence} ({per_sample:.2f} steps per sample): ", end="")
-    print(f"every_n_steps=100 {1 + per_sample / 100:.4f}x, every_n_steps=10 {1 + per_sample / 10:.3f}x")
+        spent = f"{statistics.median(gradients[config]):.3f}" if gradients[config] else "-"
+        print(f"| {config} | {rate:.2f} | {reference / rate:.3f}x | {inside} | {spent} |")
+    if light_cost:
+        light, full = statistics.median(light_cost), statistics.median(full_cost)
+        print(f"\none sampled step costs, in training steps (every_n_steps=10 run): light {light:.2f}, full {full:.2f}")
+        cadence = inspect.signature(ConnectionMonitor).parameters["full_every_n_samples"].default
+        per_sample = ((cadence - 1) * light + full) / cadence
+        print(f"amortized at the default full_every_n_samples={cadence} ({per_sample:.2f} steps per sample): ", end="")
+        print(f"every_n_steps=100 {1 + per_sample / 100:.4f}x, every_n_steps=10 {1 + per_sample / 10:.3f}x")
     print("\n| curvature sample | what it adds to training's memory, MB | training steps' own, MB | sample / step |")
     print("|---|---|---|---|")
-    for estimator in ("secant", "difference", "lanczos"):
+    for estimator in ("gradient_difference", "secant", "difference", "lanczos"):
         step, sample = peak_memory(estimator)
         print(f"| {estimator} | {sample / 2**20:.1f} | {step / 2**20:.1f} | {sample / step:.2f} |")
 

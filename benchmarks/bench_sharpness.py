@@ -43,6 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from connmon.alerts import EWMAZScore, Rule, RuleSet, Threshold
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
 from connmon.curvature import UpdateProbe, sharpness_ratio
+from connmon.integrations.sharpness import adaptive_interval
 
 BETA1 = 0.9
 THRESHOLD = (2 + 2 * BETA1) / (1 - BETA1)  # 38: lr * lambda_max(P^-1 H) at the edge of stability
@@ -182,7 +183,8 @@ def train(
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], betas=(BETA1, 0.999), weight_decay=0.0)
     gen = torch.Generator().manual_seed(config["seed"])
-    losses, ratio, gradient, readings, probes = [], {}, {}, {"difference": {}, "secant": {}}, None
+    losses, ratio, gradient, gradients, readings, probes = [], {}, {}, {}, {"difference": {}, "secant": {}}, None
+    initial = None
     seconds = {"lanczos": 0.0, "gradient_difference": 0.0, "difference": 0.0, "secant": 0.0}
     begin = time.perf_counter()
     for step in range(steps):
@@ -192,8 +194,11 @@ def train(
             ratio[step] = ratio_of(model, (idx, target), optimizer, iterations, step)
         seconds["lanczos"] += time.perf_counter() - clock
         clock = time.perf_counter()
-        if step % every == 0 and step > 0:
-            gradient[step] = ratio_of(model, (idx, target), optimizer, iterations, step, "gradient_difference")
+        if step % every == 0 and step > 0:  # connmon's default: gradient differences, the step carried over
+            result = sharpness_ratio(lambda batch=(idx, target): gpt_loss(model, batch), optimizer, steps=iterations,
+                                     model=model, seed=step, initial_step=initial)  # fmt: skip
+            gradient[step], gradients[step], initial = result.ratio, result.gradient_evaluations, result.step
+            initial = initial if 0 < initial < 0.1 else None
         seconds["gradient_difference"] += time.perf_counter() - clock
         clock = time.perf_counter()
         if probes is not None:
@@ -225,6 +230,7 @@ def train(
         "loss": losses,
         "ratio": ratio,
         "gradient_ratio": gradient,
+        "gradient_evaluations": gradients,
         "readings": readings,
         "cost_seconds": seconds,
         "seconds": time.perf_counter() - begin,
@@ -489,6 +495,81 @@ def readings_report(runs: list[dict]) -> None:
                 print("| " + " | ".join([*cells, str(healthy), str(other)]) + " |")
 
 
+def edge_alerts(series: dict[int, float]) -> list[int]:
+    """The default rule's alerts (above 1 on two samples in a row, from step 20, cooldown 100) on a ratio series."""
+    rules = RuleSet([Rule("edge", RATIO_KEY, Threshold(1.0, consecutive=2), cooldown=COOLDOWN)])
+    return [s for s in sorted(series) if s >= 20 and rules.update({RATIO_KEY: series[s]}, s)]
+
+
+def adaptive_samples(series: dict[int, float], every: int) -> list[int]:
+    """The steps the adaptive cadence (SharpnessMonitor's default) samples, replayed on a series recorded every 20."""
+    steps, step = [], every
+    while step in series:
+        steps.append(step)
+        step += adaptive_interval(series[step], every)
+    return steps
+
+
+def gradient_report(runs: list[dict]) -> None:
+    """The default estimator (gradient differences) against exact Lanczos, and the adaptive cadence, on the suite."""
+    runs = [run for run in runs if run.get("gradient_ratio")]
+    if not runs:
+        return
+    quotients, before, missed, evaluations = [], [], [], []
+    for run in runs:
+        exact = {int(s): v for s, v in run["ratio"].items()}
+        gradient = {int(s): v for s, v in run["gradient_ratio"].items()}
+        evaluations += list(run.get("gradient_evaluations", {}).values())
+        div = run["divergence"]
+        for s in sorted(set(exact) & set(gradient)):
+            if math.isfinite(exact[s]) and exact[s] > 0 and math.isfinite(gradient[s]):
+                quotients.append(gradient[s] / exact[s])
+                if div is None or s < div:
+                    before.append(gradient[s] / exact[s])
+        first = [next(iter(edge_alerts(series)), None) for series in (exact, gradient)]
+        if first[0] is not None and (first[1] is None or first[1] > first[0] + 20):
+            missed.append(f"{run['variant']} {run['arm']} {run['seed']}: exact {first[0]}, gradients {first[1]}")
+    within = sum(abs(q - 1) <= 0.1 for q in before) / len(before)
+    print(f"\n{len(runs)} runs, {len(quotients)} samples where both ran ({len(before)} before a divergence)")
+    print("\n| gradient differences / exact Lanczos | value |\n|---|---|")
+    print(f"| samples within 10%, before divergence | {100 * within:.1f}% |")
+    print(f"| median quotient (all samples) | {statistics.median(quotients):.4f} |")
+    print(f"| 5th and 95th percentiles | {_percentile(quotients, 5):.3f}, {_percentile(quotients, 95):.3f} |")
+    print(f"| gradients per sample (8 Lanczos steps) | median {statistics.median(evaluations):g}, "
+          f"max {max(evaluations)} |")  # fmt: skip
+    print(f"| default-rule crossings exact Lanczos makes and gradients miss (or make later) | {len(missed)} |")
+    for line in missed:
+        print(f"|   {line} | |")
+    per_sample = statistics.mean(evaluations or [9])
+    print("\n| cadence | series | divergences warned | median lead | alerts on healthy runs | on other runs | "
+          "gradients per training step, healthy runs (median, max) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for label, every in (("fixed every 20", None), ("adaptive, every_n_steps=20", 20), ("adaptive, 40", 40)):
+        for key in ("ratio", "gradient_ratio"):
+            leads, healthy, other, costs = [], 0, 0, []
+            for run in runs:
+                series = {int(s): v for s, v in run[key].items()}
+                steps = sorted(series) if every is None else adaptive_samples(series, every)
+                kept = {s: series[s] for s in steps}
+                lead, fa = score(edge_alerts(kept), run["divergence"])
+                leads += [lead] if lead is not None else []
+                if run["arm"] in ("control", "warmup"):
+                    healthy += fa
+                    costs.append(len(steps) * per_sample / len(run["loss"]))
+                else:
+                    other += fa
+            diverged = sum(run["divergence"] is not None for run in runs)
+            median = f"{statistics.median(leads):g}" if leads else "-"
+            name = "exact" if key == "ratio" else "gradients"
+            cost = f"{statistics.median(costs):.3f}, {max(costs):.3f}" if costs else "-"
+            print(f"| {label} | {name} | {len(leads)}/{diverged} | {median} | {healthy} | {other} | {cost} |")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1500)
@@ -549,6 +630,7 @@ def main() -> None:
     print(f"{len(runs)} runs; sampled every {args.every} steps, {args.iterations} Lanczos steps")
     report(runs)
     readings_report(runs)
+    gradient_report(runs)
 
 
 if __name__ == "__main__":

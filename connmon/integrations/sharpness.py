@@ -25,8 +25,8 @@ so they are logged under their own keys, ``connmon/update_sharpness_ratio`` and
 ``connmon/update_sharpness_eigenvalue``, which no default rule watches.
 
 The cadence (``cadence="adaptive"``, the default) follows the risk: ``every_n_steps`` is the densest interval,
-taken while the latest ratio is above 0.25 (on the suite it passes 0.5 some 220-300 steps before a divergence),
-and the interval doubles for every further halving of the ratio, up to ``8 every_n_steps`` (below 1/16).
+taken while the latest ratio is at least 0.5 (on the suite it passes 0.5 some 220-300 steps before a divergence);
+below 0.5 the next sample comes ``6 every_n_steps`` later (:data:`LADDER`, :func:`adaptive_interval`).
 ``cadence="fixed"`` samples every ``every_n_steps``. Every sample logs the interval it chose,
 ``connmon/curvature_interval``, what the curvature has cost in gradients of the step's batch per training step,
 ``connmon/overhead/curvature_gradients``, and its time, ``connmon/overhead`` and ``connmon/overhead/curvature``
@@ -66,8 +66,9 @@ UPDATE_RATIO_KEY = "connmon/update_sharpness_ratio"
 UPDATE_EIGENVALUE_KEY = "connmon/update_sharpness_eigenvalue"
 INTERVAL_KEY = "connmon/curvature_interval"
 GRADIENTS_KEY = "connmon/overhead/curvature_gradients"
-DENSE_FROM = 0.5  # the adaptive cadence samples every every_n_steps from this ratio on
-SPARSEST = 8  # ... and at most every SPARSEST * every_n_steps far below it
+# The adaptive cadence: (ratio from which, times every_n_steps), densest first. benchmarks/README.md
+# (bench_sharpness.py: the suite's runs replayed under candidate ladders) has how this one was chosen.
+LADDER: tuple[tuple[float, int], ...] = ((0.5, 1), (0.0, 6))
 _MAX_MICRO_BATCHES = 1024  # losses kept for one sampled step (a loop that never steps must not grow a list)
 
 
@@ -84,20 +85,23 @@ def keys_of(estimator: Estimator) -> tuple[str, str]:
     return UPDATE_RATIO_KEY, UPDATE_EIGENVALUE_KEY
 
 
-def adaptive_interval(ratio: float, every_n_steps: int) -> int:
-    """Steps to the next sample after reading ``ratio``: ``every_n_steps`` above 0.25 (or NaN), doubling per halving.
+def adaptive_interval(
+    ratio: float, every_n_steps: int, ladder: tuple[tuple[float, int], ...] = LADDER
+) -> int:
+    """Steps to the next sample after reading ``ratio``: the first rung of ``ladder`` it reaches, times ``every_n_steps``.
+
+    A ratio that is not finite (or not above any rung) samples at the densest interval.
 
     Examples:
         >>> from connmon.integrations.sharpness import adaptive_interval
-        >>> [adaptive_interval(r, 20) for r in (1.3, 0.5, 0.3, 0.2, 0.1, 0.01, float("nan"))]
-        [20, 20, 20, 40, 80, 160, 20]
+        >>> [adaptive_interval(r, 20) for r in (1.3, 0.5, 0.3, 0.01, float("nan"))]
+        [20, 20, 120, 120, 20]
     """
-    if not math.isfinite(ratio) or ratio >= DENSE_FROM:
-        return every_n_steps
-    doublings = SPARSEST.bit_length() - 1
-    if ratio > 0:
-        doublings = min(doublings, math.floor(math.log2(DENSE_FROM / ratio)))
-    return every_n_steps * 2**doublings
+    if math.isfinite(ratio):
+        for bound, factor in ladder:
+            if ratio >= bound:
+                return every_n_steps * factor
+    return every_n_steps * ladder[0][1]
 
 
 class SharpnessSampler:
@@ -146,10 +150,10 @@ class SharpnessSampler:
         ...     loss_fn().backward()
         ...     values = sampler.before_step(step)
         ...     optimizer.step()
-        >>> sampler.samples, round(sampler.last_values["connmon/sharpness_ratio"], 3)  # lr * lambda_max(H) / 2
-        (1, 0.145)
-        >>> sampler.last_values["connmon/curvature_interval"]  # below a quarter of the edge: twice every_n_steps
-        4
+        >>> sampler.samples, round(sampler.last_values["connmon/sharpness_ratio"], 2)  # lr * lambda_max(H) / 2
+        (1, 0.15)
+        >>> sampler.last_values["connmon/curvature_interval"]  # far below the edge: 6 every_n_steps
+        12
         >>> sampler.detach()
     """
 

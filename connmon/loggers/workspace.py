@@ -29,6 +29,8 @@ HISTOGRAMS = ("head_isometry_gap_hist", "spectrum_modulus_hist")
 FIGURES = ("spectra", "gaps_by_depth")
 ALERTS = ("connmon/alerts/total", "connmon/alerts/count")
 OVERHEAD = ("connmon/overhead", "connmon/overhead/attention", "connmon/overhead/curvature")  # every monitor's
+CURVATURE_INTERVAL = "connmon/curvature_interval"  # the adaptive cadence's choice (connmon.integrations.sharpness)
+CURVATURE_GRADIENTS = "connmon/overhead/curvature_gradients"  # its cost in gradients of a step's batch per step
 
 
 def metric_regex(metric: str, prefix: str = "") -> str:
@@ -110,15 +112,22 @@ def build_workspace(
         wr.LinePlot(
             title=title,
             x=x,
-            metric_regex=f"^{re.escape(prefix)}connmon/(update_)?sharpness_{quantity}$",  # Lanczos's and the update's
+            metric_regex=f"^{re.escape(prefix)}connmon/(update_)?sharpness_{quantity}$",  # the top's and the update's
             line_widths={f"{prefix}connmon/sharpness_{quantity}": 4.0},
-            line_titles={f"{prefix}connmon/sharpness_{quantity}": "Lanczos (the warning)"},
+            line_titles={f"{prefix}connmon/sharpness_{quantity}": "top of the spectrum (the warning)"},
         )
         for quantity, title in (
             ("ratio", "sharpness ratio (1: the edge of stability)"),
             ("eigenvalue", "sharpness eigenvalue"),
         )
     ]
+    curvature.append(
+        wr.LinePlot(
+            title="curvature: steps to the next sample, gradients per training step",
+            x=x,
+            y=[f"{prefix}{CURVATURE_INTERVAL}", f"{prefix}{CURVATURE_GRADIENTS}"],
+        )
+    )
     curvature.append(
         wr.LinePlot(
             title="connmon overhead (fraction of training time)",

@@ -70,14 +70,19 @@ def sharpness_run(out: Path) -> None:
 
     local = {}
 
-    class Direct(L.Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # as the monitor: before step 3
+    class Direct(L.Callback):  # as the monitor: step 3's batch, after its backward, before the optimizer step
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2:
+                self.batch = batch
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             if trainer.global_step == 2 and 2 not in local:
+                batch = self.batch
                 ratio = sharpness_ratio(lambda: loss_fn(pl_module, batch), trainer.optimizers[0], steps=8, seed=2)
                 local[2] = ratio.ratio
 
     synced = {}
-    monitor = SharpnessMonitor(loss_fn, every_n_steps=2, estimator="lanczos")
+    monitor = SharpnessMonitor(loss_fn, every_n_steps=2, cadence="fixed")  # the default: gradient differences
     monitor.add_listener(lambda trainer, step, values: synced.update({step: values["connmon/sharpness_ratio"]}))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=6, callbacks=[monitor, Direct()], logger=False,
@@ -95,7 +100,7 @@ def secant_run(out: Path, mode: str) -> None:
     from connmon.callbacks import SharpnessMonitor
 
     synced = {}
-    monitor = SharpnessMonitor(every_n_steps=2, estimator="secant")
+    monitor = SharpnessMonitor(every_n_steps=2, estimator="secant", cadence="fixed")
     key = "connmon/update_sharpness_ratio"
     monitor.add_listener(lambda trainer, step, values: synced.update({step: values[key]}))
     trainer = L.Trainer(

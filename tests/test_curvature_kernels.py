@@ -1,0 +1,79 @@
+"""Gradient-difference curvature on the code bases users run: what exact Lanczos reads, the parameters unchanged.
+
+Each model trains a few AdamW steps, then ``sharpness_ratio`` with its default products (first-order gradients
+through the model's own attention kernel: SDPA's fused CPU kernel, a hand-written softmax, einsum) is compared with
+the double-backward reference on SDPA's math kernel. flex_attention has no backward on the CPU (torch 2.13), so its
+case is a CUDA one (benchmarks/gpu.sh).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from connmon.curvature import sharpness_ratio
+from tests.capture.code_bases import TOKENS, VOCAB, build, logits
+
+CODE_BASES = ["nanoGPT flash", "nanoGPT by hand", "minGPT", "x-transformers einsum", "x-transformers flash", "litgpt"]
+
+
+def trained(model: nn.Module) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        ids = torch.randint(0, VOCAB, (4, TOKENS + 1), generator=gen)
+        optimizer.zero_grad()
+        next_token(model, ids).backward()
+        optimizer.step()
+    return optimizer, torch.randint(0, VOCAB, (4, TOKENS + 1), generator=gen)
+
+
+def next_token(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    if type(model).__module__ == "nanogpt.model":  # without targets nanoGPT returns the last position's logits only
+        return model(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())[1]
+    out = logits(model, ids[:, :-1])
+    return nn.functional.cross_entropy(out.flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("code_base", CODE_BASES)
+def test_gradient_differences_agree_with_exact_lanczos_and_leave_the_model_as_it_was(code_base, monkeypatch):
+    with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT and minGPT print their sizes
+        model, _ = build(code_base, monkeypatch)
+    optimizer, ids = trained(model)
+    params = [p.detach().clone() for p in model.parameters()]
+    grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    found = sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model, seed=1)
+    exact = sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model, seed=1,
+                            products="double_backward")  # fmt: skip
+    assert found.ratio == pytest.approx(exact.ratio, rel=0.02)  # dropout 0.1 where the code base has it: one mask
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters(), strict=True))
+    assert all((a is None and p.grad is None) or torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(),
+                                                                                     strict=True))  # fmt: skip
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_bf16_autocast_reads_the_float32_loss_and_bf16_weights_are_refused_with_the_reason():
+    torch.manual_seed(0)
+    model, _ = build("nanoGPT flash", pytest.MonkeyPatch())
+    optimizer, ids = trained(model)
+    plain = sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model)
+    assert autocast == plain  # bf16 gradient differences are round-off: the reading's forwards run in float32
+    model.bfloat16()
+    with pytest.raises(ValueError, match=r"the parameters are torch\.bfloat16: a difference of two gradients"):
+        sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model)
+
+
+def test_cpu_storage_reads_the_same_value():
+    torch.manual_seed(0)
+    model, _ = build("minGPT", pytest.MonkeyPatch())
+    optimizer, ids = trained(model)
+    on_device = sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model)
+    on_cpu = sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model, storage="cpu")
+    assert on_cpu == on_device
