@@ -88,7 +88,7 @@ def keys_of(estimator: Estimator) -> tuple[str, str]:
 def adaptive_interval(
     ratio: float, every_n_steps: int, ladder: tuple[tuple[float, int], ...] = LADDER
 ) -> int:
-    """Steps to the next sample after reading ``ratio``: the first rung of ``ladder`` it reaches, times ``every_n_steps``.
+    """Steps to the next sample after ``ratio``: ``every_n_steps`` times the first rung of ``ladder`` it reaches.
 
     A ratio that is not finite (or not above any rung) samples at the densest interval.
 
@@ -295,7 +295,7 @@ class SharpnessSampler:
     def before_forward(
         self, step: int, loss_fn: Callable[[], Tensor] | None, model: nn.Module | None = None
     ) -> dict[str, float] | None:
-        """Before a forward after ``step`` steps: keep the micro-batch's loss on a sampled step, or read ``"difference"``.
+        """Before a forward after ``step`` steps: keep the micro-batch's loss on a sampled step, or read "difference".
 
         With the Lanczos estimators every micro-batch of a sampled step is kept (a closure over its batch) and read
         together in :meth:`before_step`; ``"difference"`` reads the step's first batch here (the values returned).

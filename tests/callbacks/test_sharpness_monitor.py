@@ -34,7 +34,7 @@ def gpt_loss(module, batch):
 
 
 class Direct(L.Callback):
-    """After the monitor, the ratio from connmon.curvature on the same micro-batches, seed and state, before the step."""
+    """After the monitor, connmon.curvature's ratio on the same micro-batches, seed and state, before the step."""
 
     def __init__(self, every_n_steps: int, loss_fn=gpt_loss, products="gradient_difference", precision=True) -> None:
         self.every_n_steps, self.loss_fn, self.products, self.precision = every_n_steps, loss_fn, products, precision
