@@ -13,8 +13,8 @@ reseeded before every forward (one dropout mask for every product) and ``.grad``
   (twice the activation memory of a bf16 forward); float32 and float64 parameters only. ``h`` comes from a measured
   rule: the gradient should change by a fixed fraction of its norm (:data:`GRADIENT_CHANGE`,
   ``benchmarks/bench_sharpness.py --step-size``). The parameters are written as ``theta + h w`` from a saved copy and
-  copied back after every product (bitwise, never an add-and-subtract). It costs one gradient of the loss per product, plus one at ``theta`` (and one per retaken
-  product when the step had to be corrected).
+  copied back after every product (bitwise, never an add-and-subtract). It costs one gradient of the loss per
+  product, plus one at ``theta`` (and one per retaken product when the step had to be corrected).
 * :class:`DoubleBackwardProducts` (``"double_backward"``): the exact product by double backward through one graph
   kept for the whole solve, SDPA held to its math kernel (the fused kernels have no double backward). The reference
   the other is tested against.

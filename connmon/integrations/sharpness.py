@@ -85,9 +85,7 @@ def keys_of(estimator: Estimator) -> tuple[str, str]:
     return UPDATE_RATIO_KEY, UPDATE_EIGENVALUE_KEY
 
 
-def adaptive_interval(
-    ratio: float, every_n_steps: int, ladder: tuple[tuple[float, int], ...] = LADDER
-) -> int:
+def adaptive_interval(ratio: float, every_n_steps: int, ladder: tuple[tuple[float, int], ...] = LADDER) -> int:
     """Steps to the next sample after ``ratio``: ``every_n_steps`` times the first rung of ``ladder`` it reaches.
 
     A ratio that is not finite (or not above any rung) samples at the densest interval.
