@@ -4,6 +4,9 @@
 2. capture: HF families built from configs on the device, float32 and bf16 autocast: the armed forward equals the
    plain one bitwise, and every record rebuilds its output (reconstruction error).
 3. ConnectionMonitor: a tiny GPT LightningModule trained 3 steps on the device with ``every_n_steps=1``.
+4. curvature: gradient-difference Lanczos (SharpnessMonitor's default) on the device's own SDPA kernels, in float32
+   and under bf16 autocast (the training forward on the flash kernel; the reading in float32), against exact
+   double-backward Lanczos on the math kernel; the parameters bitwise as they were; a bf16-mixed Lightning fit.
 
 The exit status is 1 if any check fails. ``benchmarks/gpu.sh`` runs it with ``--device cuda``; on a machine
 without a GPU, ``--device cpu`` runs the same checks (a smoke test of the script).
@@ -123,6 +126,61 @@ def monitor_row(device: torch.device) -> str:
     return check("ConnectionMonitor fit", ok, f"3 steps, {len(values)} samples, all finite: {finite}, {seconds:.1f} s")
 
 
+def curvature_rows(device: torch.device) -> list[str]:
+    import lightning as L
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from connmon.callbacks import SharpnessMonitor
+    from connmon.curvature import sharpness_ratio
+    from tests.callbacks.lightning_models import LitGPT, loader
+
+    rows = []
+    module = LitGPT().to(device)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=3e-3)
+    batches = [(x.to(device), y.to(device)) for x, y in loader()]
+
+    def loss(batch):
+        return torch.nn.functional.cross_entropy(module(batch[0]).flatten(0, 1), batch[1].flatten())
+
+    for batch in batches[:4]:
+        optimizer.zero_grad()
+        loss(batch).backward()
+        optimizer.step()
+    batch = batches[4]
+    exact = sharpness_ratio(lambda: loss(batch), optimizer, steps=8, products="double_backward").ratio
+    before = [p.detach().clone() for p in module.parameters()]
+    for label, context in (
+        ("float32", contextlib.nullcontext()),
+        ("bf16 autocast, flash kernel", torch.autocast(device.type, dtype=torch.bfloat16)),
+    ):
+        kernels = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        start = time.perf_counter()
+        with context, kernels:
+            found = sharpness_ratio(lambda: loss(batch), optimizer, steps=8)
+        seconds = time.perf_counter() - start
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+        ok = abs(found.ratio / exact - 1) < 0.02 and unchanged
+        detail = f"{found.ratio:.4g} against exact {exact:.4g}, {found.gradient_evaluations} gradients, {seconds:.2f} s"
+        rows.append(check(f"curvature by gradient differences, {label}", ok, detail))
+    monitor = SharpnessMonitor(
+        lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()), every_n_steps=2,
+        cadence="fixed",
+    )  # fmt: skip
+    values: list[float] = []
+    monitor.add_listener(lambda trainer, step, scalars: values.append(scalars["connmon/sharpness_ratio"]))
+    trainer = L.Trainer(
+        max_steps=5, callbacks=[monitor], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+        precision="bf16-mixed",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(LitGPT(), loader())
+    ok = len(values) == 2 and all(v == v for v in values) and monitor.off is None
+    rows.append(check("SharpnessMonitor bf16-mixed fit", ok, f"ratios {[round(v, 4) for v in values]}"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -133,7 +191,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {name}\n")
     print("| check | result | detail |")
     print("|---|---|---|")
-    for row in [*functional_rows(device), *capture_rows(device, args.families), monitor_row(device)]:
+    rows = [*functional_rows(device), *capture_rows(device, args.families), monitor_row(device)]
+    for row in [*rows, *curvature_rows(device)]:
         print(row, flush=True)
     print(f"\n{len(FAILED)} failed" + (f": {', '.join(FAILED)}" if FAILED else ""))
     sys.exit(1 if FAILED else 0)
