@@ -237,6 +237,19 @@ def train(
     }
 
 
+def base_ramp(seed: int) -> tuple[dict, torch.Tensor, nn.Module, torch.optim.Optimizer, torch.Generator]:
+    """bench_instability's base ramp run, untrained: its config, corpus, model, AdamW and batch generator."""
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    example = example_module()
+    config = {**BASE, "variant": "base", "arm": "ramp", "seed": seed, "start": 1e-3, "peak": 1e-1, "ramp": 1500}
+    data = corpus(config, example)
+    torch.manual_seed(seed)
+    model = GPT(example.VOCAB, example.TOKENS, False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-1, betas=(BETA1, 0.999), weight_decay=0.0)
+    return config, data, model, optimizer, torch.Generator().manual_seed(seed)
+
+
 STEP_POINTS = (200, 600, 1000, 1150, 1250, 1300)  # base ramp seed 0: learning, healthy, then up to its divergence
 RELATIVE_STEPS = (1e-3, 1e-4, 1e-5, 1e-6)  # ||h w|| / ||theta||, the rule the first measurements used
 GRADIENT_CHANGES = {"float32": (1e-4, 1e-3, 1e-2), "bf16 autocast": (1e-3, 1e-2, 1e-1, 3e-1)}
@@ -249,15 +262,7 @@ def step_size_study(seed: int = 0, points: tuple[int, ...] = STEP_POINTS) -> lis
     ``sharpness_ratio`` with gradient differences under each step rule, in float32 and under bf16 autocast (the
     reading's forwards in bf16, the parameters float32).
     """
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    example = example_module()
-    config = {**BASE, "variant": "base", "arm": "ramp", "seed": seed, "start": 1e-3, "peak": 1e-1, "ramp": 1500}
-    data = corpus(config, example)
-    torch.manual_seed(seed)
-    model = GPT(example.VOCAB, example.TOKENS, False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-1, betas=(BETA1, 0.999), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
+    config, data, model, optimizer, gen = base_ramp(seed)
     losses, rows = [], []
     for step in range(max(points) + 1):
         idx, target, _ = next_batch(config, step, optimizer, data, gen)
@@ -305,15 +310,7 @@ def batch_choice(seed: int, start: int, until: int, every: int = 10) -> dict:
     steps, both are measured before the step (8 Lanczos steps, the same seed). What SharpnessMonitor measures is the
     first (the stability of the step about to be taken).
     """
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    example = example_module()
-    config = {**BASE, "variant": "base", "arm": "ramp", "seed": seed, "start": 1e-3, "peak": 1e-1, "ramp": 1500}
-    data = corpus(config, example)
-    torch.manual_seed(seed)
-    model = GPT(example.VOCAB, example.TOKENS, False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-1, betas=(BETA1, 0.999), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
+    config, data, model, optimizer, gen = base_ramp(seed)
     losses, pairs, previous = [], {}, None
     for step in range(until):
         idx, target, _ = next_batch(config, step, optimizer, data, gen)

@@ -14,5 +14,5 @@ def test_cuda_check_passes_on_the_cpu():
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "| ok |" in line]
-    assert len(rows) == 3 + 4 + 1  # functional cases, two families x two precisions, the monitor
+    assert len(rows) == 3 + 4 + 1 + 3  # functional cases, two families x two precisions, the monitor, curvature
     assert result.stdout.rstrip().endswith("0 failed")

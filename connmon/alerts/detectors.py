@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from connmon._options import check_int
+from connmon._options import check_choice, check_int, check_number
 
 __all__ = ["CUSUM", "Detection", "Detector", "Direction", "EWMAZScore", "Growth", "NonFinite", "Threshold"]
 
@@ -64,8 +64,7 @@ class Detector(ABC):
 
 
 def _check_direction(direction: str) -> None:
-    if direction not in _DIRECTIONS:
-        raise ValueError(f"direction must be one of {_DIRECTIONS}, got direction={direction!r}")
+    check_choice("direction", direction, _DIRECTIONS)
 
 
 def _signed(deviation: float, direction: Direction) -> float:
@@ -103,6 +102,7 @@ class Threshold(Detector):
 
     def __init__(self, bound: float, direction: Direction = "rise", consecutive: int = 1) -> None:
         _check_direction(direction)
+        check_number("bound", bound)
         check_int("consecutive", consecutive)
         self.bound, self.direction, self.consecutive = float(bound), direction, consecutive
         self.streak = 0  # successive values across the bound so far
@@ -138,8 +138,7 @@ class Growth(Detector):
 
     def __init__(self, factor: float, direction: Direction = "rise") -> None:
         _check_direction(direction)
-        if factor <= 1:
-            raise ValueError(f"factor must be > 1, got factor={factor}")
+        check_number("factor", factor, low=1, low_open=True)
         self.factor, self.direction = float(factor), direction
         self.first: float | None = None
 
@@ -159,12 +158,11 @@ class _Baseline(Detector):
     """An exponentially weighted mean and variance, with a warmup count."""
 
     def __init__(self, alpha: float, warmup: int, min_std: float, log: bool) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got alpha={alpha}")
-        if warmup < 2:
-            raise ValueError(f"warmup must be >= 2 (a variance needs two values), got warmup={warmup}")
-        if min_std < 0:
-            raise ValueError(f"min_std must be >= 0, got min_std={min_std}")
+        check_number("alpha", alpha, low=0, high=1, low_open=True)
+        check_number("warmup", warmup, low=2, integer=True)  # a variance needs two values
+        check_number("min_std", min_std, low=0)
+        if not isinstance(log, bool):
+            raise ValueError(f"log must be True or False, got log={log!r}")
         self.alpha, self.warmup, self.min_std, self.log = float(alpha), int(warmup), float(min_std), bool(log)
         self.seen, self.mean, self.var = 0, 0.0, 0.0
 
@@ -237,8 +235,7 @@ class EWMAZScore(_Baseline):
         min_std: float = 0.0, log: bool = False,
     ) -> None:  # fmt: skip
         _check_direction(direction)
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold > 0:
-            raise ValueError(f"threshold must be a z-score > 0, got threshold={threshold!r}")
+        check_number("threshold", threshold, low=0, low_open=True)  # a z-score
         super().__init__(alpha, warmup, min_std, log)
         self.threshold, self.direction = float(threshold), direction
 
@@ -275,8 +272,8 @@ class CUSUM(_Baseline):
         warmup: int = 10, min_std: float = 0.0, log: bool = False,
     ) -> None:  # fmt: skip
         _check_direction(direction)
-        if threshold <= 0 or drift < 0:
-            raise ValueError(f"threshold must be > 0 and drift >= 0, got threshold={threshold}, drift={drift}")
+        check_number("threshold", threshold, low=0, low_open=True)
+        check_number("drift", drift, low=0)
         super().__init__(alpha, warmup, min_std, log)
         self.threshold, self.drift, self.direction = float(threshold), float(drift), direction
         self.high, self.low = 0.0, 0.0

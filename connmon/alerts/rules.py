@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from connmon._options import check_choice, check_items, check_number
 from connmon.alerts.detectors import Detector, EWMAZScore, Growth, NonFinite, Threshold
 
 __all__ = [
@@ -107,12 +108,18 @@ class Rule:
     since: int | None = None
 
     def __post_init__(self) -> None:
-        if self.level not in LEVELS:
-            raise ValueError(f"level must be one of {LEVELS}, got level={self.level!r}")
-        if self.cooldown < 0:
-            raise ValueError(f"cooldown must be >= 0, got cooldown={self.cooldown}")
+        _check_text("name", self.name)
+        _check_text("keys", self.keys)
+        check_choice("level", self.level, LEVELS)
+        check_number("cooldown", self.cooldown, low=0, integer=True)
+        check_number("until", self.until, low=0, integer=True, optional=True)
+        check_number("since", self.since, low=0, integer=True, optional=True)
         if not isinstance(self.detector, Detector):
-            raise ValueError(f"detector must be a connmon.alerts.Detector, got {type(self.detector).__name__}")
+            hint = " (a class: construct it, e.g. Threshold(1.0))" if isinstance(self.detector, type) else ""
+            raise ValueError(
+                f"detector must be a connmon.alerts.Detector, got {type(self.detector).__name__}: "
+                f"{self.detector!r}{hint}"
+            )
 
 
 @dataclass
@@ -158,18 +165,17 @@ class AllOf:
     cooldown: int = 100
 
     def __post_init__(self) -> None:
+        _check_text("name", self.name)
+        check_items("rules", self.rules, (Rule,), "connmon.alerts.Rule objects", hint=lambda item: "")
         self.rules = list(self.rules)
-        if len(self.rules) < 2 or not all(isinstance(rule, Rule) for rule in self.rules):
+        if len(self.rules) < 2:
             raise ValueError(f"AllOf needs two or more Rule objects, got {self.rules!r}")
         names = [rule.name for rule in self.rules]
         if len(set(names)) != len(names):
             raise ValueError(f"AllOf's rule names must be unique, got {names}")
-        if self.within < 0:
-            raise ValueError(f"within must be >= 0, got within={self.within}")
-        if self.level not in LEVELS:
-            raise ValueError(f"level must be one of {LEVELS}, got level={self.level!r}")
-        if self.cooldown < 0:
-            raise ValueError(f"cooldown must be >= 0, got cooldown={self.cooldown}")
+        check_number("within", self.within, low=0, integer=True)
+        check_choice("level", self.level, LEVELS)
+        check_number("cooldown", self.cooldown, low=0, integer=True)
 
 
 @dataclass
@@ -422,3 +428,8 @@ def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int =
     """
     keys = "connmon/max_attention_logit/L*"
     return Rule(f"attention logits above {bound:g}", keys, Threshold(bound), level, cooldown)
+
+
+def _check_text(name: str, value: object) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{name} must be a non-empty string, got {name}={value!r}")

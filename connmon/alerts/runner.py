@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from connmon._options import check_callable, check_choice, check_items, check_number
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules
 
@@ -34,7 +35,9 @@ class AlertRunner:
         history: how many recent alerts ``alerts`` keeps.
 
     Raises:
-        ValueError: for an unknown action or level, a negative history, or duplicate rule names.
+        ValueError: for an unknown action or level, a history that is not an integer >= 0, a wait that is not a
+            number >= 0, rules that are not Rule or AllOf objects (a rule factory such as ``default_rules`` passed
+            uncalled is named), an on_alert that is not callable, or duplicate rule names.
 
     Examples:
         >>> from connmon.alerts import AlertRunner, Rule, Threshold
@@ -55,18 +58,16 @@ class AlertRunner:
         wait_duration: float = 300.0,
         history: int = 100,
     ) -> None:
-        if isinstance(actions, str) or any(a not in ACTIONS for a in actions):
-            raise ValueError(f"actions must be a subset of {ACTIONS}, got {actions!r}")
-        if stop_level not in LEVELS:
-            raise ValueError(f"stop_level must be one of {LEVELS}, got stop_level={stop_level!r}")
-        if history < 0:
-            raise ValueError(f"history must be >= 0, got history={history}")
-        if isinstance(wait_duration, bool) or not isinstance(wait_duration, (int, float)) or not wait_duration >= 0:
-            raise ValueError(f"wait_duration must be a number of seconds >= 0, got wait_duration={wait_duration!r}")
-        if rules is not None and (isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence)):
-            raise ValueError(f"rules must be a list of connmon.alerts.Rule / AllOf, or None, got rules={rules!r}")
-        if on_alert is not None and not callable(on_alert):
-            raise ValueError(f"on_alert must be callable, got on_alert={on_alert!r}")
+        if isinstance(actions, (str, bytes)) or not isinstance(actions, (list, tuple)):
+            raise ValueError(f"actions must be a list or tuple of {ACTIONS}, got actions={actions!r}")
+        for i, action in enumerate(actions):
+            check_choice(f"actions[{i}]", action, ACTIONS)
+        check_choice("stop_level", stop_level, LEVELS)
+        check_number("history", history, low=0, integer=True)
+        check_number("wait_duration", wait_duration, low=0)
+        if rules is not None:
+            check_items("rules", rules, (Rule, AllOf), "connmon.alerts.Rule or AllOf objects", hint=_rule_hint)
+        check_callable("on_alert", on_alert, optional=True, signature="on_alert(alert)")
         self.rules = RuleSet(default_rules() if rules is None else rules)
         self.actions = tuple(actions)
         self.stop_level = stop_level
@@ -114,3 +115,13 @@ class AlertRunner:
         """Restore what :meth:`state_dict` saved."""
         self.rules.load_state_dict(state_dict.get("rules", {}))
         self.total = state_dict.get("total", 0)
+
+
+def _rule_hint(item: object) -> str:
+    """Advice for a wrong item of ``rules``: a factory passed uncalled, or a list where its items belong."""
+    if callable(item) and not isinstance(item, type):
+        name = getattr(item, "__name__", "it")
+        return f" (the function {name} itself: call it, {name}(), and unpack the rules it returns)"
+    if isinstance(item, (list, tuple)):
+        return " (a list inside the list: unpack it, rules=[*rules, ...])"
+    return ""

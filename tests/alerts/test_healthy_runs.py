@@ -73,7 +73,7 @@ def test_fine_tuning_minilm_at_a_sane_lr_raises_no_default_alert(tmp_path):
     torch.manual_seed(0)
     alert = DriftAlert(actions=("log",))  # the default rules
     monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
-    sharpness = SharpnessMonitor(classification_loss, every_n_steps=20)  # the edge-of-stability rule is a default
+    sharpness = SharpnessMonitor(classification_loss, every_n_steps=20, cadence="fixed")  # every 20: the most samples
     trainer = L.Trainer(
         max_steps=41, callbacks=[monitor, sharpness, alert], logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
@@ -108,7 +108,7 @@ def test_training_from_scratch_with_a_warmup_raises_no_default_alert(n_layer):
     loader = torch.utils.data.DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
     alert = DriftAlert(actions=("log",))  # the default rules
     monitor = ConnectionMonitor(every_n_steps=5, diagnostics=("walk",), figures_every_n_samples=None)  # alerting setup
-    sharpness = SharpnessMonitor(next_token_loss, every_n_steps=40)  # its default cadence
+    sharpness = SharpnessMonitor(next_token_loss)  # its defaults: gradient differences, adaptive from every 20 steps
     ratios = []
     sharpness.add_listener(lambda trainer, step, values: ratios.append(round(values["connmon/sharpness_ratio"], 3)))
     trainer = L.Trainer(
@@ -119,6 +119,6 @@ def test_training_from_scratch_with_a_warmup_raises_no_default_alert(n_layer):
     losses = []
     model.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(float(outputs["loss"]))
     trainer.fit(model, loader)
-    assert monitor.samples == 100 and len(ratios) == 12, ratios
+    assert monitor.samples == 100 and len(ratios) >= 4, ratios  # at least one sample every 120 steps
     assert sum(losses[-20:]) / 20 < 0.85 * sum(losses[:20]) / 20  # through the phase change (4.3 at the start)
     assert list(alert.alerts) == [], ratios

@@ -38,7 +38,7 @@ class Direct(L.Callback):
 
     def __init__(self, every_n_steps: int, loss_fn=gpt_loss, products="gradient_difference", precision=True) -> None:
         self.every_n_steps, self.loss_fn, self.products, self.precision = every_n_steps, loss_fn, products, precision
-        self.ratios, self.batches = {}, {}
+        self.ratios, self.batches, self.initial = {}, {}, None  # the step carried from sample to sample, as the sampler
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         step = trainer.global_step  # the batches the next optimizer step trains on
@@ -53,8 +53,9 @@ class Direct(L.Callback):
         context = trainer.precision_plugin.train_step_context() if self.precision else contextlib.nullcontext()
         with context:
             result = sharpness_ratio(losses, trainer.optimizers[0], steps=8, model=pl_module, seed=step,
-                                     products=self.products)  # fmt: skip
+                                     products=self.products, initial_step=self.initial)  # fmt: skip
         self.ratios[step] = result.ratio
+        self.initial = result.step if 0 < result.step < 0.1 else None
 
 
 def fit(tmp_path, callbacks, module=None, max_steps=6, data=None, **trainer_kwargs):
