@@ -42,8 +42,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from connmon.alerts import EWMAZScore, Rule, RuleSet, Threshold
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
-from connmon.curvature import UpdateProbe, sharpness_ratio
-from connmon.integrations.sharpness import adaptive_interval
+from connmon.curvature import NOISE_CHECK_FROM, UpdateProbe, sharpness_ratio
+from connmon.integrations.sharpness import LADDER, adaptive_interval
 
 BETA1 = 0.9
 THRESHOLD = (2 + 2 * BETA1) / (1 - BETA1)  # 38: lr * lambda_max(P^-1 H) at the edge of stability
@@ -231,6 +231,7 @@ def train(
         "ratio": ratio,
         "gradient_ratio": gradient,
         "gradient_evaluations": gradients,
+        "noise_check": True,  # the default reading's check from ratio 0.5 on (its cost is in gradient_evaluations)
         "readings": readings,
         "cost_seconds": seconds,
         "seconds": time.perf_counter() - begin,
@@ -498,13 +499,29 @@ def edge_alerts(series: dict[int, float]) -> list[int]:
     return [s for s in sorted(series) if s >= 20 and rules.update({RATIO_KEY: series[s]}, s)]
 
 
-def adaptive_samples(series: dict[int, float], every: int) -> list[int]:
-    """The steps the adaptive cadence (SharpnessMonitor's default) samples, replayed on a series recorded every 20."""
+LADDERS = {  # candidate adaptive cadences: (ratio from which, times every_n_steps), densest first
+    "from 0.5: 1x, below: 6x (the default)": LADDER,
+    "from 0.5: 1x, below: 4x": ((0.5, 1), (0.0, 4)),
+    "from 0.5: 1x, below: 8x": ((0.5, 1), (0.0, 8)),
+    "from 0.5: 1x, 0.25: 3x, below: 8x": ((0.5, 1), (0.25, 3), (0.0, 8)),
+    "from 0.3: 1x, below: 6x": ((0.3, 1), (0.0, 6)),
+}
+
+
+def adaptive_samples(series: dict[int, float], every: int, ladder: tuple = LADDER) -> list[int]:
+    """The steps an adaptive cadence samples, replayed on a series recorded every 20 steps."""
     steps, step = [], every
     while step in series:
         steps.append(step)
-        step += adaptive_interval(series[step], every)
+        step += adaptive_interval(series[step], every, ladder)
     return steps
+
+
+def sample_cost(run: dict, step: int) -> float:
+    """Gradients the default reading took at ``step``; runs recorded before the noise check get its cost added."""
+    evaluations = float(run.get("gradient_evaluations", {}).get(str(step), 9))
+    checked = run.get("noise_check") or run["gradient_ratio"].get(str(step), 0.0) < NOISE_CHECK_FROM
+    return evaluations if checked else 2 * evaluations
 
 
 def gradient_report(runs: list[dict]) -> None:
@@ -512,7 +529,7 @@ def gradient_report(runs: list[dict]) -> None:
     runs = [run for run in runs if run.get("gradient_ratio")]
     if not runs:
         return
-    quotients, before, missed, evaluations = [], [], [], []
+    quotients, before, below, missed, evaluations = [], [], [], [], []
     for run in runs:
         exact = {int(s): v for s, v in run["ratio"].items()}
         gradient = {int(s): v for s, v in run["gradient_ratio"].items()}
@@ -521,6 +538,8 @@ def gradient_report(runs: list[dict]) -> None:
         for s in sorted(set(exact) & set(gradient)):
             if math.isfinite(exact[s]) and exact[s] > 0 and math.isfinite(gradient[s]):
                 quotients.append(gradient[s] / exact[s])
+                if exact[s] < 1:
+                    below.append(gradient[s] / exact[s])
                 if div is None or s < div:
                     before.append(gradient[s] / exact[s])
         first = [next(iter(edge_alerts(series)), None) for series in (exact, gradient)]
@@ -530,35 +549,38 @@ def gradient_report(runs: list[dict]) -> None:
     print(f"\n{len(runs)} runs, {len(quotients)} samples where both ran ({len(before)} before a divergence)")
     print("\n| gradient differences / exact Lanczos | value |\n|---|---|")
     print(f"| samples within 10%, before divergence | {100 * within:.1f}% |")
+    print(f"| samples within 10% where exact Lanczos reads below 1 (the healthy side) | "
+          f"{100 * sum(abs(q - 1) <= 0.1 for q in below) / len(below):.1f}% of {len(below)} |")  # fmt: skip
     print(f"| median quotient (all samples) | {statistics.median(quotients):.4f} |")
     print(f"| 5th and 95th percentiles | {_percentile(quotients, 5):.3f}, {_percentile(quotients, 95):.3f} |")
-    print(f"| gradients per sample (8 Lanczos steps) | median {statistics.median(evaluations):g}, "
-          f"max {max(evaluations)} |")  # fmt: skip
+    costs = [sample_cost(run, int(s)) for run in runs for s in run["gradient_ratio"]]
+    print(f"| gradients per sample (8 Lanczos steps; noise check included) | median {statistics.median(costs):g}, "
+          f"mean {statistics.mean(costs):.1f}, max {max(costs):g} |")  # fmt: skip
     print(f"| default-rule crossings exact Lanczos makes and gradients miss (or make later) | {len(missed)} |")
     for line in missed:
         print(f"|   {line} | |")
-    per_sample = statistics.mean(evaluations or [9])
-    print("\n| cadence | series | divergences warned | median lead | alerts on healthy runs | on other runs | "
-          "gradients per training step, healthy runs (median, max) |")  # fmt: skip
+    print("\n| cadence (every_n_steps=20) | series | divergences warned | median lead | alerts on healthy runs | "
+          "on other runs | gradients per training step on healthy runs (median, max) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    for label, every in (("fixed every 20", None), ("adaptive, every_n_steps=20", 20), ("adaptive, 40", 40)):
+    cadences = [("fixed every 20", None), *LADDERS.items()]
+    for label, ladder in cadences:
         for key in ("ratio", "gradient_ratio"):
             leads, healthy, other, costs = [], 0, 0, []
             for run in runs:
                 series = {int(s): v for s, v in run[key].items()}
-                steps = sorted(series) if every is None else adaptive_samples(series, every)
+                steps = sorted(series) if ladder is None else adaptive_samples(series, 20, ladder)
                 kept = {s: series[s] for s in steps}
                 lead, fa = score(edge_alerts(kept), run["divergence"])
                 leads += [lead] if lead is not None else []
                 if run["arm"] in ("control", "warmup"):
                     healthy += fa
-                    costs.append(len(steps) * per_sample / len(run["loss"]))
+                    costs.append(sum(sample_cost(run, s) for s in steps) / len(run["loss"]))
                 else:
                     other += fa
             diverged = sum(run["divergence"] is not None for run in runs)
             median = f"{statistics.median(leads):g}" if leads else "-"
             name = "exact" if key == "ratio" else "gradients"
-            cost = f"{statistics.median(costs):.3f}, {max(costs):.3f}" if costs else "-"
+            cost = f"{statistics.median(costs):.3f}, {max(costs):.3f}" if costs and key != "ratio" else "-"
             print(f"| {label} | {name} | {len(leads)}/{diverged} | {median} | {healthy} | {other} | {cost} |")
 
 

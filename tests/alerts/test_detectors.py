@@ -116,6 +116,13 @@ def test_state_round_trip_continues_identically():
         (lambda: Threshold(1.0, "sideways"), "direction"),
         (lambda: Threshold(1.0, consecutive=0), "consecutive"),
         (lambda: Threshold(1.0, consecutive=1.5), "consecutive"),
+        (lambda: Threshold("1.0"), r"bound must be a number, got bound='1.0'"),
+        (lambda: Threshold(float("nan")), r"bound must be a number, got bound=nan"),
+        (lambda: Growth(1.0), r"factor must be a number > 1, got factor=1.0"),
+        (lambda: EWMAZScore(warmup=2.5), r"warmup must be an integer >= 2, got warmup=2.5"),
+        (lambda: EWMAZScore(min_std=-1), r"min_std must be a number >= 0, got min_std=-1"),
+        (lambda: EWMAZScore(log="yes"), r"log must be True or False, got log='yes'"),
+        (lambda: CUSUM(drift=-0.1), r"drift must be a number >= 0, got drift=-0.1"),
     ],
 )
 def test_bad_configuration_is_rejected_with_the_value(factory, match):

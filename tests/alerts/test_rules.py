@@ -66,6 +66,14 @@ def test_bad_rules_are_rejected():
         Rule("a", "*", lambda v: None)
     with pytest.raises(ValueError, match="unique"):
         RuleSet(default_rules() + default_rules())
+    with pytest.raises(ValueError, match=r"cooldown must be an integer >= 0, got cooldown=1.5"):
+        Rule("a", "*", NonFinite(), cooldown=1.5)
+    with pytest.raises(ValueError, match=r"until must be an integer >= 0 or None, got until='50'"):
+        Rule("a", "*", NonFinite(), until="50")
+    with pytest.raises(ValueError, match=r"keys must be a non-empty string, got keys=\['a'\]"):
+        Rule("a", ["a"], NonFinite())
+    with pytest.raises(ValueError, match=r"a class: construct it"):
+        Rule("a", "*", Threshold)
 
 
 def conjunction(**options) -> AllOf:
@@ -117,7 +125,7 @@ def test_all_of_state_round_trips_mid_run():
         (lambda r: AllOf("c", [r, r]), "unique"),
         (lambda r: AllOf("c", [r, Rule("b", "y", Threshold(1.0))], within=-1), "within"),
         (lambda r: AllOf("c", [r, Rule("b", "y", Threshold(1.0))], level="LOUD"), "level"),
-        (lambda r: AllOf("c", [r, "not a rule"]), "two or more Rule"),
+        (lambda r: AllOf("c", [r, "not a rule"]), r"rules\[1\] must be connmon.alerts.Rule objects, got .not a rule."),
     ],
 )
 def test_all_of_rejects_bad_arguments(make, message):

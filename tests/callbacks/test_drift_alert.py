@@ -6,7 +6,7 @@ import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from connmon.alerts import AllOf, NonFinite, Rule, Threshold
+from connmon.alerts import AllOf, NonFinite, Rule, Threshold, default_rules
 from connmon.callbacks import ConnectionMonitor, DriftAlert
 from tests.callbacks.lightning_models import LitGPT, loader
 from tests.callbacks.test_connection_monitor import read_csv
@@ -112,6 +112,14 @@ def test_a_non_finite_forward_raises_the_default_critical_alert(tmp_path):
         ({"actions": ("email",)}, "actions"),
         ({"stop_level": "FATAL"}, "stop_level"),
         ({"rules": [Rule("a", "*", NonFinite()), Rule("a", "*", NonFinite())]}, "unique"),
+        ({"rules": [default_rules]}, r"rules\[0\] must be .* \(the function default_rules itself: call it"),
+        ({"rules": [default_rules()]}, r"rules\[0\] must be .* \(a list inside the list: unpack it"),
+        ({"rules": "edge"}, r"rules must be a list of connmon.alerts.Rule or AllOf objects, got rules='edge'"),
+        ({"history": 2.5}, r"history must be an integer >= 0, got history=2.5"),
+        ({"history": -1}, r"history must be an integer >= 0, got history=-1"),
+        ({"wait_duration": "5m"}, r"wait_duration must be a number >= 0, got wait_duration='5m'"),
+        ({"on_alert": "print"}, r"on_alert must be callable as on_alert\(alert\) or None, got on_alert='print'"),
+        ({"actions": "log"}, r"actions must be a list or tuple of"),
     ],
 )
 def test_bad_configuration_raises_in_init(kwargs, match):
