@@ -80,7 +80,8 @@ class _ClockStop(L.Callback):
         self.clock = clock
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.clock.times[self.clock._step] = time.perf_counter() - self.clock._start
+        elapsed = time.perf_counter() - self.clock._start  # a step of several micro-batches: their sum
+        self.clock.times[self.clock._step] = self.clock.times.get(self.clock._step, 0.0) + elapsed
 
 
 def next_token_loss(module: L.LightningModule, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

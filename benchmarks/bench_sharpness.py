@@ -499,12 +499,18 @@ def edge_alerts(series: dict[int, float]) -> list[int]:
     return [s for s in sorted(series) if s >= 20 and rules.update({RATIO_KEY: series[s]}, s)]
 
 
-LADDERS = {  # candidate adaptive cadences: (ratio from which, times every_n_steps), densest first
-    "from 0.5: 1x, below: 6x (the default)": LADDER,
-    "from 0.5: 1x, below: 4x": ((0.5, 1), (0.0, 4)),
-    "from 0.5: 1x, below: 8x": ((0.5, 1), (0.0, 8)),
-    "from 0.5: 1x, 0.25: 3x, below: 8x": ((0.5, 1), (0.25, 3), (0.0, 8)),
-    "from 0.3: 1x, below: 6x": ((0.3, 1), (0.0, 6)),
+CANDIDATE_LADDERS = (  # adaptive cadences: (ratio from which, times every_n_steps), densest first
+    ((0.5, 1), (0.0, 4)),
+    ((0.5, 1), (0.0, 6)),
+    ((0.5, 1), (0.0, 8)),
+    ((0.5, 1), (0.25, 3), (0.0, 8)),
+    ((0.3, 1), (0.0, 6)),
+)
+LADDERS = {
+    ", ".join(f"from {bound:g}: {factor}x" for bound, factor in ladder) + (" (default)" if ladder == LADDER else ""): (
+        ladder
+    )
+    for ladder in CANDIDATE_LADDERS
 }
 
 

@@ -38,7 +38,7 @@ class SharpnessMonitor(Callback):
       read 2-30% of it and never crossed the edge before a divergence, so no default rule watches it.
 
     With ``cadence="adaptive"`` (the default) ``every_n_steps`` is the densest interval, kept while the ratio is at
-    least 0.5, and the next sample comes ``6 every_n_steps`` later below it
+    least 0.5; from 0.25 the next sample comes ``3 every_n_steps`` later, below it ``8 every_n_steps`` later
     (:func:`connmon.integrations.sharpness.adaptive_interval`); ``cadence="fixed"`` samples every ``every_n_steps``.
     Every sample logs the interval it chose (``connmon/curvature_interval``), what the samples cost in gradients of
     a step's batch per training step (``connmon/overhead/curvature_gradients``) and in time

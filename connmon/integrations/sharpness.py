@@ -26,7 +26,8 @@ so they are logged under their own keys, ``connmon/update_sharpness_ratio`` and
 
 The cadence (``cadence="adaptive"``, the default) follows the risk: ``every_n_steps`` is the densest interval,
 taken while the latest ratio is at least 0.5 (on the suite it passes 0.5 some 220-300 steps before a divergence);
-below 0.5 the next sample comes ``6 every_n_steps`` later (:data:`LADDER`, :func:`adaptive_interval`).
+from 0.25 the next sample comes ``3 every_n_steps`` later, below 0.25 ``8 every_n_steps`` later (:data:`LADDER`,
+:func:`adaptive_interval`).
 ``cadence="fixed"`` samples every ``every_n_steps``. Every sample logs the interval it chose,
 ``connmon/curvature_interval``, what the curvature has cost in gradients of the step's batch per training step,
 ``connmon/overhead/curvature_gradients``, and its time, ``connmon/overhead`` and ``connmon/overhead/curvature``
@@ -68,7 +69,7 @@ INTERVAL_KEY = "connmon/curvature_interval"
 GRADIENTS_KEY = "connmon/overhead/curvature_gradients"
 # The adaptive cadence: (ratio from which, times every_n_steps), densest first. benchmarks/README.md
 # (bench_sharpness.py: the suite's runs replayed under candidate ladders) has how this one was chosen.
-LADDER: tuple[tuple[float, int], ...] = ((0.5, 1), (0.0, 6))
+LADDER: tuple[tuple[float, int], ...] = ((0.5, 1), (0.25, 3), (0.0, 8))
 _MAX_MICRO_BATCHES = 1024  # losses kept for one sampled step (a loop that never steps must not grow a list)
 
 
@@ -93,7 +94,7 @@ def adaptive_interval(ratio: float, every_n_steps: int, ladder: tuple[tuple[floa
     Examples:
         >>> from connmon.integrations.sharpness import adaptive_interval
         >>> [adaptive_interval(r, 20) for r in (1.3, 0.5, 0.3, 0.01, float("nan"))]
-        [20, 20, 120, 120, 20]
+        [20, 20, 60, 160, 20]
     """
     if math.isfinite(ratio):
         for bound, factor in ladder:
@@ -150,8 +151,8 @@ class SharpnessSampler:
         ...     optimizer.step()
         >>> sampler.samples, round(sampler.last_values["connmon/sharpness_ratio"], 2)  # lr * lambda_max(H) / 2
         (1, 0.15)
-        >>> sampler.last_values["connmon/curvature_interval"]  # far below the edge: 6 every_n_steps
-        12
+        >>> sampler.last_values["connmon/curvature_interval"]  # far below the edge: 8 every_n_steps
+        16
         >>> sampler.detach()
     """
 
