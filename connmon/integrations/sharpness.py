@@ -397,15 +397,14 @@ class SharpnessSampler:
             self._rebudget(step)
         interval = self._schedule(step, ratio)
         ratio_key, eigenvalue_key = keys_of(self.estimator)
-        steps = max(step - (self._start_step or 0), 1)
         values = {
             ratio_key: ratio,
             eigenvalue_key: ratio * constant,
             INTERVAL_KEY: interval,
             **overhead_values(self.clock),
         }
-        if self.reads_lanczos:
-            values[GRADIENTS_KEY] = self.gradients / steps
+        if self.reads_lanczos:  # the run's gradients (a resumed run's restored) over its optimizer steps so far
+            values[GRADIENTS_KEY] = self.gradients / max(step, 1)
         self.last_values = values
         return values
 
