@@ -119,6 +119,6 @@ def test_training_from_scratch_with_a_warmup_raises_no_default_alert(n_layer):
     losses = []
     model.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(float(outputs["loss"]))
     trainer.fit(model, loader)
-    assert monitor.samples == 100 and len(ratios) >= 4, ratios  # at least one sample every 120 steps
+    assert monitor.samples == 100 and len(ratios) >= 3, ratios  # steps 20, 180, 340: far below the edge, every 160
     assert sum(losses[-20:]) / 20 < 0.85 * sum(losses[:20]) / 20  # through the phase change (4.3 at the start)
     assert list(alert.alerts) == [], ratios
