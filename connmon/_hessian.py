@@ -108,7 +108,6 @@ class GradientDifferenceProducts:
         self.base = self._gradient()
         self.base_norm = float(self.base.norm(dtype=torch.float64))
         self.length = (relative_step or initial_step or FIRST_STEP) * self.theta_norm  # ||h w||, product to product
-        self.changes: list[float] = []  # ||g(theta + h w) - g(theta)|| / ||g(theta)|| of each product kept
 
     def __call__(self, v: Tensor, scale: Tensor) -> Tensor:
         """``H w`` for ``w = scale * v`` (flat, ``dtype``, on the storage device), ``w`` never held whole."""
@@ -127,7 +126,6 @@ class GradientDifferenceProducts:
             self.length = min(max(self.length * factor, _SHORTEST * self.theta_norm), _LONGEST * self.theta_norm)
             if 1 / _SLACK <= factor <= _SLACK or attempt == _RETAKES:
                 break
-        self.changes.append(change)
         return difference.div_(h)
 
     @property
