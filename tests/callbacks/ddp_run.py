@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from connmon.alerts import Detection, Detector, Rule
 from connmon.callbacks import ConnectionMonitor, DriftAlert
 from tests.callbacks.lightning_models import LitGPT, loader
+from tests.gloo import leave
 
 
 class OnRankOne(Detector):
@@ -131,13 +132,13 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     if sys.argv[2:] == ["alert"]:
         alert_run(out)
-        sys.exit(0)
+        leave()
     if sys.argv[2:] == ["sharpness"]:
         sharpness_run(out)
-        sys.exit(0)
+        leave()
     if sys.argv[2:3] == ["secant"]:
         secant_run(out, sys.argv[3])
-        sys.exit(0)
+        leave()
     mode = sys.argv[2] if len(sys.argv) > 2 else "ddp"
     monitor = ConnectionMonitor(every_n_steps=2, edge_samples=None, edge_queries=None, figures_every_n_samples=None)
     import torch
@@ -156,3 +157,4 @@ if __name__ == "__main__":
         params = list(module.model.blocks[0].parameters())
         sharded = all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in params)
         (out / f"sharded{trainer.global_rank}.txt").write_text(str(sharded))
+    leave()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 import connmon
 from connmon.metrics import DriftMetrics, TransportMetrics, WalkMetrics
 from tests.capture.models import TinyGPT
+from tests.gloo import free_port, leave
 
 
 def inputs(rank: int) -> torch.Tensor:
@@ -36,15 +36,10 @@ def worker(rank: int, port: int, out: str) -> None:
         loss.backward()
         with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
             json.dump(logged, file)
-        dist.barrier()  # neither rank tears gloo down while the other still talks to it (a SIGABRT under load)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        raise
+    leave()
 
 
 def test_plain_ddp_loop_logs_synced_values_on_rank_zero_only(tmp_path):

@@ -1,5 +1,4 @@
 import math
-import socket
 
 import pytest
 import torch
@@ -9,6 +8,7 @@ from torch import nn
 import connmon
 import connmon.functional as F
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
+from tests.gloo import free_port, leave
 
 LAYERS = 3
 
@@ -137,12 +137,6 @@ def test_drift_depth_time_transport_and_checkpoint():
     assert values["transport_drift"][0].item() == pytest.approx(expected_transport.item(), rel=1e-6)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_worker(rank, world_size, port, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -161,13 +155,15 @@ def _ddp_worker(rank, world_size, port, results):
             synced.update({k: v.clone() for k, v in metric.compute().items()})
         if rank == 0:
             torch.save(synced, results)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave()
 
 
 def test_ddp_two_processes_equal_one_process_over_the_same_sequences(tmp_path):
     results = tmp_path / "synced.pt"
-    torch.multiprocessing.spawn(_ddp_worker, args=(2, _free_port(), str(results)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_ddp_worker, args=(2, free_port(), str(results)), nprocs=2, join=True)
     synced = torch.load(results)
     model = make_model()
     single = [
