@@ -6,6 +6,11 @@ with fewer heads than queries (GQA) are repeated ``H / H_kv`` times. The score f
 attention functions are applied in their order: ``scale``, then soft-capping ``cap * tanh(s / cap)``, then an
 additive position ``bias`` (T5's relative bias), then the mask; attention sinks (GPT-OSS) are one extra logit per
 head that joins each row's softmax and is dropped afterwards, so those rows sum to less than 1.
+
+An additive float mask blocks a key where its entry is at most :data:`BLOCKED_AT` (``-1e4``): ``-inf``, the dtype's
+minimum that transformers' eager attention adds, the ``-10000`` and ``-1e9`` of older code all read as the same key
+mask as the boolean one. Such an entry gives its key exactly zero probability in the kernel too (``exp(-1e4)`` is 0
+in every float dtype), so the probabilities are unchanged; what the mask decides is which tokens are padding.
 """
 
 from __future__ import annotations
@@ -14,6 +19,22 @@ import math
 
 import torch
 from torch import Tensor
+
+BLOCKED_AT = -1e4
+"""The additive mask value at or below which a key is blocked (see the module docstring)."""
+
+
+def allowed_by(mask: Tensor) -> Tensor:
+    """Where a bool (True: may attend) or additive float mask lets a query attend a key, as a bool tensor.
+
+    Examples:
+        >>> import torch
+        >>> from connmon.capture.scores import allowed_by
+        >>> finfo_min = torch.finfo(torch.float32).min
+        >>> allowed_by(torch.tensor([0.0, -2.0, -10000.0, finfo_min, float("-inf")])).tolist()
+        [True, True, False, False, False]
+    """
+    return mask if mask.dtype == torch.bool else mask > BLOCKED_AT
 
 
 def attention_scores(
@@ -30,8 +51,8 @@ def attention_scores(
     """Probabilities, the largest allowed logit per sequence and the allowed-key mask, in float32 (float64 stays).
 
     Memory: one ``(B, H, L, S)`` map (the logits become the probabilities in place) plus the mask's own shape; the
-    allowed mask is built on the mask's shape (a float mask blocks exactly where it is ``-inf``), so an unmasked or
-    causal layer never materializes a full ``(B, H, L, S)`` bool tensor.
+    allowed mask is built on the mask's shape (a float mask blocks where it is at most ``BLOCKED_AT``), so an
+    unmasked or causal layer never materializes a full ``(B, H, L, S)`` bool tensor.
 
     Args:
         query: ``(B, H, L, E)``.
@@ -44,10 +65,10 @@ def attention_scores(
         sinks: ``(H,)`` attention-sink logits (GPT-OSS): each joins its head's softmax as an extra key.
 
     Returns:
-        ``probs (B, H, L, S)`` with rows of no allowed key set to 0, ``max_logit (B,)`` the largest score the
-        softmax sees over heads, allowed keys and the rows of tokens some query may attend (a padding query is left
-        out), and ``allowed``, a 4-dim bool tensor broadcastable to
-        ``(B, H, L, S)``.
+        ``probs (B, H, L, S)`` with rows whose every logit is ``-inf`` set to 0 (a row that a finite mask blocks
+        entirely keeps the kernel's softmax, as transformers' eager padding queries do), ``max_logit (B,)`` the
+        largest score the softmax sees over heads, allowed keys and the rows of tokens some query may attend (a
+        padding query is left out), and ``allowed``, a 4-dim bool tensor broadcastable to ``(B, H, L, S)``.
 
     Examples:
         >>> import torch
@@ -74,17 +95,19 @@ def attention_scores(
     allowed = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     if is_causal:
         allowed = allowed & torch.ones(length, keys, dtype=torch.bool, device=q.device).tril()
+    finite = None  # where a float mask blocks with a finite value: the kernel's logit there is finite
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-        if mask.dtype == torch.bool:
-            allowed = allowed & mask
-        else:
+        if mask.dtype != torch.bool:
             scores.add_(mask.to(dtype))
-            allowed = allowed & (mask != float("-inf"))
+            finite = ~allowed_by(mask) & (mask != float("-inf"))
+        allowed = allowed & allowed_by(mask)
     blocked = not bool(allowed.all())
-    if blocked:
-        scores.masked_fill_(~allowed, float("-inf"))
+    if blocked:  # a row that a finite mask value blocks entirely keeps the kernel's softmax of its masked logits
+        fill = ~allowed if finite is None else ~allowed & ~(finite & ~allowed.any(dim=-1, keepdim=True))
+        scores.masked_fill_(fill, float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)  # (B, H, L, 1)
+    empty = ~torch.isfinite(row_max)  # every logit -inf: the row is 0 (SDPA's math kernel would give NaN)
     seen = row_max
     if blocked and length == keys:  # a token no query may attend (padding) is left out as a query too
         attended = allowed.any(dim=-2, keepdim=True).any(dim=-3, keepdim=True)  # (B | 1, 1, 1, S)
@@ -99,6 +122,6 @@ def attention_scores(
     if sinks is not None:
         total = total + (sink - row_max).exp()
     probs.div_(total)
-    if blocked:
-        probs.masked_fill_(~allowed.any(dim=-1, keepdim=True), 0.0)  # a row with no allowed key: 0, not NaN
+    if bool(empty.any()):
+        probs.masked_fill_(empty, 0.0)
     return probs, max_logit, allowed

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from connmon._cost import CostClock
 from connmon.capture.record import AttentionRecord, reconstruction_error
-from connmon.capture.scores import attention_scores
+from connmon.capture.scores import allowed_by, attention_scores
 
 # The largest reconstruction error of an exact record, per dtype the module computed in: far above the round-off
 # of that dtype over a layer (float32 ~1e-7, bf16 ~1e-2) and far below what a module that is not a walk gives.
@@ -252,9 +252,10 @@ class CaptureSession:
     ) -> None:
         """Hand over the probabilities a module's own softmax computed, ``(B, H, n, n)``, and the logits it read.
 
-        The window is taken as in :meth:`put_scores`; an entry is allowed where its probability is above zero (a
-        masked logit, ``-inf`` or the dtype's minimum, gives exactly zero), so padding keys are those no query
-        reaches. ``truncated`` says whether a kept query reads a key beyond the window, for probabilities that
+        The window is taken as in :meth:`put_scores`; an entry is allowed where its probability is above zero and
+        its logit above :data:`~connmon.capture.scores.BLOCKED_AT` (a masked logit, ``-inf``, ``-1e9`` or the dtype's
+        minimum, gives zero, or a row masked entirely its softmax of equal logits), so padding keys are those no
+        query reaches. ``truncated`` says whether a kept query reads a key beyond the window, for probabilities that
         were computed on the window alone (default: read from ``probs``).
         """
         if not self.wants(module):
@@ -272,7 +273,7 @@ class CaptureSession:
             logits = self.window(logits.detach(), dim=-2)[..., :m].to(dtype)
             if pending.truncated:
                 probs /= probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).tiny)
-            allowed = probs > 0
+            allowed = (probs > 0) & allowed_by(logits)  # a row all of whose logits are masked keeps its softmax
             attended = allowed.any(dim=-2, keepdim=True).any(dim=-3, keepdim=True)  # (B_s, 1, 1, m)
             seen = logits.masked_fill(~allowed | ~attended.transpose(-1, -2), float("-inf"))
             max_logit = seen.flatten(1).amax(dim=-1)
@@ -393,9 +394,9 @@ def _square(mask: Tensor, m: int) -> Tensor:
 
 
 def _reads_beyond(mask: Tensor, m: int) -> bool:
-    """Whether some query in the window may attend a key after it (bool: True = allowed; float: finite)."""
+    """Whether some query in the window may attend a key after it (bool: True = allowed; float: above BLOCKED_AT)."""
     beyond = mask[..., :m, m:] if mask.shape[-2] > 1 else mask[..., m:]
-    return bool(beyond.any()) if beyond.dtype == torch.bool else bool((beyond != float("-inf")).any())
+    return bool(allowed_by(beyond).any())
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from connmon.capture.adapters import flex, handwritten
 from connmon.capture.adapters.base import Adapter, transport_maps
-from connmon.capture.session import CaptureSession, busy
+from connmon.capture.session import CaptureSession, busy, warn_once
 
 _KERNEL_NAMES = frozenset(
     {"scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "flex_attention"}
@@ -650,6 +650,14 @@ def _read_transformers_call(
         session.skip(module, f"its attention call passes {', '.join(unknown)}, which connmon does not model; the "
                              "model's own attention runs unchanged")  # fmt: skip
         return
+    if not sdpa and mask is not None and mask.dtype == torch.bool:
+        warn_once(
+            f"connmon: {layer.name}: its eager attention function adds the boolean attention mask to the scores as "
+            "numbers (True +1, False 0), so it masks no key; recorded as the model computes it (transformers' eager "
+            "attention takes an additive float mask, 0 where a key may be attended)",
+            key=("boolean eager mask", id(module)),
+        )
+        mask = mask.to(query.dtype)
     is_causal = False
     if sdpa:  # as sdpa_attention_forward decides it
         is_causal = kwargs.get("is_causal")
