@@ -261,6 +261,28 @@ def test_the_fused_encoder_fast_path_is_left_alone_and_skipped_with_a_warning():
     assert torch.backends.mha.get_fastpath_enabled()
 
 
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_fused_layer_path_without_nested_tensors_is_left_alone_too(padded):
+    """enable_nested_tensor=False: each layer still takes its fused path in eval under no_grad, which torch refuses
+    when any forward hook sits on the layer or inside it, so connmon reads the layer without hooks there."""
+    nested, x, padding = padded_encoder()
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    model.load_state_dict(nested.state_dict())
+    mask = {"src_key_padding_mask": padding} if padded else {}
+    with torch.no_grad():
+        plain = model(x, **mask)
+        with pytest.warns(UserWarning, match="fast path"):
+            with connmon.capture.armed(model) as session:
+                watched = model(x, **mask)
+        after = model(x, **mask)
+    assert torch.equal(plain, watched) and torch.equal(plain, after) and session.records == []
+    assert all("forward" not in vars(m) for m in model.modules())  # nothing of connmon's is left on the modules
+    with connmon.capture.armed(model) as session:  # with gradients the same layers run their Python path: recorded
+        model(x, **mask)
+    assert_exact(session.records, 2)
+
+
 def test_the_encoder_records_where_it_runs_its_python_path():
     """With gradients (a training forward) the layers call self_attn: recorded exactly, outputs bitwise unchanged."""
     model, x, padding = padded_encoder()

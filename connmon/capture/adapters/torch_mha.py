@@ -5,15 +5,18 @@ The scores are recomputed from the module's inputs, weights and masks exactly as
 keys). The module's own path is never switched: where ``nn.MultiheadAttention`` runs its native fast path the scores
 are still recomputed on the side and verified against the output it returned, and where ``nn.TransformerEncoderLayer``
 runs its fused fast path (eval mode without gradients), which never calls its ``self_attn`` module, or hands it a
-nested tensor, the layer is skipped with one warning that says how to get records. connmon's own forwards
+nested tensor, the layer is skipped with one warning that says how to get records. Inside such a layer connmon reads
+through :class:`ForwardWrapper`, never a hook: torch refuses the fused path when a forward hook sits on the layer or
+inside it, so a hook would switch the path it reads. connmon's own forwards
 (:func:`connmon.capture`, probes) run the Python path through :func:`python_attention_path`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -63,19 +66,24 @@ class TorchMultiheadAttention(Adapter):
             with session.guarded(mod):
                 self._feed(mod, session, bound, output[0])
 
-        handles = [
-            module.register_forward_pre_hook(entered, with_kwargs=True),
-            module.register_forward_hook(hook, with_kwargs=True),
-        ]
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else None
-        if isinstance(parent, nn.TransformerEncoderLayer) and parent.self_attn is module:
+        if not (isinstance(parent, nn.TransformerEncoderLayer) and parent.self_attn is module):
+            return [
+                module.register_forward_pre_hook(entered, with_kwargs=True),
+                module.register_forward_hook(hook, with_kwargs=True),
+            ]
 
-            def bypassed(layer: nn.TransformerEncoderLayer, args: tuple, output: object) -> None:
-                if session.wants(module) and not session.pending(module).entered:
-                    session.skip(module, _FAST_PATH)  # the fused encoder path never called self_attn
+        def bypassed(args: tuple, kwargs: dict, output: object) -> None:
+            if session.wants(module) and not session.pending(module).entered:
+                session.skip(module, _FAST_PATH)  # the fused encoder path never called self_attn
 
-            handles.append(parent.register_forward_hook(bypassed))
-        return handles
+        # The layer refuses its fused path when any forward hook sits on it or inside it, so there connmon reads
+        # through the forwards themselves: the layer takes the path it would take unarmed.
+        return [
+            ForwardWrapper(module, lambda args, kwargs: entered(module, args, kwargs),
+                           lambda args, kwargs, output: hook(module, args, kwargs, output)),
+            ForwardWrapper(parent, None, bypassed),
+        ]  # fmt: skip
 
     @staticmethod
     def _feed(mod: nn.MultiheadAttention, session: CaptureSession, bound: dict, out: Tensor) -> None:
@@ -103,6 +111,54 @@ class TorchMultiheadAttention(Adapter):
         additive = sum(_additive(mask) for mask in masks) if masks else None  # broadcast shapes, never (B, H, n, n)
         session.put_scores(mod, q, k, additive, dropout=mod.training and mod.dropout > 0)
         session.put(mod, x=x, output=out)
+
+
+class ForwardWrapper:
+    """Calls ``before(args, kwargs)`` and ``after(args, kwargs, output)`` around a module's own ``forward``.
+
+    Not a hook: an attribute of the instance that ``nn.Module.__call__`` calls in place of the class's ``forward``
+    (hooks, if any, still run around it), so code that checks for hooks sees none. Removed like a hook handle; a
+    wrapper another one was stacked on after it turns into a plain call of the forward it wrapped.
+
+    Examples:
+        >>> import torch
+        >>> from connmon.capture.adapters.torch_mha import ForwardWrapper
+        >>> layer, seen = torch.nn.Linear(2, 2), []
+        >>> handle = ForwardWrapper(layer, None, lambda args, kwargs, out: seen.append(tuple(out.shape)))
+        >>> _ = layer(torch.zeros(3, 2))
+        >>> handle.remove()
+        >>> _ = layer(torch.zeros(1, 2))
+        >>> seen, "forward" in vars(layer), len(layer._forward_hooks)
+        ([(3, 2)], False, 0)
+    """
+
+    def __init__(self, module: nn.Module, before: Callable | None, after: Callable | None) -> None:
+        self.module, self.active = module, True
+        self.own = vars(module).get("forward")  # an instance forward of the user's own, kept as it is
+        inner = module.forward
+
+        @functools.wraps(inner)
+        def forward(*args: object, **kwargs: object) -> object:
+            if not self.active:
+                return inner(*args, **kwargs)
+            if before is not None:
+                before(args, kwargs)
+            output = inner(*args, **kwargs)
+            if after is not None:
+                after(args, kwargs, output)
+            return output
+
+        self.forward = forward
+        module.forward = forward
+
+    def remove(self) -> None:
+        """Take the wrapper off (idempotent)."""
+        self.active = False
+        if vars(self.module).get("forward") is self.forward:
+            if self.own is None:
+                del self.module.forward
+            else:
+                self.module.forward = self.own
 
 
 _FAST_PATH = (
