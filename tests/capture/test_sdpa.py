@@ -1,3 +1,5 @@
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -176,6 +178,45 @@ def test_nested_attention_modules_each_record_their_own_call():
     with torch.no_grad():
         torch.testing.assert_close(records["0"].x, x + model[0].inner(x))
     assert not torch.allclose(records["0"].attn, records["0.inner"].attn)
+
+
+def attend(q, k, v):
+    """A module-level helper around the kernel, as code bases write them."""
+    return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class RefinedThroughHelper(RefinedAttention):
+    """Nested attention whose outer forward reaches SDPA only through ``attend``."""
+
+    def forward(self, x):
+        x = x + self.inner(x)
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return self.out(attend(q, k, v).transpose(1, 2).reshape(b, n, d))
+
+
+class Mixer(SelfAttention):
+    """A subclass under another name whose forward hands on to its base's."""
+
+    def forward(self, x):
+        return super().forward(x) * 1.0
+
+
+@pytest.mark.parametrize("outer", [RefinedThroughHelper, Mixer])
+def test_a_layer_reaching_its_kernel_through_a_helper_or_its_base_is_recorded(outer):
+    model = nn.Sequential(outer())
+    x = torch.randn(2, 7, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records = {r.name: r for r in connmon.capture(model, x)}
+    assert set(records) == ({"0", "0.inner"} if outer is RefinedThroughHelper else {"0"})
+    for record in records.values():
+        assert record.reconstruction_error.item() <= 1e-5
+    with torch.no_grad():
+        outputs = [model(x)]
+        with connmon.capture.armed(model):
+            outputs.append(model(x))
+    assert torch.equal(*outputs)
 
 
 def test_an_outer_layer_chosen_alone_is_not_given_its_inner_modules_walk():

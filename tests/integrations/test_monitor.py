@@ -474,6 +474,59 @@ def test_another_threads_forward_is_ignored_and_this_ones_recorded():
     assert [r.name for r in session.records] == ["blocks.0.attn", "blocks.1.attn"]
 
 
+def test_a_thread_inside_an_armed_layer_when_another_ends_the_step_keeps_no_connmon_mode():
+    """Thread B is inside an armed attention module when thread A's ``monitor.step`` ends (its hooks go): B must
+    leave with no torch-function mode of connmon's on its stack, so its later encoder forwards keep torch's fused
+    path and compute what an unwatched thread computes."""
+    import threading
+
+    from tests.capture.models import CausalSelfAttention
+
+    inside, proceed = threading.Event(), threading.Event()
+
+    class Waiting(CausalSelfAttention):
+        def forward(self, x):
+            y = super().forward(x)
+            if threading.current_thread().name == "B":
+                inside.set()
+                proceed.wait(10)
+            return y
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    for block in model.blocks:
+        waiting = Waiting()
+        waiting.load_state_dict(block.attn.state_dict())
+        block.attn = waiting
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True, dropout=0.0)
+    encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    src = torch.randn(2, 7, 16)
+    padding = torch.zeros(2, 7, dtype=torch.bool)
+    padding[1, 5:] = True
+    with torch.no_grad():
+        plain = encoder(src, src_key_padding_mask=padding)
+    seen = {}
+
+    def run_b():
+        with torch.no_grad():
+            model(batches(1)[0])
+            seen["modes"] = torch._C._len_torch_function_stack()
+            seen["encoder"] = encoder(src, src_key_padding_mask=padding)
+
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",))
+    thread = threading.Thread(target=run_b, name="B")
+    with monitor.step(0):
+        model(batches(1)[0])
+        thread.start()
+        assert inside.wait(10)
+    proceed.set()  # A's step is over and its hooks are gone; B leaves the armed module now
+    thread.join(10)
+    assert not thread.is_alive()
+    assert seen["modes"] == 0
+    assert torch.equal(seen["encoder"], plain)
+    assert monitor.samples == 1 and math.isfinite(monitor.last_values["connmon/attention_entropy/L01"])
+
+
 def test_captured_models_are_not_kept_alive_by_the_adapter():
     import gc
     import weakref

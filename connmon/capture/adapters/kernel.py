@@ -109,21 +109,33 @@ def calls_attention_kernel(module: nn.Module) -> bool:
 
 @functools.cache
 def _forward_calls_kernel(cls: type) -> bool:
-    seen, todo = set(), ["forward"]
+    todo = [_function(inspect.getattr_static(cls, "forward", None))]
+    seen = set()
     while todo:
-        method = todo.pop()
-        function = inspect.getattr_static(cls, method, None)
-        function = getattr(function, "__func__", function)  # a staticmethod or classmethod
-        code = getattr(inspect.unwrap(function), "__code__", None) if callable(function) else None
-        if code is None or method in seen:
+        function = todo.pop()
+        code = getattr(function, "__code__", None)
+        if code is None or code in seen:
             continue
-        seen.add(method)
+        seen.add(code)
         names = _names(code)
-        namespace = getattr(inspect.unwrap(function), "__globals__", {})
+        namespace = getattr(function, "__globals__", {})
         if _KERNEL_NAMES & names or any(_is_kernel(namespace.get(name)) for name in names):
             return True
-        todo.extend(n for n in names if n not in seen and callable(inspect.getattr_static(cls, n, None)))
+        todo.extend(_function(inspect.getattr_static(cls, n, None)) for n in names)  # the class's own methods
+        if "super" in names:  # a subclass's forward that hands on to its base's (class Mine(LlamaAttention))
+            todo.extend(_function(vars(base).get(n)) for base in cls.__mro__[1:] for n in {*names, code.co_name})
+        todo.extend(  # helpers defined beside the code that calls them (def attend(q, k, v): return F.sdpa(...))
+            value
+            for value in map(namespace.get, names)
+            if isinstance(value, types.FunctionType) and value.__module__ == function.__module__
+        )
     return False
+
+
+def _function(value: object) -> object:
+    """The plain function behind a method, staticmethod, classmethod or decorated function (None if none)."""
+    value = getattr(value, "__func__", value)
+    return inspect.unwrap(value) if callable(value) else None
 
 
 def _is_kernel(value: object) -> bool:
@@ -149,10 +161,19 @@ def kernel_caller_hooks(module: nn.Module) -> list[RemovableHandle]:
 
 
 def _entered(module: nn.Module, *args: object) -> None:
-    """A forward pre-hook: ``module`` is now the innermost running attention module of this thread."""
+    """A forward pre-hook: ``module`` is now the innermost running attention module of this thread.
+
+    Only a thread that armed a session keeps the stack and pushes the reading mode: another thread's forwards are
+    never read, and its hooks may be removed by the arming thread while it is inside, so it must hold nothing that
+    only a later hook would release. The same module entered through two sessions' hooks is stacked once.
+    """
+    if torch.compiler.is_compiling() or not any(session.is_own_thread() for session in _SESSIONS):
+        return
     stack = _stack()
+    if stack and stack[-1] is module:
+        return
     stack.append(module)
-    if len(stack) == 1 and _SESSIONS and not torch.compiler.is_compiling():
+    if len(stack) == 1:
         _LOCAL.reader = _Reader()
         _LOCAL.reader.__enter__()
 
@@ -162,8 +183,14 @@ def _left(module: nn.Module, *args: object) -> None:
     stack = _stack()
     if stack and stack[-1] is module:
         stack.pop()
+    if not stack:
+        _release_reader()
+
+
+def _release_reader() -> None:
+    """Pop this thread's reading mode, if it pushed one."""
     reader = getattr(_LOCAL, "reader", None)
-    if not stack and reader is not None:
+    if reader is not None:
         _LOCAL.reader = None
         reader.__exit__(None, None, None)
 
@@ -553,6 +580,9 @@ def intercepted(session: CaptureSession) -> Iterator[None]:
         yield
     finally:
         _SESSIONS.remove(session)
+        if not any(other.is_own_thread() for other in _SESSIONS):  # this thread's last session: nothing of it stays
+            _stack().clear()
+            _release_reader()
         if first:
             torch.nn.functional.scaled_dot_product_attention = _sdpa.original
             interface = _attention_interface()
