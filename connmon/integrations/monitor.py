@@ -60,7 +60,9 @@ class Monitor:
     ``connmon/<metric>/L<ll>`` and ``connmon/<metric>/all`` through ``log(values, step=step)`` on rank zero. The
     eigen- and SVD-bound diagnostics (the spectrum group and the edge isometry gap) run on every
     ``full_every_n_samples``-th sample, the first included. Pass the same ``step`` for every micro-batch of a
-    gradient-accumulation step: only its first forward is sampled.
+    gradient-accumulation step: only its first forward is sampled. A ``torch.compile``'d model keeps its graph as
+    compiled: its sampled batch is read beside it by one more forward of the original module (eval mode, ``no_grad``),
+    so training stays bitwise unchanged.
 
     Nothing the monitor does can end the run: a model without readable attention turns it off with one warning,
     a layer it cannot record exactly is skipped with one warning, W&B errors are reported once.
@@ -282,6 +284,10 @@ class Monitor:
         if not sampled:
             yield False
             return
+        if hasattr(model, "_orig_mod"):  # torch.compile'd: its graph stays as compiled, the batch is read beside it
+            with self._read_beside(model, step, rule_values):
+                yield True
+            return
         self.arm(model)
         try:
             yield True
@@ -471,13 +477,18 @@ class Monitor:
         self._armed = stack
 
     def run_probe(
-        self, model: nn.Module, step: int, rule_values: Mapping[str, float] | None = None
+        self,
+        model: nn.Module,
+        step: int,
+        rule_values: Mapping[str, float] | None = None,
+        forward: Callable[[nn.Module], Any] | None = None,
     ) -> dict[str, float]:
         """Record the ``probe`` batch on ``model`` now and finish the sample as step ``step``; returns what was logged.
 
         The probe runs under ``no_grad`` in eval mode, on ``nn.MultiheadAttention``'s Python path (its output is
         connmon's own), and every module's mode is put back as it was. A probe forward that raises is reported once
-        and the sample is discarded: the training run goes on.
+        and the sample is discarded: the training run goes on. ``forward``, if given, runs the model instead of the
+        probe (``forward(model)``): how :meth:`step` reads a compiled model's batch beside its graph.
         """
         with self.clock.measuring():  # the probe's forward is connmon's cost too
             modes = [(module, module.training) for module in model.modules()]
@@ -486,7 +497,9 @@ class Monitor:
                 self.arm(model)
                 with torch.no_grad(), python_attention_path():
                     probe = _to_device(self.probe, _device_of(model))
-                    if self.probe_fn is not None:
+                    if forward is not None:
+                        forward(model)
+                    elif self.probe_fn is not None:
                         self.probe_fn(model, probe)
                     elif isinstance(probe, Mapping):
                         model(**probe)
@@ -503,6 +516,28 @@ class Monitor:
                 for module, training in modes:
                     module.training = training
         return self.finish(step, rule_values)
+
+    @contextlib.contextmanager
+    def _read_beside(self, model: nn.Module, step: int, rule_values: Mapping[str, float] | None) -> Iterator[None]:
+        """For a compiled model: its first call in the block is first read by an eager forward of its original module.
+
+        No hook ever sits inside the compiled graph (a hook there splits it, and the training forward and backward
+        then differ in the last bits): a pre-hook on the compiled wrapper, which runs outside the graph, hands the
+        call's inputs to :meth:`run_probe` on the original module, so the reading is of the same batch and weights
+        the training forward sees, in eval mode and under ``no_grad``, at the cost of one more forward.
+        """
+        read = []
+
+        def before(wrapper: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not read:
+                read.append(True)
+                self.run_probe(model._orig_mod, step, rule_values, lambda original: original(*args, **kwargs))
+
+        handle = model.register_forward_pre_hook(before, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
     def discard(self) -> None:
         """Disarm and forget the sample being recorded (a forward that raised): nothing of it is logged or kept.

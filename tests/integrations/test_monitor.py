@@ -203,6 +203,34 @@ def test_a_compiled_model_gives_the_same_loss_and_gradients_to_float32_round_off
     assert monitor.last_values["connmon/reconstruction_error/all"] < 1e-5
 
 
+def test_a_compiled_model_handed_to_the_monitor_trains_bitwise_as_without_it():
+    """``Monitor(torch.compile(model))``: no hook enters the compiled graph; each sampled batch is read beside it by
+    an eager forward of the original module, so losses and weights equal the compiled loop's without connmon.
+    One thread: with several, MKL and OpenMP may split a reduction differently from run to run (on a busy machine
+    two compiled runs without connmon then differ too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        models = [TinyGPT() for _ in range(3)]
+        for model in models[1:]:
+            model.load_state_dict(models[0].state_dict())
+        data = batches(4)
+        plain = [train(torch.compile(model), data) for model in models[:2]]
+        compiled = torch.compile(models[2])
+        monitor = connmon.Monitor(compiled, every_n_steps=2, diagnostics=("walk",))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            watched = train(compiled, data, monitor)
+    finally:
+        torch.set_num_threads(threads)
+    assert plain[0] == plain[1] and watched == plain[0]
+    for a, b, c in zip(*(model.parameters() for model in models), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert monitor.samples == 2 and no_hooks(models[2]) and no_hooks(compiled)
+    assert monitor.last_values["connmon/reconstruction_error/all"] < 1e-5
+
+
 def test_rules_see_the_loops_own_values():
     model = TinyGPT()
     seen = []
