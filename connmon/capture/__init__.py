@@ -212,7 +212,11 @@ def armed(
             for other in unarmed:  # the attention modules left out still own their kernel calls
                 if isinstance(other.adapter, KernelAttention):
                     handles.extend(kernel_caller_hooks(other.module))
-            yield session
+            try:
+                yield session
+            except BaseException:
+                session.abandon()  # the forward raised: its layers' missing pieces say nothing about the model
+                raise
         finally:
             for handle in handles:
                 handle.remove()

@@ -289,6 +289,10 @@ class CaptureSession:
         pending.scored, pending.dropout = True, dropout
         self._maybe_finish(module, pending)
 
+    def abandon(self) -> None:
+        """The forward this session armed for raised: forget every partial piece, so :meth:`close` reports nothing."""
+        self._pending.clear()
+
     def close(self) -> None:
         """End the session: every armed layer that ran but left no record is reported once, with the reason."""
         for layer in self.layers.values():

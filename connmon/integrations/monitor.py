@@ -23,7 +23,7 @@ from connmon._options import check_int
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers, python_attention_path
-from connmon.capture.session import Layer
+from connmon.capture.session import CaptureSession, Layer
 from connmon.integrations.sharpness import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
 
@@ -244,6 +244,7 @@ class Monitor:
         self.metrics: dict[str, LayerwiseMean] = {}
         self._model: nn.Module | None = None
         self._armed: contextlib.ExitStack | None = None
+        self._session: CaptureSession | None = None  # the armed capture's session
         self._pending_drift_state: dict | None = None
         self._drift_before: dict | None = None  # the time-drift references before the armed sample
         self._listeners: list[Callable[[int, dict[str, float]], None]] = []
@@ -463,7 +464,7 @@ class Monitor:
         self._drift_before = drift.get_extra_state() if drift is not None else None  # for discard()
         with self.clock.measuring():
             stack = contextlib.ExitStack()
-            stack.enter_context(
+            self._session = stack.enter_context(
                 armed(
                     model,
                     num_sequences=self.num_sequences,
@@ -544,6 +545,8 @@ class Monitor:
 
         The accumulators are reset and the time-drift references are those from before the sample was armed.
         """
+        if self._armed is not None:
+            self._session.abandon()  # a layer the raise cut short is not reported as unreadable
         self.disarm()
         with torch.inference_mode(False):
             for metric in self.metrics.values():

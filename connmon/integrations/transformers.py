@@ -143,6 +143,9 @@ class ConnectionMonitorCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
     ) -> None:
         """Find the attention layers, the W&B run, and the state saved in the checkpoint training resumes from."""
+        if self._pending >= 0:  # an earlier train() ended inside a sampled step (its forward raised): not logged
+            self._pending = -1
+            self.monitor.discard()
         self.monitor.reset()
         if self.sharpness is not None:
             self.sharpness.reset()
@@ -178,7 +181,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             self._pending = step
             self.monitor.arm(model)
             # the Trainer has no exception hook: disarm when this forward ends, also when it raises
-            self._guard = model.register_forward_hook(self._forward_done, always_call=True)
+            self._guard = model.register_forward_hook(self._forward_ended, always_call=True)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -253,6 +256,13 @@ class ConnectionMonitorCallback(TrainerCallback):
             clock.stop()
         if self.sharpness is not None:
             self.sharpness.detach()
+
+    def _forward_ended(self, model: Any, args: tuple, output: Any) -> None:
+        """The guard on the model's forward: no output means it raised, and its partial sample is discarded."""
+        if output is None and not self._reading and self.monitor.is_armed:
+            self._pending = -1
+            self.monitor.discard()
+        self._forward_done()
 
     def _forward_done(self, *args: Any) -> None:
         if self._reading:

@@ -352,6 +352,25 @@ def test_a_forward_that_raised_leaves_nothing_of_its_partial_sample():
     assert measured(monitor.last_values) == measured(expected.last_values)
 
 
+def test_a_forward_that_raised_inside_an_attention_layer_warns_nothing_false():
+    """The raise comes between layer 1's kernel and its output projection: no 'not recorded' reason is invented for
+    a layer the raise cut short (it would also silence the real warning later, since each cause warns once)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",))
+    handle = model.blocks[1].attn.c_proj.register_forward_pre_hook(
+        lambda *_: (_ for _ in ()).throw(RuntimeError("oom"))
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="oom"), monitor.step(0):
+            model(batches(1)[0])
+        handle.remove()
+        with monitor.step(1):
+            model(batches(1)[0])
+    assert monitor.samples == 1 and monitor.last_values["connmon/reconstruction_error/L01"] < 1e-5
+
+
 def test_an_error_in_a_metrics_update_is_warned_not_swallowed():
     """A drift reference of the wrong shape (a hand-edited checkpoint) is named once; the other keys still come."""
     torch.manual_seed(0)

@@ -177,19 +177,31 @@ def test_report_to_wandb_gets_the_keys_histograms_and_figures(tmp_path, monkeypa
     assert "train/loss" in keys
 
 
-def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook(tmp_path):
-    trainer = make_trainer(tmp_path, monitor={"every_n_steps": 1, "diagnostics": ("walk",)})
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook_and_a_rerun_samples_whole(tmp_path, every):
+    trainer = make_trainer(tmp_path, monitor={"every_n_steps": every, "diagnostics": ("walk",)})
     model = trainer.model
     original = model.lm_head.forward
+    calls = []
 
     def broken(hidden):
-        raise RuntimeError("out of memory, say")
+        calls.append(1)
+        if len(calls) == every:  # the first sampled step's forward
+            raise RuntimeError("out of memory, say")
+        return original(hidden)
 
     model.lm_head.forward = broken  # raises after the attention layers ran, inside the armed forward
     with pytest.raises(RuntimeError, match="out of memory"):
         trainer.train()
     model.lm_head.forward = original
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    trainer.train()  # the user caught it and trains again: the failed sample is gone, every sample is whole
+    logged = [row for row in trainer.state.log_history if any(key.startswith("connmon/") for key in row)]
+    layered = rows(trainer)
+    assert sorted(layered) == list(range(every, 7, every))
+    assert all(row["step"] in layered for row in logged)  # no sample without its layers
+    for row in layered.values():
+        assert math.isfinite(row["connmon/attention_entropy/L01"]) and row["connmon/reconstruction_error/all"] < 1e-5
 
 
 def test_rules_see_the_trainers_own_logged_loss(tmp_path):
