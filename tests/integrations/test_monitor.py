@@ -149,6 +149,7 @@ def test_state_dict_resumes_cadence_and_time_drift():
 
 
 def test_a_wandb_run_gets_scalars_histograms_and_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     import wandb
 
