@@ -21,6 +21,7 @@ Usage:
     python benchmarks/bench_sharpness.py --check   # the estimator against a dense Hessian (a few seconds)
     python benchmarks/bench_sharpness.py --batch-choice   # the next batch or the one just trained on (3 runs, ~12 min)
     python benchmarks/bench_sharpness.py --step-size --save /tmp/steps.jsonl   # gradient-difference step rules
+    python benchmarks/bench_sharpness.py --probe-batch --save /tmp/probe.jsonl   # a fixed probe batch, warm started
     python benchmarks/bench_sharpness.py --update-every 5 --save /tmp/readings.json   # + the update readings (~20 min)
 """
 
@@ -287,6 +288,93 @@ def step_size_study(seed: int = 0, points: tuple[int, ...] = STEP_POINTS) -> lis
         if not train_step(model, optimizer, (idx, target), losses):
             break
     return rows
+
+
+PROBE_WINDOW = (1000, 1320, 20)  # base ramp seed 0: healthy, the ratio passing 0.5, up to its divergence near 1324
+
+
+def _top_ritz(matvec, start: torch.Tensor, steps: int) -> tuple[list[float], torch.Tensor]:
+    """Lanczos with full reorthogonalization (the study's operators are small).
+
+    Returns the top Ritz value after each step (steps 1..``steps``, one product each, from the same start) and the
+    last top Ritz vector.
+    """
+    basis, alpha, beta = [start / start.norm()], [], []
+    values = []
+    for j in range(steps):
+        w = matvec(basis[j])
+        alpha.append(float(w @ basis[j]))
+        for q in basis:  # twice is enough (Kahan)
+            w = w - (w @ q) * q
+        for q in basis:
+            w = w - (w @ q) * q
+        t = torch.diag(torch.tensor(alpha, dtype=torch.float64))
+        for i, b in enumerate(beta):
+            t[i, i + 1] = t[i + 1, i] = b
+        nodes, vectors = torch.linalg.eigh(t)
+        values.append(float(nodes[-1]))
+        beta.append(float(w.norm()))
+        if j + 1 < steps:
+            basis.append(w / w.norm())
+    ritz = sum(float(c) * q for c, q in zip(vectors[:, -1], basis, strict=False))
+    return values, ritz / ritz.norm()
+
+
+def probe_study(seed: int = 0, window: tuple[int, int, int] = PROBE_WINDOW, warm_steps: int = 4) -> list[dict]:
+    """Issue 32 item 3: can a fixed probe batch be read warm in 1-2 products (its Hessian moves with the weights only)?
+
+    At each sample of the base ramp run, before the step: the exact ratio of the batch the step trains
+    on (8 Lanczos steps, what the default rule reads), and on one fixed batch (drawn once): 20 cold Lanczos steps
+    (its converged value, and its 8-step reading) and ``warm_steps`` steps from the previous sample's top Ritz
+    vector. Exact products (double backward, float64 vectors).
+    """
+    from connmon._hessian import DoubleBackwardProducts
+    from connmon.curvature import _root, step_geometry
+
+    config, data, model, optimizer, gen = base_ramp(seed)
+    probe_rows = data[torch.randint(0, len(data), (16,), generator=torch.Generator().manual_seed(10_000 + seed))]
+    probe = (probe_rows[:, :-1], probe_rows[:, 1:])
+    start, until, every = window
+    losses, rows, previous = [], [], None
+    for step in range(until + 1):
+        idx, target, _ = next_batch(config, step, optimizer, data, gen)
+        if step >= start and step % every == 0:
+            geometry = step_geometry(optimizer)
+            sizes = zip(geometry.step_sizes, geometry.params, strict=True)
+            scale = torch.cat([_root(size, p, torch.float64) for size, p in sizes])
+            row = {"step": step, "train": ratio_of(model, (idx, target), optimizer, 8, step)}
+            with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
+                hessian = DoubleBackwardProducts([lambda: gpt_loss(model, probe)], geometry.params, torch.float64, step)
+
+                def matvec(v, hessian=hessian, scale=scale):
+                    return hessian(v.clone(), scale).mul_(scale)
+
+                first = torch.randn(scale.numel(), generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+                cold, ritz = _top_ritz(matvec, first, 20)
+                row["probe"], row["probe 8 cold"] = cold[-1] / geometry.constant, cold[7] / geometry.constant
+                if previous is not None:
+                    warm, _ = _top_ritz(matvec, previous, warm_steps)
+                    row["warm"] = [value / geometry.constant for value in warm]
+                    row["overlap"] = abs(float(previous @ ritz))
+            previous = ritz
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if not train_step(model, optimizer, (idx, target), losses):
+            break
+    return rows
+
+
+def probe_table(rows: list[dict]) -> None:
+    """A fixed probe's reading against the training batches', and warm starts against its converged value."""
+    print("\n| step | train batch, 8 cold | probe, 20 cold | probe / train | probe 8 cold / 20 | overlap | "
+          + " | ".join(f"warm {k} / 20" for k in range(1, len(rows[-1].get("warm", [])) + 1)) + " |")  # fmt: skip
+    print("|---|" + "---|" * (5 + len(rows[-1].get("warm", []))))
+    for row in rows:
+        warm = " | ".join(f"{w / row['probe']:.3f}" for w in row.get("warm", []))
+        print(
+            f"| {row['step']} | {row['train']:.3f} | {row['probe']:.3f} | {row['probe'] / row['train']:.2f} | "
+            f"{row['probe 8 cold'] / row['probe']:.3f} | {row.get('overlap', float('nan')):.2f} | {warm} |"
+        )
 
 
 def step_size_table(rows: list[dict]) -> None:
@@ -617,7 +705,15 @@ def main() -> None:
     parser.add_argument(
         "--step-size", action="store_true", help="only measure the gradient-difference step rules against exact"
     )
+    parser.add_argument("--probe-batch", action="store_true", help="only measure a fixed probe batch, warm started")
     args = parser.parse_args()
+    if args.probe_batch:
+        rows = [json.loads(line) for path in args.load for line in path.read_text().splitlines()] if args.load else (
+            probe_study())  # fmt: skip
+        if args.save:
+            args.save.write_text("\n".join(json.dumps(row) for row in rows))
+        probe_table(rows)
+        return
     if args.check:
         check_against_dense()
         return
