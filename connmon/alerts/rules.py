@@ -249,6 +249,26 @@ class RuleSet:
                 alerts.append(dataclasses.replace(fired, rule=rule.name, level=rule.level))
         return alerts
 
+    def regime_steps(self, every_n_steps: int) -> frozenset[int]:
+        """The steps a monitor sampling every ``every_n_steps`` adds so that its regime rules can fire.
+
+        A rule that watches only the first steps (``until=U``, such as the default ``attention logits growing early``)
+        needs samples in ``[0, U]`` to compare: where the cadence puts fewer than three there (step 0 included), steps
+        ``U // 2`` and ``U`` are sampled too, the cadence the rule was measured at (every 25 steps for ``U = 50``).
+
+        Examples:
+            >>> from connmon.alerts import RuleSet, default_rules
+            >>> sorted(RuleSet(default_rules()).regime_steps(100)), sorted(RuleSet(default_rules()).regime_steps(25))
+            ([25, 50], [])
+        """
+        check_number("every_n_steps", every_n_steps, low=1, integer=True)
+        steps = set()
+        for rule in self.rules:
+            for member in rule.rules if isinstance(rule, AllOf) else (rule,):
+                if member.until is not None and member.until // every_n_steps < 2:
+                    steps.update((member.until // 2, member.until))
+        return frozenset(step for step in steps if step % every_n_steps)
+
     @staticmethod
     def _conjunction(rule: AllOf, state: _RuleState, values: Mapping[str, float], step: int) -> Alert | None:
         """Feed every member; the evidence that completes the conjunction at this step, or None."""

@@ -37,9 +37,10 @@ class DriftAlert(Callback):
     steps, its keys only, so a rule over ``connmon/sharpness_ratio`` sees each measurement once.
 
     An alert can come no sooner than the monitors' next sample. The default rules' divergence warning comes from a
-    :class:`SharpnessMonitor` (every 20 steps on the instability suite of benchmarks/README.md: a median of 68 steps
-    ahead); their regime alert wants attention samples in the first 50 steps, such as
-    ``ConnectionMonitor(every_n_steps=25, diagnostics=("walk",))`` (the walk group holds the max logit).
+    :class:`SharpnessMonitor` (on the instability suite of benchmarks/README.md: a median of 91 steps ahead at its
+    defaults); their regime alert compares attention samples of the first 50 steps, so a ConnectionMonitor that
+    samples more sparsely than every 25 steps also samples steps 25 and 50 (two light samples, said by
+    :meth:`connmon.alerts.RuleSet.regime_steps`). By default an ``ERROR`` alert (non-finite attention) stops the run.
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
@@ -98,6 +99,9 @@ class DriftAlert(Callback):
         if monitors and self._listening is not monitors[0]:
             monitors[0].add_listener(self._on_sample)
             self._listening = monitors[0]
+        if monitors:  # the regime rules' early samples, whatever the monitor's cadence
+            sampler = monitors[0].monitor
+            sampler.extra_steps = self.rules.regime_steps(sampler.every_n_steps)
         if curvature and self._listening_curvature is not curvature[0]:
             curvature[0].add_listener(self._on_curvature)
             self._listening_curvature = curvature[0]

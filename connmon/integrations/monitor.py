@@ -60,9 +60,11 @@ class Monitor:
     ``connmon/<metric>/L<ll>`` and ``connmon/<metric>/all`` through ``log(values, step=step)`` on rank zero. The
     eigen- and SVD-bound diagnostics (the spectrum group and the edge isometry gap) run on every
     ``full_every_n_samples``-th sample, the first included. Pass the same ``step`` for every micro-batch of a
-    gradient-accumulation step: only its first forward is sampled. A ``torch.compile``'d model keeps its graph as
-    compiled: its sampled batch is read beside it by one more forward of the original module (eval mode, ``no_grad``),
-    so training stays bitwise unchanged.
+    gradient-accumulation step: only its first forward is sampled. With ``alerts`` whose rules watch only the first
+    steps (the default ``attention logits growing early``, until step 50), a sparse cadence also samples the steps
+    those rules need (25 and 50: :meth:`connmon.alerts.RuleSet.regime_steps`, in :attr:`extra_steps`). A
+    ``torch.compile``'d model keeps its graph as compiled: its sampled batch is read beside it by one more forward of
+    the original module (eval mode, ``no_grad``), so training stays bitwise unchanged.
 
     Nothing the monitor does can end the run: a model without readable attention turns it off with one warning,
     a layer it cannot record exactly is skipped with one warning, W&B errors are reported once.
@@ -228,6 +230,8 @@ class Monitor:
         self.clock = CostClock("attention")
         self.log = log
         self.alerts = alerts
+        # sampled besides the cadence: what the alert rules that watch only a run's first steps need to compare
+        self.extra_steps = alerts.rules.regime_steps(every_n_steps) if alerts is not None else frozenset()
         self.log_on_every_rank = False  # an integration whose logger filters ranks itself sets this
         self.owner = "connmon.Monitor"  # the entry point named in warnings
         self.sink: Any = None  # connmon.loggers.wandb.WandbSink for histograms, figures and W&B alerts
@@ -449,7 +453,8 @@ class Monitor:
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` is sampled (a step is sampled once, however many micro-batches it has)."""
-        return bool(self.selected) and step % self.every_n_steps == 0 and step != self.last_sampled_step
+        cadence = step % self.every_n_steps == 0 or step in self.extra_steps
+        return bool(self.selected) and cadence and step != self.last_sampled_step
 
     @property
     def is_armed(self) -> bool:

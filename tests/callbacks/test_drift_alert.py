@@ -3,6 +3,7 @@ import warnings
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -178,3 +179,28 @@ def test_an_all_of_rule_combines_the_logged_loss_with_a_geometric_key(tmp_path):
     assert [a.value for a in seen] == pytest.approx(module.losses)
     saved = alert.state_dict()["rules"]["loss and logits together"]
     assert sorted(saved["members"]) == ["logit", "loss seen"] and saved["count"] == 3
+
+
+class SharperAtStep10(LitGPT):
+    """Its query and key weights double at step 10 (attention logits x4): what an LR too high does early."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == 10 and batch_idx == 10:
+            n_embd = self.model.blocks[0].attn.n_embd
+            with torch.no_grad():
+                for block in self.model.blocks:
+                    block.attn.c_attn.weight[: 2 * n_embd] *= 2
+
+
+@pytest.mark.parametrize("module", [LitGPT, SharperAtStep10])
+def test_the_quick_starts_cadence_feeds_the_early_logit_rule(tmp_path, module):
+    """ConnectionMonitor(every_n_steps=100) with DriftAlert(): steps 25 and 50 are sampled too, so the default
+    'attention logits growing early' rule can compare; it fires where the logits quadrupled and stays quiet where
+    they did not."""
+    sampler = ConnectionMonitor(every_n_steps=100, diagnostics=("walk",), figures_every_n_samples=None)
+    alert = DriftAlert(actions=())
+    fit(tmp_path, [sampler, alert], max_steps=60, module=module())
+    sampled = [int(r["step"]) for r in read_csv(tmp_path) if r.get("connmon/max_attention_logit/L00")]
+    assert sampled == [0, 25, 50]
+    fired = [(a.rule, a.step) for a in alert.alerts]
+    assert fired == ([("attention logits growing early", 25)] if module is SharperAtStep10 else [])

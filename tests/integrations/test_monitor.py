@@ -588,3 +588,13 @@ def test_captured_models_are_not_kept_alive_by_the_adapter():
     gc.collect()
     assert ref() is None
     assert all(len(a._resolved) == 0 for a in ADAPTERS if isinstance(a, KernelAttention))
+
+
+def test_alert_rules_that_watch_the_first_steps_get_their_samples_at_any_cadence():
+    model = TinyGPT()
+    with_rules = connmon.Monitor(model, every_n_steps=100, alerts=AlertRunner(actions=()))
+    alone = connmon.Monitor(model, every_n_steps=100)
+    dense = connmon.Monitor(model, every_n_steps=25, alerts=AlertRunner(actions=()))
+    assert [s for s in range(201) if with_rules.due(s)] == [0, 25, 50, 100, 200]
+    assert [s for s in range(201) if alone.due(s)] == [0, 100, 200]
+    assert [s for s in range(101) if dense.due(s)] == [0, 25, 50, 75, 100]
