@@ -65,19 +65,49 @@ def test_readme_reaches_install_and_the_two_commands_on_its_first_screen():
 
 
 BENCHMARKS = ROOT / "benchmarks" / "README.md"
-# (what README says, the benchmark section whose current table must say the same)
+MONITORING = ROOT / "docs" / "monitoring.md"
+LARGE_RUNS = ROOT / "docs" / "large_runs.md"
+OVERHEAD, SHARPNESS, INSTABILITY = "## `bench_overhead.py`", "## `bench_sharpness.py`", "## `bench_instability.py`"
+# (the page, what it says (the figure as group 1), the benchmark section whose current tables must say the same)
 QUOTED = [
-    (r"about 1% of the\s+training time on the example \((\d\.\d+x)", "## `bench_overhead.py`"),
-    (r"\((\d+ s) on a 2-core CPU", "## The example"),
-    (r"median (\d+ steps) ahead\) \|", "## `bench_sharpness.py`"),
+    (README, r"about 1% of the\s+training time on the example \((\d\.\d+)x", OVERHEAD),
+    (README, r"\((\d+) s on a 2-core CPU", "## The example"),
+    (README, r"median (\d+) steps ahead\) \|", SHARPNESS),
+    (MONITORING, r"\*\*(\d\.\d+)x the\s+training time over a 200-step window", OVERHEAD),
+    (MONITORING, r"(\d\.\d+)x with 4 micro-batches of accumulation", OVERHEAD),
+    (MONITORING, r"exact Lanczos every 20 steps\) cost (\d\.\d+)x", OVERHEAD),
+    (MONITORING, r"the sample adds (\d\.\d+)x a training step's own memory", OVERHEAD),
+    (MONITORING, r"\(exact Lanczos (\d\.\d+)x\)", OVERHEAD),
+    (MONITORING, r"9 of 9 divergences, a median of (\d+) steps ahead", INSTABILITY),
+    (MONITORING, r"8 of 8 divergences a median of (\d+) steps ahead", SHARPNESS),
+    (MONITORING, r"for (0\.\d+) gradients per\s+training step on the median healthy run", SHARPNESS),
+    (LARGE_RUNS, r"a light sample costs (\d\.\d+) training steps", OVERHEAD),
+    (LARGE_RUNS, r"and a full one\s+\(the spectrum group and the edge gap as well\) (\d\.\d+)", OVERHEAD),
+    (LARGE_RUNS, r"a healthy run pays about (0\.\d+) gradients per training step", SHARPNESS),
 ]
 
 
-@pytest.mark.parametrize(("quote", "section"), QUOTED)
-def test_figures_quoted_in_readme_are_the_benchmark_tables(quote, section):
-    figure = re.search(quote, README.read_text()).group(1)
-    text = BENCHMARKS.read_text()
-    body = text.split(section, 1)[1].split("\n## ", 1)[0]
-    number, unit = re.match(r"([\d.]+)\s*(\S+)", figure).groups()
-    # the figure stands in that section's text, as README quotes it (1.0073x; 46 s; 97 steps ahead)
-    assert re.search(rf"\b{re.escape(number)}\s*{re.escape(unit.rstrip('x'))}", body), (figure, section)
+@pytest.mark.parametrize(("page", "quote", "section"), QUOTED, ids=lambda v: getattr(v, "name", str(v))[:40])
+def test_figures_quoted_in_readme_and_the_guide_are_the_benchmark_tables(page, quote, section):
+    figure = re.search(quote, page.read_text()).group(1)
+    body = BENCHMARKS.read_text().split(section, 1)[1].split("\n## ", 1)[0]
+    # the figure stands in that section's text as the page quotes it (1.0096x; 38 s; 91 steps ahead), digits whole
+    assert re.search(rf"(?<![\d.]){re.escape(figure)}0*(?!\d)", body), (figure, section)
+
+
+def test_the_reconstruction_tolerances_pages_quote_are_the_codes():
+    import torch
+
+    from connmon.capture.session import RECONSTRUCTION_TOLERANCE
+
+    float32, bf16, fp16 = torch.float32, torch.bfloat16, torch.float16
+    quoted = {
+        README: [(r"above ([\d.e-]+) in float32", float32), (r"([\d.e-]+) bf16, ", bf16), (r"([\d.e-]+) fp16\)", fp16)],
+        ROOT / "docs" / "capture.md": [(r"\(([\d.e-]+) in float32, ", float32), (r"([\d.e-]+) in bf16\)", bf16)],
+        ROOT / "docs" / "diagnostics.md": [(r"above\s+([\d.e-]+), or", float32), (r"or ([\d.e-]+) in bf16", bf16)],
+        ROOT / "docs" / "integrations.md": [(r"at most ([\d.e-]+), the bf16 tolerance", bf16)],
+        LARGE_RUNS: [(r"to ([\d.e-]+) in bf", bf16), (r"\(([\d.e-]+) in fp16", fp16), (r"16, ([\d.e-]+) in", float32)],
+    }  # fmt: skip
+    for page, quotes in quoted.items():
+        for quote, dtype in quotes:
+            assert float(re.search(quote, page.read_text()).group(1)) == RECONSTRUCTION_TOLERANCE[dtype], (page, quote)

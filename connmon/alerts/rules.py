@@ -349,9 +349,10 @@ def default_rules() -> list[Rule]:
       of stability on two samples in a row. It watches ``connmon/sharpness_ratio``, which only the opt-in
       :class:`connmon.callbacks.SharpnessMonitor` logs, so without one it never fires.
 
-    With a SharpnessMonitor every 20 steps they warned 9 of 9 divergences of the suite (two seeds per setting) a
-    median of 68 steps ahead, with no alert on its 13 controls and warmup runs, the copy task's phase change
-    included. The attention rules of earlier versions, entropy collapsing and logits surging, are opt-in
+    With a SharpnessMonitor at its defaults they warned 8 of 8 divergences of ``bench_sharpness.py``'s 20 runs a
+    median of 91 steps ahead, with no alert on a healthy run (exact Lanczos every 20 steps on ``bench_instability.py
+    --wide``: 9 of 9 a median of 68 steps ahead, no alert on its 13 controls and warmup runs, the copy task's phase
+    change included). The attention rules of earlier versions, entropy collapsing and logits surging, are opt-in
     (:func:`attention_collapse_rules`): they warned a median of 13 steps ahead and fired during that phase change.
     The fixed bound of the first version (max logit above 30) is opt-in too (:func:`logit_bound_rule`): a healthy
     pretrained all-MiniLM-L6-v2 sits near 34 in layer 0. No geometric diagnostic, the connection spectrum
