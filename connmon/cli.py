@@ -78,7 +78,9 @@ def _parser() -> argparse.ArgumentParser:
     analyze.add_argument("--spectrum-k", type=int, default=8, help="eigenvalues of M / s per layer (default 8)")
     analyze.add_argument("--device", default="cpu", help="torch device (default cpu)")
     analyze.add_argument("--seed", type=int, default=0, help="seed of random tokens (default 0)")
-    analyze.add_argument("--out", type=Path, default=Path("connmon_analysis"), help="output directory")
+    analyze.add_argument(
+        "--out", type=Path, default=Path("connmon_analysis"), help="output directory (default: %(default)s)"
+    )
     analyze.set_defaults(run=_analyze)
     report = commands.add_parser("report", help="figures from a ConnectionMonitor run (CSV logs or offline W&B)")
     report.add_argument("run_dir", type=Path, help="a Lightning CSV log directory or a W&B offline run directory")
@@ -216,9 +218,13 @@ def _inputs(
     import torch
 
     if args.text is not None:
+        text = _read(args.text)  # a missing file is said as such, whatever the model
         if tokenizer is None:
-            raise InputError("--text needs the model's tokenizer files (a Hugging Face model directory has them)")
-        lines = [line.strip() for line in _read(args.text).splitlines() if line.strip()][: args.sequences]
+            raise InputError(
+                f"--text needs a tokenizer, and {args.model!r} has none ('minilm' and a Hugging Face model directory "
+                "have one); pass --token-ids, or nothing for random tokens"
+            )
+        lines = [line.strip() for line in text.splitlines() if line.strip()][: args.sequences]
         if not lines:
             raise InputError(f"{args.text} has no text")
         batch = tokenizer(lines, padding=True, truncation=True, max_length=args.max_tokens, return_tensors="pt")

@@ -156,8 +156,8 @@ def main() -> None:
     summary_png(Path(csv_logger.log_dir) / "metrics.csv", png)
     print(f"\ntrained {args.steps} steps in {seconds:.0f} s; ConnectionMonitor sampled {monitor.samples} times")
     print(
-        "  (every 25 steps, each a full sample, figures every 4th: far denser than the quick start's every_n_steps=100, "
-        "which costs about 1% of training time: benchmarks/README.md)"
+        "  (every 25 steps, each a full sample, figures every 4th: far denser than the quick start's "
+        "every_n_steps=100, which costs about 1% of training time: benchmarks/README.md)"
     )
     print(f"W&B run ({'online' if online else 'offline'}): {run_dir}")
     print(f"  look at it in the terminal:  wandb leet {run_dir}")

@@ -84,7 +84,8 @@ def test_analyze_a_local_hugging_face_directory_on_a_text_file(tmp_path):
     ("argv", "message"),
     [
         (["analyze", "no/such/dir"], "neither 'demo', 'minilm'"),
-        (["analyze", "demo", "--text", "missing.txt"], "needs the model's tokenizer"),
+        (["analyze", "demo", "--text", "missing.txt"], "cannot read missing.txt"),
+        (["analyze", "demo", "--text", __file__], "--text needs a tokenizer, and 'demo' has none"),
         (["analyze", "demo", "--token-ids", "missing.txt"], "cannot read missing.txt"),
         (["analyze", "demo", "--sequences", "0"], "--sequences must be >= 1"),
         (["analyze", "demo", "--device", "tpu:7"], "--device 'tpu:7' is not usable"),

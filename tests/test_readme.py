@@ -111,3 +111,18 @@ def test_the_reconstruction_tolerances_pages_quote_are_the_codes():
     for page, quotes in quoted.items():
         for quote, dtype in quotes:
             assert float(re.search(quote, page.read_text()).group(1)) == RECONSTRUCTION_TOLERANCE[dtype], (page, quote)
+
+
+def test_the_api_reference_turns_sphinx_roles_into_cross_references():
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    try:
+        from docs_griffe import _ROLE, _reference
+    finally:
+        sys.path.remove(str(ROOT))
+    text = "See :func:`connmon.capture`, :class:`~connmon.alerts.Rule` and :class:`torch.nn.Module`."
+    assert _ROLE.sub(_reference, text) == (
+        'See <autoref identifier="connmon.capture" optional><code>connmon.capture</code></autoref>, '
+        '<autoref identifier="connmon.alerts.Rule" optional><code>Rule</code></autoref> and `torch.nn.Module`.'
+    )

@@ -1,4 +1,4 @@
-"""Lightning callbacks (the design card's ``callbacks`` part, inside the package so no global name is claimed).
+"""Lightning callbacks, inside the package so that installing connmon claims no global ``callbacks`` import name.
 
 Examples:
     >>> from connmon.callbacks import ConnectionMonitor
