@@ -109,18 +109,18 @@ def summary_png(csv_path: Path, out: Path) -> None:
     fig = Figure(figsize=(12, 8), layout="constrained")
     axes = fig.subplots(2, 2).ravel()
     panels = [
-        ("train/loss", "training loss"),
-        ("connmon/attention_entropy_normalized", "normalized attention entropy"),
-        ("connmon/ov_isometry_gap", "OV isometry gap"),
-        ("connmon/connection_spectral_radius", "spectral radius of the walk part of M / s"),
+        ("train/loss", "training loss", "cross-entropy (nats)"),
+        ("connmon/attention_entropy_normalized", "normalized attention entropy", "entropy / log(#keys)"),
+        ("connmon/ov_isometry_gap", "OV isometry gap", "gap (0: an isometry)"),
+        ("connmon/connection_spectral_radius", "spectral radius of the walk part of M / s", "|lambda_1|"),
     ]
-    for ax, (key, title) in zip(axes, panels, strict=True):
+    for ax, (key, title, ylabel) in zip(axes, panels, strict=True):
         columns = [key] if key in rows[0] else sorted(c for c in rows[0] if c.startswith(key + "/L"))
         for column in columns:
             points = [(int(r["step"]), float(r[column])) for r in rows if r.get(column)]
             if points:
                 ax.plot(*zip(*points, strict=True), marker="." if column != "train/loss" else None, label=column[-3:])
-        ax.set(title=title, xlabel="step")
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
         if len(columns) > 1:
             ax.legend(fontsize="small")
     fig.savefig(out, dpi=100)
@@ -143,7 +143,8 @@ def main() -> None:
     # every sample is a full one here, so the spectral-radius panel covers the whole run (13 samples)
     monitor = ConnectionMonitor(every_n_steps=25, probe=probe, figures_every_n_samples=4, full_every_n_samples=1)
     trainer = L.Trainer(
-        max_steps=args.steps, accelerator="cpu", devices=1, callbacks=[monitor], logger=[wandb_logger, csv_logger],
+        max_steps=args.steps, max_epochs=-(-args.steps // len(train)),  # a finite epoch count for the progress bar
+        accelerator="cpu", devices=1, callbacks=[monitor], logger=[wandb_logger, csv_logger],
         log_every_n_steps=5, enable_checkpointing=False, enable_model_summary=False,
     )  # fmt: skip
     start = time.perf_counter()

@@ -748,10 +748,12 @@ class Monitor:
         if self.figures_every_n_samples is not None and self.samples % self.figures_every_n_samples == 0:
             figures = {}
             if spectrum is not None and spectrum.last_spectra:
-                figures["connmon/figures/spectra"] = spectra_figure(spectrum.last_spectra, f"step {step}")
+                figures["connmon/figures/spectra"] = spectra_figure(
+                    spectrum.last_spectra, f"walk part of the connection spectra, step {step}"
+                )
             depth = {k: v for k, v in values.items() if k.endswith("isometry_gap") and not k.endswith("/all")}
             if depth:
-                figures["connmon/figures/gaps_by_depth"] = depth_figure(depth, f"step {step}")
+                figures["connmon/figures/gaps_by_depth"] = depth_figure(depth, f"gaps across depth, step {step}")
             if figures:
                 self.sink.figures(step, figures)
 

@@ -118,7 +118,7 @@ def series_figure(series: Mapping[str, tuple[list[int], list[float]]], title: st
     """One panel per logged key: its values against the trainer step.
 
     A key with a single value is drawn as one marker and its title says so (``1 sample, step N``): a lone point is
-    never passed off as a trend.
+    never passed off as a trend. ``reconstruction_error`` (round-off, about 1e-7) is drawn on a log axis.
 
     Args:
         series: key -> (steps, values).
@@ -145,6 +145,8 @@ def series_figure(series: Mapping[str, tuple[list[int], list[float]]], title: st
         if finite and max(finite) - min(finite) <= 1e-6 * max(1.0, *map(abs, finite)):  # round-off, not a trend
             middle, pad = (max(finite) + min(finite)) / 2, max(1.0, *map(abs, finite)) * 0.05
             ax.set_ylim(middle - pad, middle + pad)
+        if "reconstruction_error" in key and finite and min(finite) > 0:  # round-off near 1e-7: a log axis shows it
+            ax.set_yscale("log")
         ax.set_title(key if len(steps) != 1 else f"{key} (1 sample, step {steps[0]})", fontsize="small")
         ax.set(xlabel="step", ylabel=key.split("/")[1] if key.count("/") >= 1 else key)
     for ax in axes[len(series) :]:

@@ -68,3 +68,10 @@ def test_walk_heatmaps_label_the_grid_once_and_spread_the_colour_bar_ticks():
         bar.transAxes.inverted().transform(bar.transData.transform([(0, t) for t in bar.get_yticks()]))[:, 1]
     )
     assert len(ticks) >= 5 and min(b - a for a, b in itertools.pairwise(ticks)) > 0.05  # no crowding at the top
+
+
+def test_the_reconstruction_error_is_drawn_on_a_log_axis_and_the_rest_on_a_linear_one():
+    error, entropy = ([0, 100, 200], [1e-7, 2e-7, 1.5e-7]), ([0, 100], [3.1, 2.7])
+    fig = series_figure({"connmon/reconstruction_error/all": error, "connmon/attention_entropy/all": entropy})
+    scales = {ax.get_title(): ax.get_yscale() for ax in fig.axes}
+    assert scales == {"connmon/attention_entropy/all": "linear", "connmon/reconstruction_error/all": "log"}
