@@ -81,6 +81,7 @@ QUOTED = [
     (MONITORING, r"9 of 9 divergences, a median of (\d+) steps ahead", INSTABILITY),
     (MONITORING, r"8 of 8 divergences a median of (\d+) steps ahead", SHARPNESS),
     (MONITORING, r"for (0\.\d+) gradients per\s+training step on the median healthy run", SHARPNESS),
+    (ROOT / "docs" / "capture.md", r"agree within 10% on (\d+\.\d+)% of the", SHARPNESS),
     (LARGE_RUNS, r"a light sample costs (\d\.\d+) training steps", OVERHEAD),
     (LARGE_RUNS, r"and a full one\s+\(the spectrum group and the edge gap as well\) (\d\.\d+)", OVERHEAD),
     (LARGE_RUNS, r"a healthy run pays about (0\.\d+) gradients per training step", SHARPNESS),
