@@ -167,13 +167,13 @@ def _entered(module: nn.Module, *args: object) -> None:
     never read, and its hooks may be removed by the arming thread while it is inside, so it must hold nothing that
     only a later hook would release. The same module entered through two sessions' hooks is stacked once.
     """
-    if torch.compiler.is_compiling() or not any(session.is_own_thread() for session in _SESSIONS):
+    if not any(session.is_own_thread() for session in _SESSIONS):  # a trace (torch.compile) runs in its caller
         return
     stack = _stack()
     if stack and stack[-1] is module:
         return
     stack.append(module)
-    if len(stack) == 1:
+    if len(stack) == 1 and not torch.compiler.is_compiling():  # a mode would trace as a graph break
         _LOCAL.reader = _Reader()
         _LOCAL.reader.__enter__()
 
