@@ -683,6 +683,17 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
+def _study_rows(args: argparse.Namespace, study, table) -> None:
+    """A one-run study: its rows from ``--load`` (JSON lines) or measured now, saved with ``--save``, then tabled."""
+    if args.load:
+        rows = [json.loads(line) for path in args.load for line in path.read_text().splitlines()]
+    else:
+        rows = study()
+    if args.save:
+        args.save.write_text("\n".join(json.dumps(row) for row in rows))
+    table(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1500)
@@ -708,21 +719,13 @@ def main() -> None:
     parser.add_argument("--probe-batch", action="store_true", help="only measure a fixed probe batch, warm started")
     args = parser.parse_args()
     if args.probe_batch:
-        rows = [json.loads(line) for path in args.load for line in path.read_text().splitlines()] if args.load else (
-            probe_study())  # fmt: skip
-        if args.save:
-            args.save.write_text("\n".join(json.dumps(row) for row in rows))
-        probe_table(rows)
+        _study_rows(args, probe_study, probe_table)
         return
     if args.check:
         check_against_dense()
         return
     if args.step_size:
-        rows = [json.loads(line) for path in args.load for line in path.read_text().splitlines()] if args.load else (
-            step_size_study())  # fmt: skip
-        if args.save:
-            args.save.write_text("\n".join(json.dumps(row) for row in rows))
-        step_size_table(rows)
+        _study_rows(args, step_size_study, step_size_table)
         return
     if args.batch_choice:
         if args.load:
