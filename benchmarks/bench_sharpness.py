@@ -366,14 +366,16 @@ def probe_study(seed: int = 0, window: tuple[int, int, int] = PROBE_WINDOW, warm
 
 def probe_table(rows: list[dict]) -> None:
     """A fixed probe's reading against the training batches', and warm starts against its converged value."""
+    steps = max(len(row.get("warm", [])) for row in rows)
     print("\n| step | train batch, 8 cold | probe, 20 cold | probe / train | probe 8 cold / 20 | overlap | "
-          + " | ".join(f"warm {k} / 20" for k in range(1, len(rows[-1].get("warm", [])) + 1)) + " |")  # fmt: skip
-    print("|---|" + "---|" * (5 + len(rows[-1].get("warm", []))))
-    for row in rows:
-        warm = " | ".join(f"{w / row['probe']:.3f}" for w in row.get("warm", []))
+          + " | ".join(f"warm {k} / 20" for k in range(1, steps + 1)) + " |")  # fmt: skip
+    print("|---|" + "---|" * (5 + steps))
+    for row in rows:  # the first sample has no previous direction: no overlap, no warm start
+        warm = [f"{w / row['probe']:.3f}" for w in row.get("warm", [])] or ["-"] * steps
+        overlap = f"{row['overlap']:.2f}" if "overlap" in row else "-"
         print(
             f"| {row['step']} | {row['train']:.3f} | {row['probe']:.3f} | {row['probe'] / row['train']:.2f} | "
-            f"{row['probe 8 cold'] / row['probe']:.3f} | {row.get('overlap', float('nan')):.2f} | {warm} |"
+            f"{row['probe 8 cold'] / row['probe']:.3f} | {overlap} | {' | '.join(warm)} |"
         )
 
 
