@@ -13,6 +13,7 @@ Examples:
     [(4, 'connmon/max_attention_logit/L00')]
 """
 
+from connmon.alerts.backoff import LearningRateBackoff
 from connmon.alerts.detectors import (
     CUSUM,
     Detection,
@@ -35,11 +36,12 @@ from connmon.alerts.rules import (
     edge_of_stability_rule,
     logit_bound_rule,
 )
-from connmon.alerts.runner import ACTIONS, Action, AlertRunner
+from connmon.alerts.runner import ACTIONS, KNOWN_ACTIONS, Action, AlertRunner
 
 __all__ = [
     "ACTIONS",
     "CUSUM",
+    "KNOWN_ACTIONS",
     "LEVELS",
     "Action",
     "Alert",
@@ -50,6 +52,7 @@ __all__ = [
     "Direction",
     "EWMAZScore",
     "Growth",
+    "LearningRateBackoff",
     "Level",
     "NonFinite",
     "Rule",

@@ -12,10 +12,12 @@ from typing import Any, Literal
 
 from connmon._options import check_callable, check_choice, check_items, check_number
 from connmon._ranks import is_rank_zero, warn_rank_zero
+from connmon.alerts.backoff import LearningRateBackoff
 from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules
 
-Action = Literal["log", "wandb", "stop"]
-ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")
+Action = Literal["log", "wandb", "stop", "backoff"]
+ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # the default actions; "backoff" is opt-in
+KNOWN_ACTIONS: tuple[Action, ...] = (*ACTIONS, "backoff")
 
 
 class AlertRunner:
@@ -23,16 +25,19 @@ class AlertRunner:
 
     Each alert is, by ``actions``: ``"log"``, a warning with the evidence (rank zero); ``"wandb"``, a W&B
     ``run.alert`` when a W&B sink is given (rank zero); ``"stop"``, a stop request when its level is at least
-    ``stop_level`` (the values are synced, so every process decides the same). ``on_alert(alert)`` is called on
+    ``stop_level`` (the values are synced, so every process decides the same); ``"backoff"`` (opt-in), the
+    learning rate scaled down when the edge-of-stability rule fires (:class:`connmon.alerts.LearningRateBackoff`:
+    the entry points attach it to the optimizer; logged as ``connmon/lr_scale``). ``on_alert(alert)`` is called on
     every process; an exception there is reported, never raised.
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
-        actions: any of ``"log"``, ``"wandb"``, ``"stop"``.
+        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``.
         stop_level: the lowest level that requests a stop.
         on_alert: called with every :class:`connmon.alerts.Alert`.
         wait_duration: seconds W&B waits before sending another alert with the same title.
         history: how many recent alerts ``alerts`` keeps.
+        backoff: the :class:`connmon.alerts.LearningRateBackoff` for ``"backoff"`` (None: its defaults, factor 0.5).
 
     Raises:
         ValueError: for an unknown action or level, a history that is not an integer >= 0, a wait that is not a
@@ -57,11 +62,14 @@ class AlertRunner:
         on_alert: Callable[[Alert], Any] | None = None,
         wait_duration: float = 300.0,
         history: int = 100,
+        backoff: LearningRateBackoff | None = None,
     ) -> None:
         if isinstance(actions, (str, bytes)) or not isinstance(actions, (list, tuple)):
-            raise ValueError(f"actions must be a list or tuple of {ACTIONS}, got actions={actions!r}")
+            raise ValueError(f"actions must be a list or tuple of {KNOWN_ACTIONS}, got actions={actions!r}")
         for i, action in enumerate(actions):
-            check_choice(f"actions[{i}]", action, ACTIONS)
+            check_choice(f"actions[{i}]", action, KNOWN_ACTIONS)
+        if backoff is not None and not isinstance(backoff, LearningRateBackoff):
+            raise ValueError(f"backoff must be a connmon.alerts.LearningRateBackoff or None, got {backoff!r}")
         check_choice("stop_level", stop_level, LEVELS)
         check_number("history", history, low=0, integer=True)
         check_number("wait_duration", wait_duration, low=0)
@@ -75,6 +83,7 @@ class AlertRunner:
         self.wait_duration = wait_duration
         self.alerts: deque[Alert] = deque(maxlen=history)
         self.total = 0
+        self.backoff = (backoff or LearningRateBackoff()) if "backoff" in self.actions else None
 
     def run(self, values: Mapping[str, float], step: int, wandb: Any = None) -> tuple[list[Alert], bool]:
         """Feed one sample's values; returns the alerts raised and whether they ask the run to stop.
@@ -99,22 +108,36 @@ class AlertRunner:
                     self.on_alert(alert)
                 except Exception as error:  # a user's handler must not end the training run
                     warn_rank_zero(f"connmon: on_alert raised {type(error).__name__}: {error}; the run goes on")
+        if self.backoff is not None and any(a.rule in self.backoff.rules for a in alerts) and self.backoff.fire(step):
+            warn_rank_zero(
+                f"connmon: the learning rate is scaled by {self.backoff.factor:g} from step {step} on (now "
+                f"{self.backoff.scale:g} of what the optimizer's groups and scheduler set): "
+                f"{', '.join(sorted({a.rule for a in alerts if a.rule in self.backoff.rules}))}"
+            )
         threshold = LEVELS.index(self.stop_level)
         stop = "stop" in self.actions and any(LEVELS.index(a.level) >= threshold for a in alerts)
         return alerts, stop
 
     def counts(self, alerts: Sequence[Alert]) -> dict[str, float]:
-        """The alert counts to log beside a sample: ``connmon/alerts/count`` (this sample) and ``/total``."""
-        return {"connmon/alerts/count": float(len(alerts)), "connmon/alerts/total": float(self.total)}
+        """The alert counts to log beside a sample (``connmon/alerts/count``, ``/total``; ``connmon/lr_scale``)."""
+        counts = {"connmon/alerts/count": float(len(alerts)), "connmon/alerts/total": float(self.total)}
+        if self.backoff is not None:
+            counts["connmon/lr_scale"] = self.backoff.scale
+        return counts
 
     def state_dict(self) -> dict[str, Any]:
         """The rules' state and the alert count."""
-        return {"rules": self.rules.state_dict(), "total": self.total}
+        state = {"rules": self.rules.state_dict(), "total": self.total}
+        if self.backoff is not None:
+            state["backoff"] = self.backoff.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.rules.load_state_dict(state_dict.get("rules", {}))
         self.total = state_dict.get("total", 0)
+        if self.backoff is not None and state_dict.get("backoff") is not None:
+            self.backoff.load_state_dict(state_dict["backoff"])
 
 
 def _rule_hint(item: object) -> str:

@@ -11,7 +11,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from connmon.alerts import ACTIONS, Action, Alert, AlertRunner, AllOf, Level, Rule, RuleSet
+from connmon.alerts import ACTIONS, Action, Alert, AlertRunner, AllOf, LearningRateBackoff, Level, Rule, RuleSet
 from connmon.callbacks.connection_monitor import ConnectionMonitor
 from connmon.callbacks.sharpness_monitor import SharpnessMonitor
 
@@ -25,6 +25,10 @@ class DriftAlert(Callback):
     * ``"wandb"``: a W&B ``run.alert`` (title, text, level, ``wait_duration``) when a ``WandbLogger`` is attached;
     * ``"stop"``: if its level is at least ``stop_level``, the run stops (``trainer.should_stop``), decided the
       same way on every process through ``strategy.reduce_boolean_decision``;
+    * ``"backoff"`` (opt-in): when the edge-of-stability rule fires, every parameter group's learning rate is
+      scaled by ``backoff.factor`` inside the optimizer's steps (a scheduler never undoes it), with a cooldown, the
+      same on every process, saved in checkpoints, logged as ``connmon/lr_scale`` and said in one line
+      (:class:`connmon.alerts.LearningRateBackoff`);
     * passed to ``on_alert(alert)`` if given (on every process; an exception there is reported, not raised).
 
     Rules see the monitor's keys and the LightningModule's own logged scalars (``trainer.callback_metrics``, what
@@ -44,11 +48,12 @@ class DriftAlert(Callback):
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
-        actions: any of ``"log"``, ``"wandb"``, ``"stop"``.
+        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``.
         stop_level: the lowest level that stops the run (with ``"stop"`` in ``actions``).
         on_alert: called with every :class:`connmon.alerts.Alert`.
         wait_duration: seconds W&B waits before sending another alert with the same title.
         history: how many recent alerts ``self.alerts`` keeps.
+        backoff: the :class:`connmon.alerts.LearningRateBackoff` of ``"backoff"`` (None: factor 0.5, cooldown 100).
 
     Raises:
         ValueError: for an unknown action or level, or duplicate rule names.
@@ -69,8 +74,9 @@ class DriftAlert(Callback):
         on_alert: Callable[[Alert], Any] | None = None,
         wait_duration: float = 300.0,
         history: int = 100,
+        backoff: LearningRateBackoff | None = None,
     ) -> None:
-        self.runner = AlertRunner(rules, actions, stop_level, on_alert, wait_duration, history)
+        self.runner = AlertRunner(rules, actions, stop_level, on_alert, wait_duration, history, backoff)
         self._listening: ConnectionMonitor | None = None
         self._listening_curvature: SharpnessMonitor | None = None
         self._wandb: Any = None
@@ -114,8 +120,18 @@ class DriftAlert(Callback):
                     self._wandb = WandbSink(logger)
                     break
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """With ``"backoff"``: scale the learning rate inside the optimizers' steps once a back-off fired."""
+        if self.runner.backoff is not None:
+            self.runner.backoff.attach(trainer.optimizers)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Remove the back-off's optimizer hooks."""
+        if self.runner.backoff is not None:
+            self.runner.backoff.detach()
+
     def state_dict(self) -> dict[str, Any]:
-        """The rules' state and the alert count."""
+        """The rules' state, the alert count and the back-off's scale."""
         return self.runner.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -98,7 +98,7 @@ class Monitor:
         wandb: a W&B run (``wandb.init(...)``) for histograms, figures and alerts, logged with ``step=step``.
         alerts: an :class:`connmon.alerts.AlertRunner` run on every sample; its stop requests set
             :attr:`should_stop`.
-        optimizer: the training's optimizer, for ``sharpness``.
+        optimizer: the training's optimizer, for ``sharpness`` and for ``alerts`` with the ``"backoff"`` action.
         sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
             optimizer's edge of stability on its own cadence, logged and shown to ``alerts`` like the attention
             values (``connmon/sharpness_ratio`` with the Lanczos estimators, ``connmon/update_sharpness_ratio`` with
@@ -302,12 +302,15 @@ class Monitor:
         self.disarm()
         self.finish(step, rule_values)
 
-    def attach(self, model: nn.Module) -> bool:
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Find ``model``'s attention layers and build the accumulators on its device; False (and one warning) if none.
 
         Called by the constructor with a model. Calling it again builds fresh accumulators (the cadence is kept; the
-        time-drift references restart unless :meth:`load_state_dict` gave some).
+        time-drift references restart unless :meth:`load_state_dict` gave some). ``optimizer``, if given, replaces
+        the constructor's (a trainer that builds its optimizer later).
         """
+        if optimizer is not None:
+            self._optimizer = optimizer
         self.disarm()
         self._model = None
         try:
@@ -340,6 +343,12 @@ class Monitor:
             if self._pre_hook is not None:
                 self._pre_hook.remove()
             self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if self.alerts is not None and self.alerts.backoff is not None:
+            if self._optimizer is None:
+                warn_rank_zero(f"{self.owner}: the 'backoff' action scales the optimizer's learning rate, and no "
+                               "optimizer was given (optimizer=...): no back-off in this run")  # fmt: skip
+            else:
+                self.alerts.backoff.attach([self._optimizer])
         if self._pending_drift_state is not None and "drift" in self.metrics:
             self.metrics["drift"].set_extra_state(self._pending_drift_state)
             self._pending_drift_state = None
@@ -360,6 +369,8 @@ class Monitor:
             self._pre_hook = None
         if self.sharpness is not None:
             self.sharpness.detach()
+        if self.alerts is not None and self.alerts.backoff is not None:
+            self.alerts.backoff.detach()
         self.clock.stop()
 
     def cost_summary(self) -> str:

@@ -147,11 +147,12 @@ class ConnectionMonitorCallback(TrainerCallback):
             self._pending = -1
             self.monitor.discard()
         self.monitor.reset()
+        optimizer = kwargs.get("optimizer") or self.trainer.optimizer
+        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         if self.sharpness is not None:
             self.sharpness.reset()
-            optimizer = kwargs.get("optimizer") or self.trainer.optimizer
-            self.sharpness.attach(getattr(optimizer, "optimizer", optimizer))  # accelerate wraps the torch optimizer
-        if model is None or not self.monitor.attach(model):
+            self.sharpness.attach(optimizer)
+        if model is None or not self.monitor.attach(model, optimizer):  # the optimizer: for the alerts' "backoff"
             return
         self.monitor.sink = _wandb_sink(args)
         if state.global_step == 0:
@@ -245,6 +246,8 @@ class ConnectionMonitorCallback(TrainerCallback):
         """Remove every hook; log and say what connmon cost."""
         self._forward_done()
         self._drop_batch_hook()
+        if self.monitor.alerts is not None and self.monitor.alerts.backoff is not None:
+            self.monitor.alerts.backoff.detach()
         clocks = [self.monitor.clock] + ([self.sharpness.clock] if self.sharpness is not None else [])
         if any(clock.sections for clock in clocks):
             self._log({k: v for clock in clocks for k, v in overhead_values(clock).items()}, state.global_step)

@@ -204,3 +204,57 @@ def test_the_quick_starts_cadence_feeds_the_early_logit_rule(tmp_path, module):
     assert sampled == [0, 25, 50]
     fired = [(a.rule, a.step) for a in alert.alerts]
     assert fired == ([("attention logits growing early", 25)] if module is SharperAtStep10 else [])
+
+
+class ScheduledGPT(LitGPT):
+    """LitGPT under Lightning's scheduler configuration: LambdaLR stepped every step, the rate halved from
+    ``halve_from`` on in the schedule itself (the reference for a back-off)."""
+
+    def __init__(self, halve_from: int | None = None) -> None:
+        super().__init__()
+        self.halve_from = halve_from
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr)
+
+        def rate(t):
+            return (0.5 if self.halve_from is not None and t >= self.halve_from else 1.0) / (1 + 0.1 * t)
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_a_back_off_under_lightnings_scheduler_trains_as_the_halved_schedule_and_is_logged(tmp_path):
+    """The edge rule fires at step 0's sample (after its optimizer step): from step 1 on the rate is half the
+    schedule's; the scheduler's own values are untouched; a run where no back-off fired is bitwise a plain one."""
+    from connmon.alerts import LearningRateBackoff
+
+    edge = Rule("past the edge of stability", LOGIT, Threshold(-1.0), cooldown=0)
+    backed = ScheduledGPT()
+    alert = DriftAlert(rules=[edge], actions=("backoff",), backoff=LearningRateBackoff(factor=0.5, cooldown=100))
+    trainer = fit(tmp_path / "backed", [monitor(), alert], module=backed)
+    assert alert.runner.backoff.scale == 0.5 and alert.runner.backoff.last_step == 0
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-2 / (1 + 0.1 * 6))  # the schedule's own
+    rows = read_csv(tmp_path / "backed")
+    scales = {int(r["step"]): float(r["connmon/lr_scale"]) for r in rows if r.get("connmon/lr_scale")}
+    assert scales == {s: 0.5 for s in range(6)}
+    reference = ScheduledGPT(halve_from=1)
+    fit(tmp_path / "reference", [], module=reference)
+    for a, b in zip(backed.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    quiet, plain = ScheduledGPT(), ScheduledGPT()
+    never = Rule("past the edge of stability", LOGIT, Threshold(1e9))
+    fit(tmp_path / "quiet", [monitor(), DriftAlert(rules=[never], actions=("backoff",))], module=quiet)
+    fit(tmp_path / "plain", [], module=plain)
+    assert all(torch.equal(a, b) for a, b in zip(quiet.parameters(), plain.parameters(), strict=True))
+    assert not any(o._optimizer_step_pre_hooks for o in trainer.optimizers)  # removed at teardown
+
+
+def test_a_resumed_drift_alert_keeps_its_back_off():
+    from connmon.alerts import LearningRateBackoff
+
+    first = DriftAlert(actions=("backoff",), backoff=LearningRateBackoff(factor=0.5))
+    first.runner.backoff.fire(40)
+    resumed = DriftAlert(actions=("backoff",))
+    resumed.load_state_dict(first.state_dict())
+    assert (resumed.runner.backoff.scale, resumed.runner.backoff.last_step) == (0.5, 40)

@@ -598,3 +598,41 @@ def test_alert_rules_that_watch_the_first_steps_get_their_samples_at_any_cadence
     assert [s for s in range(201) if with_rules.due(s)] == [0, 25, 50, 100, 200]
     assert [s for s in range(201) if alone.due(s)] == [0, 100, 200]
     assert [s for s in range(101) if dense.due(s)] == [0, 25, 50, 75, 100]
+
+
+def test_the_backoff_action_halves_the_plain_loops_rate_from_its_alert_on():
+    from connmon.alerts import LearningRateBackoff
+
+    edge = Rule("past the edge of stability", "connmon/max_attention_logit/L*", Threshold(-1.0), cooldown=0)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    runner = AlertRunner([edge], actions=("backoff",), backoff=LearningRateBackoff(factor=0.5, cooldown=100))
+    logged = {}
+
+    def log(values, step):
+        logged[step] = values.get("connmon/lr_scale")
+
+    monitor = connmon.Monitor(
+        model, every_n_steps=2, diagnostics=("walk",), alerts=runner, optimizer=optimizer, log=log
+    )
+    for step, ids in enumerate(batches(3)):
+        with monitor.step(step):
+            loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert logged == {0: 0.5, 2: 0.5}  # the alert at step 0's sample backs off before step 0's optimizer step
+    torch.manual_seed(0)
+    reference = TinyGPT()  # the same run at half the rate throughout
+    halved = torch.optim.SGD(reference.parameters(), lr=5e-3)
+    for ids in batches(3):
+        torch.nn.functional.cross_entropy(reference(ids).flatten(0, 1), ids.flatten()).backward()
+        halved.step()
+        halved.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference.parameters(), strict=True))
+    assert optimizer.param_groups[0]["lr"] == 1e-2
+    monitor.close()
+    assert not optimizer._optimizer_step_pre_hooks
+    with pytest.warns(UserWarning, match="'backoff' action scales the optimizer's learning rate, and no optimizer"):
+        connmon.Monitor(TinyGPT(), every_n_steps=2, alerts=AlertRunner([edge], actions=("backoff",)))

@@ -213,3 +213,17 @@ def test_rules_see_the_trainers_own_logged_loss(tmp_path):
     logged = losses(trainer)
     # the sample of step s runs before the Trainer logs step s: the rule sees the loss logged at step s - 1
     assert [(a.step, a.value) for a in seen] == [(s, pytest.approx(logged[s - 1])) for s in (2, 4, 6)]
+
+
+def test_the_backoff_action_scales_the_trainers_rate_under_its_scheduler_and_logs_it(tmp_path):
+    edge = Rule("past the edge of stability", "connmon/max_attention_logit/L*", Threshold(-1.0), cooldown=0)
+    alerts = AlertRunner([edge], actions=("backoff",))
+    plain = make_trainer(tmp_path / "plain")
+    plain.train()
+    backed = make_trainer(tmp_path / "backed", monitor={"every_n_steps": 2, "diagnostics": ("walk",), "alerts": alerts})
+    backed.train()
+    scales = {row["step"]: row["connmon/lr_scale"] for row in backed.state.log_history if "connmon/lr_scale" in row}
+    assert scales == {2: 0.5, 4: 0.5, 6: 0.5}  # the alert at step 2's sample, before its optimizer step
+    assert backed.lr_scheduler.get_last_lr() == plain.lr_scheduler.get_last_lr()  # the linear schedule untouched
+    assert losses(backed)[2] == losses(plain)[2] and losses(backed)[4] != losses(plain)[4]
+    assert not backed.optimizer.optimizer._optimizer_step_pre_hooks
