@@ -10,6 +10,9 @@ min(2, GPUs) devices.
 With ``alert``, a DriftAlert rule fires on rank 1 only, at its third sample, with level ERROR; each rank writes the
 step it stopped at to OUT_DIR/rank<r>.txt (both must stop together, or the run hangs).
 
+With ``backoff``, a DriftAlert with the ``"backoff"`` action whose edge rule fires at step 2 (a synced key); each
+rank writes its scale, the step of the back-off and a checksum of its weights to OUT_DIR/backoff<r>.json.
+
 With ``sharpness``, a SharpnessMonitor samples at steps 2 and 4; each rank writes its own ratio at step 2 (computed
 directly) and the synced values to OUT_DIR/sharpness<r>.json. Its loss function raises on rank 1 at step 4: both
 ranks must turn the monitor off together and train on to step 6.
@@ -53,6 +56,27 @@ def alert_run(out: Path) -> None:
     )  # fmt: skip
     trainer.fit(LitGPT(), loader(batch_size=4))
     (out / f"rank{trainer.global_rank}.txt").write_text(str(trainer.global_step))
+
+
+def backoff_run(out: Path) -> None:
+    """The edge rule (on a synced key) fires at step 2's sample on both ranks; each writes its back-off and weights."""
+    import json
+
+    from connmon.alerts import LearningRateBackoff, Threshold
+
+    monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
+    edge = Rule("past the edge of stability", "connmon/attention_entropy/all", Threshold(-1.0), cooldown=0, since=1)
+    alert = DriftAlert(rules=[edge], actions=("backoff",), backoff=LearningRateBackoff(factor=0.5, cooldown=10))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=5, callbacks=[monitor, alert], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    module = LitGPT()
+    trainer.fit(module, loader(batch_size=4))
+    weights = sum(float(p.double().sum()) for p in module.parameters())
+    backoff = alert.runner.backoff
+    record = {"scale": backoff.scale, "last_step": backoff.last_step, "weights": weights}
+    (out / f"backoff{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 def sharpness_run(out: Path) -> None:
@@ -132,6 +156,9 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     if sys.argv[2:] == ["alert"]:
         alert_run(out)
+        leave()
+    if sys.argv[2:] == ["backoff"]:
+        backoff_run(out)
         leave()
     if sys.argv[2:] == ["sharpness"]:
         sharpness_run(out)
