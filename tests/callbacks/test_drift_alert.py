@@ -250,11 +250,21 @@ def test_a_back_off_under_lightnings_scheduler_trains_as_the_halved_schedule_and
     assert not any(o._optimizer_step_pre_hooks for o in trainer.optimizers)  # removed at teardown
 
 
-def test_a_resumed_drift_alert_keeps_its_back_off():
-    from connmon.alerts import LearningRateBackoff
-
-    first = DriftAlert(actions=("backoff",), backoff=LearningRateBackoff(factor=0.5))
-    first.runner.backoff.fire(40)
-    resumed = DriftAlert(actions=("backoff",))
-    resumed.load_state_dict(first.state_dict())
-    assert (resumed.runner.backoff.scale, resumed.runner.backoff.last_step) == (0.5, 40)
+def test_a_run_resumed_from_a_checkpoint_keeps_its_back_off_and_its_cooldown(tmp_path):
+    edge = Rule("past the edge of stability", LOGIT, Threshold(-1.0), cooldown=0)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    first = DriftAlert(rules=[edge], actions=("backoff",))
+    fit(tmp_path / "a", [monitor(), first], max_steps=3, extra=[checkpoint])
+    assert (first.runner.backoff.scale, first.runner.backoff.last_step) == (0.5, 0)
+    path = str(next((tmp_path / "ckpt").glob("*.ckpt")))
+    resumed = DriftAlert(rules=[edge], actions=("backoff",))
+    fit(tmp_path / "b", [monitor(), resumed], ckpt_path=path)
+    assert (resumed.runner.backoff.scale, resumed.runner.backoff.last_step) == (0.5, 0)  # in its cooldown: no more
+    rows = read_csv(tmp_path / "b")
+    assert {int(r["step"]): float(r["connmon/lr_scale"]) for r in rows if r.get("connmon/lr_scale")} == {
+        3: 0.5, 4: 0.5, 5: 0.5
+    }  # fmt: skip
+    forgetful = DriftAlert(rules=[edge], actions=("backoff",))
+    forgetful.load_state_dict = lambda state: None  # the control: the same resume without the saved state
+    fit(tmp_path / "c", [monitor(), forgetful], ckpt_path=path)
+    assert (forgetful.runner.backoff.scale, forgetful.runner.backoff.last_step) == (0.5, 3)  # backs off anew
