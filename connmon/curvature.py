@@ -10,7 +10,8 @@ optimizer updates, so 1 is the edge of stability whatever the model, optimizer o
 the edge of stability*). For Adam, with one learning rate, the ratio is ``lr * lambda_max(P^-1 H) / ((2 + 2 beta1) /
 (1 - beta1))``, Cohen et al.'s preconditioned sharpness against its threshold.
 
-What ``U`` and ``c`` are, per optimizer (the state read is the optimizer's own, after its latest step):
+What ``U`` and ``c`` are, per optimizer (the state read is the optimizer's own, after its latest step; ``lr`` is the
+rate the next step applies: a :class:`connmon.alerts.LearningRateBackoff`'s scale is included):
 
 * ``torch.optim.SGD``: ``U = lr (1 - dampening)`` with momentum (``lr`` without), ``c`` as above. ``weight_decay``
   adds ``weight_decay * I`` to ``H`` (it is part of the gradient).
@@ -58,6 +59,7 @@ from connmon._hessian import (
     scalar_loss,
 )
 from connmon._options import check_int
+from connmon.alerts.backoff import pending_lr_scale
 from connmon.functional._lanczos import largest_eigenvalue
 
 __all__ = [
@@ -158,12 +160,12 @@ def _sgd_constant(optimizer: torch.optim.SGD) -> float:
 
 
 def _sgd_sizes(optimizer: torch.optim.SGD) -> Iterator[tuple[Tensor, float, float]]:
-    beta = float(_one(optimizer.param_groups, "momentum"))
+    beta, scale = float(_one(optimizer.param_groups, "momentum")), pending_lr_scale(optimizer)
     for group in optimizer.param_groups:
         dampening = group["dampening"] if beta else 0.0
         for p in group["params"]:
             if p.requires_grad:
-                yield p, float(group["lr"]) * (1 - dampening), float(group["weight_decay"])
+                yield p, float(group["lr"]) * scale * (1 - dampening), float(group["weight_decay"])
 
 
 def _adam_constant(optimizer: torch.optim.Adam | torch.optim.AdamW) -> float:
@@ -174,6 +176,7 @@ def _adam_sizes(optimizer: torch.optim.Adam | torch.optim.AdamW) -> Iterator[tup
     groups = optimizer.param_groups
     beta1, beta2 = (float(b) for b in _one(groups, "betas"))
     coupled = not isinstance(optimizer, torch.optim.AdamW) and not any(g.get("decoupled_weight_decay") for g in groups)
+    scale = pending_lr_scale(optimizer)  # a connmon back-off's, if one is attached: the rate the step applies
     for group in groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})
@@ -183,7 +186,7 @@ def _adam_sizes(optimizer: torch.optim.Adam | torch.optim.AdamW) -> Iterator[tup
             v_hat = second / (1 - beta2 ** float(state["step"]))
             yield (
                 p,
-                float(group["lr"]) * (1 - beta1) / (v_hat.sqrt() + group["eps"]),
+                float(group["lr"]) * scale * (1 - beta1) / (v_hat.sqrt() + group["eps"]),
                 (float(group["weight_decay"]) if coupled else 0.0),
             )
 

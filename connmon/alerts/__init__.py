@@ -24,6 +24,7 @@ from connmon.alerts.detectors import (
     NonFinite,
     Threshold,
 )
+from connmon.alerts.restore import RestorePoints
 from connmon.alerts.rules import (
     LEVELS,
     Alert,
@@ -55,6 +56,7 @@ __all__ = [
     "LearningRateBackoff",
     "Level",
     "NonFinite",
+    "RestorePoints",
     "Rule",
     "RuleSet",
     "Threshold",

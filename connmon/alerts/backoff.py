@@ -4,11 +4,13 @@ The scale is applied inside ``optimizer.step()`` only: a step pre-hook multiplie
 it and the step post-hook puts the group's own value back. A learning-rate scheduler, which reads and writes
 ``group["lr"]`` between steps, never sees the scale, so none can undo it (``LambdaLR``, ``OneCycleLR``, Lightning's
 scheduler configuration, the Hugging Face Trainer's), and a run on which no back-off fired is never touched: with a
-scale of 1 the hooks do nothing.
+scale of 1 the hooks do nothing. The curvature readings (:mod:`connmon.curvature`) read the rate the step applies:
+:func:`pending_lr_scale`.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -16,6 +18,30 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from connmon._options import check_number
+
+_ATTACHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, LearningRateBackoff] = weakref.WeakKeyDictionary()
+
+
+def pending_lr_scale(optimizer: Any) -> float:
+    """The factor a :class:`LearningRateBackoff` applies to ``optimizer``'s rates at its next step (1.0: none).
+
+    Inside the step, where the groups already hold the scaled rate, it is 1.0: ``group["lr"] * pending_lr_scale``
+    is the rate the step applies, before, during and after it. The edge-of-stability ratio reads it that way.
+
+    Examples:
+        >>> import torch
+        >>> from connmon.alerts.backoff import LearningRateBackoff, pending_lr_scale
+        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> backoff = LearningRateBackoff(factor=0.5)
+        >>> backoff.attach([optimizer])
+        >>> pending_lr_scale(optimizer), backoff.fire(step=0), pending_lr_scale(optimizer)
+        (1.0, True, 0.5)
+    """
+    optimizer = getattr(optimizer, "optimizer", optimizer)
+    backoff = _ATTACHED.get(optimizer)
+    if backoff is None or id(optimizer) in backoff._saved:
+        return 1.0
+    return backoff.scale
 
 
 class LearningRateBackoff:
@@ -58,7 +84,8 @@ class LearningRateBackoff:
         self.scale = 1.0
         self.last_step: int | None = None
         self._handles: list[RemovableHandle] = []
-        self._saved: list[tuple[dict, Any]] = []
+        self._saved: dict[int, list[tuple[dict, Any]]] = {}  # per optimizer inside its step: (group, its own lr)
+        self._optimizers: list[torch.optim.Optimizer] = []
 
     def attach(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Apply the scale inside each optimizer's steps from now on (attaching again replaces the hooks)."""
@@ -67,12 +94,17 @@ class LearningRateBackoff:
             optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's and accelerate's wrappers
             self._handles.append(optimizer.register_step_pre_hook(self._scale))
             self._handles.append(optimizer.register_step_post_hook(self._restore))
+            self._optimizers.append(optimizer)
+            _ATTACHED[optimizer] = self
 
     def detach(self) -> None:
         """Remove the hooks."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        for optimizer in self._optimizers:
+            if _ATTACHED.get(optimizer) is self:
+                del _ATTACHED[optimizer]
+        self._handles, self._optimizers = [], []
 
     def fire(self, step: int) -> bool:
         """Back off at ``step`` unless within the cooldown of the last back-off; whether it did."""
@@ -95,11 +127,10 @@ class LearningRateBackoff:
         self._restore(optimizer, args, kwargs)  # a step that raised left its post-hook unrun
         if self.scale == 1.0:
             return
-        self._saved = [(group, group["lr"]) for group in optimizer.param_groups]
-        for group, lr in self._saved:
+        saved = self._saved[id(optimizer)] = [(group, group["lr"]) for group in optimizer.param_groups]
+        for group, lr in saved:
             group["lr"] = lr * self.scale
 
     def _restore(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        for group, lr in self._saved:
+        for group, lr in self._saved.pop(id(optimizer), ()):
             group["lr"] = lr
-        self._saved = []

@@ -13,11 +13,12 @@ from typing import Any, Literal
 from connmon._options import check_callable, check_choice, check_items, check_number
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.backoff import LearningRateBackoff
+from connmon.alerts.restore import RestorePoints
 from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules
 
-Action = Literal["log", "wandb", "stop", "backoff"]
-ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # the default actions; "backoff" is opt-in
-KNOWN_ACTIONS: tuple[Action, ...] = (*ACTIONS, "backoff")
+Action = Literal["log", "wandb", "stop", "backoff", "checkpoint"]
+ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # the default actions; "backoff" and "checkpoint" are opt-in
+KNOWN_ACTIONS: tuple[Action, ...] = (*ACTIONS, "backoff", "checkpoint")
 
 
 class AlertRunner:
@@ -27,17 +28,21 @@ class AlertRunner:
     ``run.alert`` when a W&B sink is given (rank zero); ``"stop"``, a stop request when its level is at least
     ``stop_level`` (the values are synced, so every process decides the same); ``"backoff"`` (opt-in), the
     learning rate scaled down when the edge-of-stability rule fires (:class:`connmon.alerts.LearningRateBackoff`:
-    the entry points attach it to the optimizer; logged as ``connmon/lr_scale``). ``on_alert(alert)`` is called on
-    every process; an exception there is reported, never raised.
+    the entry points attach it to the optimizer; logged as ``connmon/lr_scale``); ``"checkpoint"`` (opt-in), a
+    restore point asked for when its level is at least ``restore_points.level`` (:class:`connmon.alerts.RestorePoints`:
+    the entry points save it; ``restore_points.due`` says the step). ``on_alert(alert)`` is called on every process;
+    an exception there is reported, never raised.
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
-        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``.
+        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``.
         stop_level: the lowest level that requests a stop.
         on_alert: called with every :class:`connmon.alerts.Alert`.
         wait_duration: seconds W&B waits before sending another alert with the same title.
         history: how many recent alerts ``alerts`` keeps.
         backoff: the :class:`connmon.alerts.LearningRateBackoff` for ``"backoff"`` (None: its defaults, factor 0.5).
+        restore_points: the :class:`connmon.alerts.RestorePoints` for ``"checkpoint"`` (None: its defaults, level
+            ``"WARN"``, the last 3 kept).
 
     Raises:
         ValueError: for an unknown action or level, a history that is not an integer >= 0, a wait that is not a
@@ -63,6 +68,7 @@ class AlertRunner:
         wait_duration: float = 300.0,
         history: int = 100,
         backoff: LearningRateBackoff | None = None,
+        restore_points: RestorePoints | None = None,
     ) -> None:
         if isinstance(actions, (str, bytes)) or not isinstance(actions, (list, tuple)):
             raise ValueError(f"actions must be a list or tuple of {KNOWN_ACTIONS}, got actions={actions!r}")
@@ -70,6 +76,8 @@ class AlertRunner:
             check_choice(f"actions[{i}]", action, KNOWN_ACTIONS)
         if backoff is not None and not isinstance(backoff, LearningRateBackoff):
             raise ValueError(f"backoff must be a connmon.alerts.LearningRateBackoff or None, got {backoff!r}")
+        if restore_points is not None and not isinstance(restore_points, RestorePoints):
+            raise ValueError(f"restore_points must be a connmon.alerts.RestorePoints or None, got {restore_points!r}")
         check_choice("stop_level", stop_level, LEVELS)
         check_number("history", history, low=0, integer=True)
         check_number("wait_duration", wait_duration, low=0)
@@ -84,6 +92,7 @@ class AlertRunner:
         self.alerts: deque[Alert] = deque(maxlen=history)
         self.total = 0
         self.backoff = (backoff or LearningRateBackoff()) if "backoff" in self.actions else None
+        self.restore_points = (restore_points or RestorePoints()) if "checkpoint" in self.actions else None
 
     def run(self, values: Mapping[str, float], step: int, wandb: Any = None) -> tuple[list[Alert], bool]:
         """Feed one sample's values; returns the alerts raised and whether they ask the run to stop.
@@ -114,6 +123,8 @@ class AlertRunner:
                 f"{self.backoff.scale:g} of what the optimizer's groups and scheduler set): "
                 f"{', '.join(sorted({a.rule for a in alerts if a.rule in self.backoff.rules}))}"
             )
+        if self.restore_points is not None:
+            self.restore_points.request(alerts, step)
         threshold = LEVELS.index(self.stop_level)
         stop = "stop" in self.actions and any(LEVELS.index(a.level) >= threshold for a in alerts)
         return alerts, stop
@@ -126,10 +137,12 @@ class AlertRunner:
         return counts
 
     def state_dict(self) -> dict[str, Any]:
-        """The rules' state and the alert count."""
+        """The rules' state, the alert count, the back-off's scale and the restore points kept."""
         state = {"rules": self.rules.state_dict(), "total": self.total}
         if self.backoff is not None:
             state["backoff"] = self.backoff.state_dict()
+        if self.restore_points is not None:
+            state["restore_points"] = self.restore_points.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -138,6 +151,8 @@ class AlertRunner:
         self.total = state_dict.get("total", 0)
         if self.backoff is not None and state_dict.get("backoff") is not None:
             self.backoff.load_state_dict(state_dict["backoff"])
+        if self.restore_points is not None and state_dict.get("restore_points") is not None:
+            self.restore_points.load_state_dict(state_dict["restore_points"])
 
 
 def _rule_hint(item: object) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -11,7 +12,18 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-from connmon.alerts import ACTIONS, Action, Alert, AlertRunner, AllOf, LearningRateBackoff, Level, Rule, RuleSet
+from connmon.alerts import (
+    ACTIONS,
+    Action,
+    Alert,
+    AlertRunner,
+    AllOf,
+    LearningRateBackoff,
+    Level,
+    RestorePoints,
+    Rule,
+    RuleSet,
+)
 from connmon.callbacks.connection_monitor import ConnectionMonitor
 from connmon.callbacks.sharpness_monitor import SharpnessMonitor
 
@@ -29,6 +41,12 @@ class DriftAlert(Callback):
       scaled by ``backoff.factor`` inside the optimizer's steps (a scheduler never undoes it), with a cooldown, the
       same on every process, saved in checkpoints, logged as ``connmon/lr_scale`` and said in one line
       (:class:`connmon.alerts.LearningRateBackoff`);
+    * ``"checkpoint"`` (opt-in): at an alert of level ``restore_points.level`` or above (default ``"WARN"``), a
+      restore point: ``trainer.save_checkpoint`` at the end of that optimizer step, to
+      ``connmon_restore_points/step=<N>.ckpt`` beside ModelCheckpoint's ``checkpoints`` directory (the first
+      logger's ``<save_dir>/<name>/<version>``, else ``default_root_dir``) or in ``restore_points.dirpath``, the last
+      ``restore_points.keep`` (3) kept, the path said in one line. It is a complete Lightning checkpoint:
+      ``trainer.fit(model, ckpt_path=path)`` resumes from it (:class:`connmon.alerts.RestorePoints`);
     * passed to ``on_alert(alert)`` if given (on every process; an exception there is reported, not raised).
 
     Rules see the monitor's keys and the LightningModule's own logged scalars (``trainer.callback_metrics``, what
@@ -48,12 +66,14 @@ class DriftAlert(Callback):
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
-        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``.
+        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``.
         stop_level: the lowest level that stops the run (with ``"stop"`` in ``actions``).
         on_alert: called with every :class:`connmon.alerts.Alert`.
         wait_duration: seconds W&B waits before sending another alert with the same title.
         history: how many recent alerts ``self.alerts`` keeps.
         backoff: the :class:`connmon.alerts.LearningRateBackoff` of ``"backoff"`` (None: factor 0.5, cooldown 100).
+        restore_points: the :class:`connmon.alerts.RestorePoints` of ``"checkpoint"`` (None: level ``"WARN"``, 3
+            kept, beside ModelCheckpoint's directory).
 
     Raises:
         ValueError: for an unknown action or level, or duplicate rule names.
@@ -75,11 +95,14 @@ class DriftAlert(Callback):
         wait_duration: float = 300.0,
         history: int = 100,
         backoff: LearningRateBackoff | None = None,
+        restore_points: RestorePoints | None = None,
     ) -> None:
-        self.runner = AlertRunner(rules, actions, stop_level, on_alert, wait_duration, history, backoff)
+        self.runner = AlertRunner(rules, actions, stop_level, on_alert, wait_duration, history, backoff, restore_points)
         self._listening: ConnectionMonitor | None = None
         self._listening_curvature: SharpnessMonitor | None = None
         self._wandb: Any = None
+        self._step_at_batch_start = -1
+        self._restore_root = "connmon_restore_points"
 
     @property
     def rules(self) -> RuleSet:
@@ -111,6 +134,8 @@ class DriftAlert(Callback):
         if curvature and self._listening_curvature is not curvature[0]:
             curvature[0].add_listener(self._on_curvature)
             self._listening_curvature = curvature[0]
+        if self.runner.restore_points is not None:
+            self._restore_root = trainer.strategy.broadcast(_restore_root(trainer))
         self._wandb = None
         if "wandb" in self.runner.actions:
             for logger in trainer.loggers:
@@ -124,6 +149,16 @@ class DriftAlert(Callback):
         """With ``"backoff"``: scale the learning rate inside the optimizers' steps once a back-off fired."""
         if self.runner.backoff is not None:
             self.runner.backoff.attach(trainer.optimizers)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """Note the step, to save a restore point only once the optimizer has stepped (after a whole batch)."""
+        self._step_at_batch_start = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """With ``"checkpoint"``: save the restore point an alert asked for, once the optimizer stepped."""
+        self._save_restore_point(trainer)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove the back-off's optimizer hooks."""
@@ -140,6 +175,7 @@ class DriftAlert(Callback):
 
     def _on_sample(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
         self._run(trainer, step, {**_logged_scalars(trainer), **values})
+        self._save_restore_point(trainer)  # the monitor's samples end in its on_train_batch_end, before or after ours
 
     def _on_curvature(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
         self._run(trainer, step, values)
@@ -149,9 +185,40 @@ class DriftAlert(Callback):
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(self.runner.counts(alerts), step=step)
+        points = self.runner.restore_points
+        if points is not None and trainer.strategy.reduce_boolean_decision(points.due is not None, all=False):
+            points.due = step if points.due is None else points.due
         if "stop" in self.runner.actions and trainer.strategy.reduce_boolean_decision(stop, all=False):
             trainer.should_stop = True
             rank_zero_warn(f"DriftAlert stops the run at step {step} (an alert at level >= {self.runner.stop_level})")
+
+    def _save_restore_point(self, trainer: Trainer) -> None:
+        points = self.runner.restore_points
+        if points is None or points.due is None or trainer.global_step == self._step_at_batch_start:
+            return  # nothing asked, or inside a step (its first micro-batches): after the optimizer steps
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        due, step = points.due, trainer.global_step
+        path = points.path(step, root=self._restore_root)
+        try:
+            trainer.save_checkpoint(path)
+        except Exception as error:  # a full disk must not end the training run
+            points.due = None
+            rank_zero_warn(f"DriftAlert could not save the restore point {path}: {type(error).__name__}: {error}")
+            return
+        for old in points.saved(path):
+            trainer.strategy.remove_checkpoint(old)
+        rank_zero_warn(f"DriftAlert saved a restore point after step {step} (alert at step {due}): {path}")
+
+
+def _restore_root(trainer: Trainer) -> str:
+    """Where ModelCheckpoint would save, with ``connmon_restore_points`` for ``checkpoints``."""
+    if not trainer.loggers:
+        return os.path.join(trainer.default_root_dir, "connmon_restore_points")
+    logger = trainer.loggers[0]
+    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+    save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
+    return os.path.join(save_dir, str(logger.name), version, "connmon_restore_points")
 
 
 def _logged_scalars(trainer: Trainer) -> dict[str, float]:

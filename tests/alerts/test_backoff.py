@@ -101,3 +101,34 @@ def test_the_runner_backs_off_on_the_edge_rule_only_and_logs_the_scale():
     again.load_state_dict(state)
     assert again.backoff.scale == 0.5
     assert AlertRunner(rules).backoff is None and "connmon/lr_scale" not in AlertRunner(rules).counts([])
+
+
+def test_the_edge_ratio_reads_the_rate_the_backed_off_step_applies():
+    """``lr * lambda / c`` with the applied rate: before, inside and after the step, and a detached back-off not."""
+    from connmon.alerts.backoff import pending_lr_scale
+    from connmon.curvature import sharpness_ratio
+
+    torch.manual_seed(0)
+    a = torch.randn(6, 6, dtype=torch.float64)
+    hessian = a @ a.T
+    w = torch.nn.Parameter(torch.randn(6, dtype=torch.float64))
+    optimizer = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    loss_fn = lambda: 0.5 * w @ hessian @ w  # noqa: E731
+    exact = 0.1 * torch.linalg.eigvalsh(hessian)[-1].item() / (2 * 1.9)
+
+    def ratio() -> float:
+        return sharpness_ratio(loss_fn, optimizer, steps=6, products="double_backward").ratio
+
+    backoff = LearningRateBackoff(factor=0.5)
+    backoff.attach([optimizer])
+    assert ratio() == pytest.approx(exact, rel=1e-9)
+    backoff.fire(step=0)
+    assert ratio() == pytest.approx(0.5 * exact, rel=1e-9)  # the groups still say 0.1; the step applies 0.05
+    inside = []
+    optimizer.register_step_pre_hook(lambda *_: inside.append((optimizer.param_groups[0]["lr"], ratio())))
+    w.grad = torch.zeros_like(w)
+    optimizer.step()
+    assert inside[0][0] == pytest.approx(0.05) and inside[0][1] == pytest.approx(0.5 * exact, rel=1e-9)
+    assert optimizer.param_groups[0]["lr"] == 0.1 and ratio() == pytest.approx(0.5 * exact, rel=1e-9)
+    backoff.detach()
+    assert pending_lr_scale(optimizer) == 1.0 and ratio() == pytest.approx(exact, rel=1e-9)

@@ -16,13 +16,13 @@ from tests.callbacks.wandb_run import finish_and_read, history, offline_logger
 LOGIT = "connmon/max_attention_logit/L*"
 
 
-def fit(tmp_path, callbacks, max_steps=6, logger="csv", ckpt_path=None, extra=(), module=None):
+def fit(tmp_path, callbacks, max_steps=6, logger="csv", ckpt_path=None, extra=(), module=None, data=None):
     logger = CSVLogger(tmp_path, name="csv") if logger == "csv" else logger
     trainer = L.Trainer(
         max_steps=max_steps, callbacks=[*callbacks, *extra], logger=logger, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=bool(extra), accelerator="cpu", devices=1, log_every_n_steps=1,
     )  # fmt: skip
-    trainer.fit(module or LitGPT(), loader(), ckpt_path=ckpt_path)
+    trainer.fit(module or LitGPT(), data or loader(), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -268,3 +268,65 @@ def test_a_run_resumed_from_a_checkpoint_keeps_its_back_off_and_its_cooldown(tmp
     forgetful.load_state_dict = lambda state: None  # the control: the same resume without the saved state
     fit(tmp_path / "c", [monitor(), forgetful], ckpt_path=path)
     assert (forgetful.runner.backoff.scale, forgetful.runner.backoff.last_step) == (0.5, 3)  # backs off anew
+
+
+class AdamGPT(LitGPT):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def weights(trainer):
+    return {name: p.detach().clone() for name, p in trainer.lightning_module.named_parameters()}
+
+
+class ResumableLoader:
+    """The test loader with Lightning's ``state_dict`` / ``load_state_dict``: a mid-epoch resume skips what was seen."""
+
+    def __init__(self) -> None:
+        self.batches, self.seen, self.skip = list(loader()), 0, 0
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self):
+        skip, self.skip = self.skip, 0
+        for seen, batch in enumerate(self.batches[skip:], start=skip + 1):
+            self.seen = seen
+            yield batch
+
+    def state_dict(self) -> dict:
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.skip = state["seen"]
+
+
+def test_a_restore_point_is_a_lightning_checkpoint_that_resumes_bitwise(tmp_path):
+    """The "checkpoint" action's restore point resumes as ModelCheckpoint's does, and as the uninterrupted run."""
+    rule = Rule("any logit", LOGIT, Threshold(-1.0), cooldown=100, since=3)  # fires at step 3 only
+    saved = {}
+    for data in ("plain", "resumable"):
+        alert = DriftAlert(rules=[rule], actions=("checkpoint",))
+        with pytest.warns(UserWarning, match=r"restore point after step 4 \(alert at step 3\): .*step=4\.ckpt"):
+            saved[data, "whole"] = weights(fit(tmp_path / data, [monitor(), alert], max_steps=8, module=AdamGPT(),
+                                               data=ResumableLoader() if data == "resumable" else None))  # fmt: skip
+        path = tmp_path / data / "csv" / "version_0" / "connmon_restore_points" / "step=4.ckpt"  # beside checkpoints/
+        assert alert.runner.restore_points.paths == [str(path)] and path.is_file()
+        control = ModelCheckpoint(dirpath=tmp_path / data / "ckpt", every_n_train_steps=4, save_top_k=-1)
+        fit(tmp_path / data / "control", [monitor(), DriftAlert(rules=[rule], actions=())], max_steps=4,
+            module=AdamGPT(), extra=[control], data=ResumableLoader() if data == "resumable" else None)  # fmt: skip
+        for name, ckpt in (("restore point", path), ("ModelCheckpoint", next((tmp_path / data / "ckpt").iterdir()))):
+            again = DriftAlert(rules=[rule], actions=("checkpoint",))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the plain loader's "not resumable" warning
+                trainer = fit(tmp_path / data / name, [monitor(), again], max_steps=8, module=AdamGPT(),
+                              ckpt_path=ckpt, data=ResumableLoader() if data == "resumable" else None)  # fmt: skip
+            assert trainer.global_step == 8 and again.total == 1  # the alert at step 3, restored; none since
+            saved[data, name] = weights(trainer)
+    for data, name in set(saved) - {("plain", "whole")}:  # a plain loader restarts its epoch on resume
+        reference = saved["resumable", "whole"] if data == "resumable" else saved["plain", "ModelCheckpoint"]
+        for key, value in reference.items():
+            assert torch.equal(saved[data, name][key], value), (data, name, key)
+    assert not torch.equal(
+        saved["plain", "whole"]["model.wte.weight"], saved["plain", "restore point"]["model.wte.weight"]
+    )

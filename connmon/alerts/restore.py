@@ -1,0 +1,102 @@
+"""Acting on a warning before the spike: a restore point, a checkpoint saved when an alert fires.
+
+The loss-spike tools large runs use (a restart from the last checkpoint, batches skipped) need a checkpoint from
+before the spike, which they have only by luck of the checkpoint cadence. connmon's curvature warning comes a median
+of 80-90 steps before a divergence on the instability suite, so the ``"checkpoint"`` action saves one then. Where
+and how depends on the entry point: :class:`connmon.callbacks.DriftAlert` through ``trainer.save_checkpoint`` (a
+complete Lightning checkpoint, resumable with ``ckpt_path=``), the Hugging Face callback through the ``Trainer``'s own
+saving, :class:`connmon.Monitor` through ``save(path, step)`` or, without one, a file with the model's and the
+optimizer's state.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from connmon._options import check_callable, check_choice, check_number
+from connmon.alerts.rules import LEVELS, Alert, Level
+
+
+class RestorePoints:
+    """When the ``"checkpoint"`` action saves a restore point, where, and how many are kept.
+
+    An alert at ``level`` or above asks for one (at most one per step); the entry point saves it at the end of that
+    training step (Lightning, Hugging Face) or at the start of the next ``monitor.step()`` (a plain loop), and says
+    where in one line. The alerts come from synced values, so every process asks at the same step. The last ``keep``
+    restore points are kept, older ones removed (Lightning and plain loops; the Hugging Face ``Trainer`` rotates its
+    checkpoints itself, by ``save_total_limit``). The paths saved are in :meth:`state_dict`, so a resumed run goes
+    on rotating them.
+
+    An ``ERROR`` alert (a non-finite value) comes after the damage: a restore point saved then may hold it. The
+    earlier ones, kept by ``keep``, do not; pass ``level="WARN"`` with ``keep`` >= 2, or ``level`` above what you
+    want saved.
+
+    Args:
+        level: the lowest alert level that saves a restore point.
+        keep: how many restore points are kept (the oldest is removed when one more is saved).
+        dirpath: where they go; None for the entry point's default (Lightning: ``connmon_restore_points`` beside
+            ModelCheckpoint's ``checkpoints`` directory; plain loop: ``./connmon_restore_points``; Hugging Face: the ``Trainer``'s
+            ``output_dir``).
+        save: for :class:`connmon.Monitor` only, ``save(path, step)`` writes the restore point (called on every
+            process); None for ``torch.save`` of the model's and optimizer's ``state_dict`` and the monitor's state
+            on rank zero.
+
+    Raises:
+        ValueError: for an unknown level, a ``keep`` below 1, or a ``save`` that is not callable.
+
+    Examples:
+        >>> from connmon.alerts import Alert, RestorePoints
+        >>> points = RestorePoints(level="WARN", keep=2, dirpath="/tmp/run")
+        >>> points.request([Alert("edge", "connmon/sharpness_ratio", 120, 1.3, 1.3, 1.0, None, "WARN")], step=120)
+        True
+        >>> points.path(120), points.due
+        ('/tmp/run/step=120.ckpt', 120)
+        >>> points.saved("/tmp/run/step=120.ckpt"), points.due
+        ([], None)
+    """
+
+    def __init__(
+        self,
+        level: Level = "WARN",
+        keep: int = 3,
+        dirpath: str | os.PathLike[str] | None = None,
+        save: Callable[[str, int], Any] | None = None,
+    ) -> None:
+        check_choice("level", level, LEVELS)
+        check_number("keep", keep, low=1, integer=True)
+        check_callable("save", save, optional=True, signature="save(path, step)")
+        self.level, self.keep, self.save = level, keep, save
+        self.dirpath = None if dirpath is None else os.fspath(dirpath)
+        self.due: int | None = None  # the step whose alert asked for a restore point not yet saved
+        self.paths: list[str] = []  # the restore points saved and kept, oldest first
+
+    def request(self, alerts: list[Alert], step: int) -> bool:
+        """Ask for a restore point at ``step`` if one of ``alerts`` is at ``level`` or above; whether one was."""
+        if not any(LEVELS.index(alert.level) >= LEVELS.index(self.level) for alert in alerts):
+            return False
+        if self.due is None:
+            self.due = step
+        return True
+
+    def path(self, step: int, root: str | os.PathLike[str] = "connmon_restore_points") -> str:
+        """Where the restore point of ``step`` goes: in ``dirpath``, else in ``root`` (the entry point's default)."""
+        return os.path.join(self.dirpath if self.dirpath is not None else os.fspath(root), f"step={step}.ckpt")
+
+    def saved(self, path: str) -> list[str]:
+        """Record that ``path`` was saved (the request is met); returns the older paths to remove beyond ``keep``."""
+        self.due = None
+        if path in self.paths:
+            self.paths.remove(path)
+        self.paths.append(path)
+        removed, self.paths = self.paths[: -self.keep], self.paths[-self.keep :]
+        return removed
+
+    def state_dict(self) -> dict[str, Any]:
+        """The restore points kept (a resumed run goes on rotating them)."""
+        return {"paths": list(self.paths)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.paths = [str(path) for path in state_dict.get("paths", [])]
