@@ -157,21 +157,20 @@ def check_against_dense() -> None:
         print(f"sharpness_ratio, {steps} Lanczos steps: {found:.6f} (relative difference {error:.1e})")
 
 
-def train(
-    config: dict, steps: int, every: int, iterations: int, start: float, peak: float, ramp: int, update_every: int = 0
-) -> dict:
-    """One run; Lanczos every ``every`` steps and, with ``update_every``, both readings along the update as often.
+def build(
+    config: dict, start: float, peak: float, ramp: int
+) -> tuple[dict, torch.Tensor, nn.Module, torch.optim.Optimizer, torch.Generator]:
+    """A suite run, untrained: its full config, corpus, model, optimizer and batch generator (one torch thread).
 
-    At a sampled step ``s`` every estimate is taken at the same parameters (after ``s`` optimizer steps): Lanczos and
-    the difference reading on batch ``s`` (before training on it), the secant reading after its backward, before
-    the optimizer step; both update readings along the update of step ``s - 1``.
+    ``ramp`` runs ramp from ``start`` to ``peak``; ``control`` runs to 3e-3 with qk-norm; ``warmup`` runs warm up
+    linearly over 100 steps to ``config["peak"]`` (1e-3: bench_instability's healthy from-scratch run), then hold it.
     """
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     example = example_module()
     config = {**BASE, **config, "start": start, "ramp": ramp}
-    if config["arm"] == "warmup":  # bench_instability's healthy from-scratch run: linear warmup to 1e-3, then constant
-        config.update(start=0.0, ramp=100, shape="warmup", peak=1e-3, qk_norm=False)
+    if config["arm"] == "warmup":
+        config.update(start=0.0, ramp=100, shape="warmup", peak=config.get("peak", 1e-3), qk_norm=False)
     else:
         config["peak"], config["qk_norm"] = (peak, False) if config["arm"] == "ramp" else (3e-3, True)
     if config["optimizer"] == "sgd":  # bench_instability's SGD with momentum 0.9 at 100x AdamW's learning rates
@@ -183,7 +182,19 @@ def train(
         optimizer = torch.optim.SGD(model.parameters(), lr=config["peak"], momentum=0.9)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], betas=(BETA1, 0.999), weight_decay=0.0)
-    gen = torch.Generator().manual_seed(config["seed"])
+    return config, data, model, optimizer, torch.Generator().manual_seed(config["seed"])
+
+
+def train(
+    config: dict, steps: int, every: int, iterations: int, start: float, peak: float, ramp: int, update_every: int = 0
+) -> dict:
+    """One run; Lanczos every ``every`` steps and, with ``update_every``, both readings along the update as often.
+
+    At a sampled step ``s`` every estimate is taken at the same parameters (after ``s`` optimizer steps): Lanczos and
+    the difference reading on batch ``s`` (before training on it), the secant reading after its backward, before
+    the optimizer step; both update readings along the update of step ``s - 1``.
+    """
+    config, data, model, optimizer, gen = build(config, start, peak, ramp)
     losses, ratio, gradient, gradients, readings, probes = [], {}, {}, {}, {"difference": {}, "secant": {}}, None
     initial = None
     seconds = {"lanczos": 0.0, "gradient_difference": 0.0, "difference": 0.0, "secant": 0.0}

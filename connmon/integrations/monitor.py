@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
+import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -97,7 +99,8 @@ class Monitor:
             ``wandb.log`` or ``accelerator.log``; None to log the scalars to ``wandb`` (or nowhere).
         wandb: a W&B run (``wandb.init(...)``) for histograms, figures and alerts, logged with ``step=step``.
         alerts: an :class:`connmon.alerts.AlertRunner` run on every sample; its stop requests set
-            :attr:`should_stop`.
+            :attr:`should_stop`; with its ``"checkpoint"`` action, the restore point an alert asks for is saved at the
+            start of the next :meth:`step` (:meth:`save_restore_point`).
         optimizer: the training's optimizer, for ``sharpness`` and for ``alerts`` with the ``"backoff"`` action.
         sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
             optimizer's edge of stability on its own cadence, logged and shown to ``alerts`` like the attention
@@ -279,6 +282,12 @@ class Monitor:
             raise ValueError(f"step must be the optimizer steps taken so far, an integer >= 0, got step={step!r}")
         model = self._model
         self._step_now = step
+        if (
+            self.alerts is not None
+            and self.alerts.restore_points is not None
+            and self.alerts.restore_points.due is not None
+        ):
+            self.save_restore_point(step)
         if self.sharpness is not None and model is not None:
             loss = None if self.loss_fn is None or batch is None else lambda: self.loss_fn(model, batch)
             self.publish_curvature(step, self.sharpness.before_forward(step, loss, model))
@@ -301,6 +310,43 @@ class Monitor:
             raise
         self.disarm()
         self.finish(step, rule_values)
+
+    def save_restore_point(self, step: int) -> str | None:
+        """Save the restore point an alert asked for (the ``"checkpoint"`` action), as the state after ``step`` steps.
+
+        :meth:`step` calls it at its start when one is due. With ``restore_points.save`` the path and step are handed
+        to it on every process (save there whatever resumes your run: scheduler, data position, ...); without one,
+        rank zero writes ``{"step", "model", "optimizer", "connmon"}`` (the ``state_dict`` of each) with
+        ``torch.save``. Older restore points beyond ``keep`` are removed (rank zero). A save that fails is reported
+        and the run goes on. Returns the path, or None.
+        """
+        points = self.alerts.restore_points if self.alerts is not None else None
+        if points is None or points.due is None:
+            return None
+        due, path = points.due, points.path(step)
+        try:
+            if points.save is not None:
+                points.save(path, step)
+            elif is_rank_zero():
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                model = getattr(self._model, "_orig_mod", self._model)
+                torch.save({
+                    "step": step,
+                    "model": model.state_dict() if model is not None else None,
+                    "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+                    "connmon": self.state_dict(),
+                }, path)  # fmt: skip
+        except Exception as error:  # a full disk or a failing hook must not end the training run
+            points.due = None
+            warn_rank_zero(f"{self.owner} could not save the restore point {path}: {type(error).__name__}: {error}")
+            return None
+        for old in points.saved(path):
+            if is_rank_zero() and os.path.isdir(old):
+                shutil.rmtree(old, ignore_errors=True)
+            elif is_rank_zero():
+                _remove(old)
+        warn_rank_zero(f"{self.owner} saved a restore point after step {step} (alert at step {due}): {path}")
+        return path
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Find ``model``'s attention layers and build the accumulators on its device; False (and one warning) if none.
@@ -794,3 +840,8 @@ def _device_of(model: nn.Module) -> torch.device:
     for tensor in model.parameters():
         return tensor.device
     return torch.device("cpu")
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)

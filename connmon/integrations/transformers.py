@@ -39,7 +39,11 @@ class ConnectionMonitorCallback(TrainerCallback):
     and ``trainer.state.log_history`` keeps them. With W&B in ``report_to`` the histograms and figures go to the
     same run. With ``alerts`` the rules run on every sample (on connmon's keys and on the Trainer's latest logged
     ``loss``, ``grad_norm`` and ``learning_rate``) and an alert at or above their ``stop_level`` sets
-    ``control.should_training_stop``. The monitor's state (cadence, drift references, alert baselines) is saved
+    ``control.should_training_stop``; with the ``"checkpoint"`` action (:class:`connmon.alerts.RestorePoints`) an
+    alert at its level sets ``control.should_save``, so the Trainer saves its own checkpoint folder
+    (``output_dir/checkpoint-<step>``, rotated by ``save_total_limit``) at the end of that step, and says where; with
+    ``"backoff"`` the learning rate is scaled inside ``optimizer.step()`` (the Trainer's scheduler is untouched). The
+    monitor's state (cadence, drift references, alert baselines) is saved
     as ``connmon_monitor.pt`` in every checkpoint folder and read back when training resumes from one.
 
     The Trainer's progress callback prints every logged row, connmon's keys included; ``disable_tqdm=True`` with
@@ -227,6 +231,15 @@ class ConnectionMonitorCallback(TrainerCallback):
         model = kwargs.get("model")
         if self.monitor.probe is not None and model is not None and self.monitor.due(state.global_step):
             self.monitor.run_probe(model, state.global_step, _latest_logged(state))  # after global_step steps
+        points = self.monitor.alerts.restore_points if self.monitor.alerts is not None else None
+        if points is not None and points.due is not None:  # "checkpoint": the Trainer saves at the end of this step
+            control.should_save = True
+            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            points.saved(str(folder))  # the Trainer rotates its checkpoints itself (save_total_limit)
+            warn_rank_zero(
+                f"ConnectionMonitorCallback: the Trainer saves a restore point after step {state.global_step} "
+                f"(an alert): {folder}"
+            )
         if self.monitor.should_stop and not control.should_training_stop:
             control.should_training_stop = True
             warn_rank_zero(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import warnings
 
 import pytest
@@ -636,3 +637,48 @@ def test_the_backoff_action_halves_the_plain_loops_rate_from_its_alert_on():
     assert not optimizer._optimizer_step_pre_hooks
     with pytest.warns(UserWarning, match="'backoff' action scales the optimizer's learning rate, and no optimizer"):
         connmon.Monitor(TinyGPT(), every_n_steps=2, alerts=AlertRunner([edge], actions=("backoff",)))
+
+
+def test_the_checkpoint_action_saves_a_restore_point_that_resumes_bitwise_and_keeps_the_last(tmp_path):
+    from connmon.alerts import RestorePoints
+
+    def run(monitor, model, optimizer, steps):
+        for step in steps:
+            with monitor.step(step) if monitor is not None else torch.enable_grad():
+                loss = torch.nn.functional.cross_entropy(model(data[step]).flatten(0, 1), data[step].flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    data = batches(8)
+    rule = Rule("any logit", "connmon/max_attention_logit/L*", Threshold(-1.0), cooldown=2, since=3)  # 4 and 6
+    points = RestorePoints(keep=1, dirpath=tmp_path / "points")
+    runner = AlertRunner([rule], actions=("checkpoint",), restore_points=points)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), alerts=runner, optimizer=optimizer)
+    with pytest.warns(UserWarning, match=r"saved a restore point after step 5 \(alert at step 4\): .*step=5\.ckpt"):
+        run(monitor, model, optimizer, range(6))
+    first = torch.load(tmp_path / "points" / "step=5.ckpt", weights_only=True)
+    with pytest.warns(UserWarning, match=r"after step 7 \(alert at step 6\)"):
+        run(monitor, model, optimizer, range(6, 8))
+    assert sorted(p.name for p in (tmp_path / "points").iterdir()) == ["step=7.ckpt"]  # keep=1: step 5's removed
+    assert points.paths == [str(tmp_path / "points" / "step=7.ckpt")] and runner.state_dict()["restore_points"]
+    torch.manual_seed(1)
+    again = TinyGPT()  # other weights, replaced by the restore point's
+    again.load_state_dict(first["model"])
+    resumed = torch.optim.AdamW(again.parameters(), lr=1e-2)
+    resumed.load_state_dict(first["optimizer"])
+    assert first["step"] == 5 and first["connmon"]["samples"] == 3
+    run(None, again, resumed, range(5, 8))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters(), strict=True))
+
+    calls = []
+    hooked = RestorePoints(save=lambda path, step: calls.append((path, step)))
+    monitor = connmon.Monitor(TinyGPT(), every_n_steps=2, diagnostics=("walk",), optimizer=optimizer,
+                              alerts=AlertRunner([rule], actions=("checkpoint",), restore_points=hooked))  # fmt: skip
+    with pytest.warns(UserWarning, match="saved a restore point"):
+        run(monitor, monitor._model, torch.optim.SGD(monitor._model.parameters(), lr=0.0), range(6))
+    assert calls == [(os.path.join("connmon_restore_points", "step=5.ckpt"), 5)]  # the hook wrote it, not connmon
+    assert not os.path.exists("connmon_restore_points")

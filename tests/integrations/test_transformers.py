@@ -227,3 +227,19 @@ def test_the_backoff_action_scales_the_trainers_rate_under_its_scheduler_and_log
     assert backed.lr_scheduler.get_last_lr() == plain.lr_scheduler.get_last_lr()  # the linear schedule untouched
     assert losses(backed)[2] == losses(plain)[2] and losses(backed)[4] != losses(plain)[4]
     assert not backed.optimizer.optimizer._optimizer_step_pre_hooks
+
+
+def test_the_checkpoint_action_has_the_trainer_save_a_restore_point_that_resumes_bitwise(tmp_path):
+    rule = Rule("any logit", "connmon/max_attention_logit/L*", Threshold(-1.0), cooldown=100, since=3)
+    options = {"every_n_steps": 2, "diagnostics": ("walk",), "alerts": AlertRunner([rule], actions=("checkpoint",))}
+    whole = make_trainer(tmp_path, monitor=options)  # save_strategy="no": only the restore point is saved
+    with pytest.warns(UserWarning, match=r"saves a restore point after step 4 \(an alert\): .*checkpoint-4"):
+        whole.train()
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-4"]
+    assert (tmp_path / "checkpoint-4" / STATE_FILE).is_file()
+    options["alerts"] = AlertRunner([rule], actions=("checkpoint",))
+    resumed = make_trainer(tmp_path / "resumed", monitor=options)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
+    assert resumed.state.global_step == 6 and not (tmp_path / "resumed" / "checkpoint-6").exists()  # in cooldown
+    for (name, value), again in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(value, again), name
