@@ -142,24 +142,32 @@ def smoothed_best(losses: list[float], until: int) -> float:
     return min(means) if means else math.nan
 
 
-def final_loss(losses: list[float]) -> float:
-    tail = losses[-FINAL:]
-    return sum(tail) / len(tail) if all(map(math.isfinite, tail)) else math.nan
+def final_loss(losses: list[float], end: int | None = None) -> float:
+    """The mean loss of the last 50 steps before ``end`` (the run's end), NaN if the run diverged before it."""
+    end = len(losses) if end is None else end
+    tail = losses[max(0, end - FINAL) : end]
+    return sum(tail) / len(tail) if len(losses) >= end and all(map(math.isfinite, tail)) else math.nan
 
 
 def name_of(run: dict) -> str:
     if run.get("too_high"):
-        return f"{run['variant']} warmup to {run['peak']:g}, constant (too high)"
+        return f"{run['variant']} warmup to {run['peak']:g}, then constant (too high)"
     return f"{run['variant']} {run['arm']} {run['seed']}"
 
 
 def report(runs: list[dict]) -> None:
-    """The table of the runs the back-off acted on, the healthy runs' actions, and the targets."""
+    """The runs the back-off acted on (at the suite's end, step 1500, and at the run's end), then the healthy runs."""
     controls = {run["variant"]: final_loss(run["loss"]) for run in runs if run["arm"] == "control" and run["seed"] == 0}
-    print("\n| run | diverges without | back-offs (step: scale) | diverges with | best before the alert | final "
-          "loss | final / best | healthy control's final | sampler gradients per step |")  # fmt: skip
+    print("\n| run | diverges without | back-offs (step: scale) | diverges with | best before the alert | final at "
+          "1500 / best | final at the end / best | healthy control's final | sampler gradients per step |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
-    acted, saved, within = [], [], []
+    counts = {
+        "diverging": 0,
+        "saved at 1500": 0,
+        "within 10% at 1500": 0,
+        "saved at the end": 0,
+        "within 10% at the end": 0,
+    }
     for run in runs:
         if run["arm"] != "ramp" and not run.get("too_high"):
             continue
@@ -167,29 +175,29 @@ def report(runs: list[dict]) -> None:
         with_ = divergence(run["loss"])
         first = run["alerts"][0] if run["alerts"] else None
         best = smoothed_best(run["loss"], first) if first is not None else math.nan
-        final = final_loss(run["loss"])
-        quotient = final / best if first is not None else math.nan
+        at_1500, at_end = final_loss(run["loss"], 1500) / best, final_loss(run["loss"]) / best
         if without is not None:
-            acted.append(name_of(run))
-            saved += [name_of(run)] if with_ is None else []
-            within += [name_of(run)] if with_ is None and quotient <= 1.1 else []
+            counts["diverging"] += 1
+            for label, end, quotient in (("at 1500", 1500, at_1500), ("at the end", run["steps"], at_end)):
+                if with_ is None or with_ >= end:
+                    counts[f"saved {label}"] += 1
+                    counts[f"within 10% {label}"] += quotient <= 1.1
         backoffs = ", ".join(f"{s}: {x:g}" for s, x in run["backoffs"]) or "none"
-        control = controls.get(run["variant"], math.nan)
         cells = [
             name_of(run), "no" if without is None else without, backoffs, "no" if with_ is None else with_,
-            f"{best:.3f}", f"{final:.3f}", f"{quotient:.3f}", f"{control:.3f}", f"{run['gradients_per_step']:.3f}",
+            f"{best:.3f}", f"{at_1500:.3f}", f"{at_end:.3f}", f"{controls.get(run['variant'], math.nan):.3f}",
+            f"{run['gradients_per_step']:.3f}",
         ]  # fmt: skip
         print("| " + " | ".join(map(str, cells)).replace("nan", "-") + " |")
     healthy = [run for run in runs if run["arm"] in ("control", "warmup") and not run.get("too_high")]
-    print("\n| healthy runs | runs | alerts | back-offs | sampler gradients per step (median) |")
+    print("\n| healthy runs | runs | alerts | back-offs | sampler gradients per step (median, max) |")
     print("|---|---|---|---|---|")
     if healthy:
-        cost = statistics.median(run["gradients_per_step"] for run in healthy)
-        print(f"| controls and warmups | {len(healthy)} | {sum(len(r['alerts']) for r in healthy)} | "
-              f"{sum(len(r['backoffs']) for r in healthy)} | {cost:.3f} |")  # fmt: skip
-    print(f"\nDiverging without the back-off: {len(acted)}; finished without diverging with it: {len(saved)} "
-          f"({100 * len(saved) / max(len(acted), 1):.0f}%, target >= 80%); of those, final loss within 10% of the best "
-          f"before the alert: {len(within)}")  # fmt: skip
+        cost = sorted(run["gradients_per_step"] for run in healthy)
+        alerts, backoffs = sum(len(r["alerts"]) for r in healthy), sum(len(r["backoffs"]) for r in healthy)
+        print(f"| controls and warmups | {len(healthy)} | {alerts} | {backoffs} | {statistics.median(cost):.3f}, "
+              f"{cost[-1]:.3f} |")  # fmt: skip
+    print("\n" + "; ".join(f"{label}: {count}" for label, count in counts.items()))
 
 
 def main() -> None:

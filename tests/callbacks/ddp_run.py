@@ -10,8 +10,9 @@ min(2, GPUs) devices.
 With ``alert``, a DriftAlert rule fires on rank 1 only, at its third sample, with level ERROR; each rank writes the
 step it stopped at to OUT_DIR/rank<r>.txt (both must stop together, or the run hangs).
 
-With ``backoff``, a DriftAlert with the ``"backoff"`` action whose edge rule fires at step 2 (a synced key); each
-rank writes its scale, the step of the back-off and a checksum of its weights to OUT_DIR/backoff<r>.json.
+With ``backoff``, a DriftAlert with the ``"backoff"`` and ``"checkpoint"`` actions whose edge rule fires at step 2 (a
+synced key); each rank writes its scale, the step of the back-off, a checksum of its weights and the restore points
+it saved (to OUT_DIR/points) to OUT_DIR/backoff<r>.json.
 
 With ``sharpness``, a SharpnessMonitor samples at steps 2 and 4; each rank writes its own ratio at step 2 (computed
 directly) and the synced values to OUT_DIR/sharpness<r>.json. Its loss function raises on rank 1 at step 4: both
@@ -62,11 +63,14 @@ def backoff_run(out: Path) -> None:
     """The edge rule (on a synced key) fires at step 2's sample on both ranks; each writes its back-off and weights."""
     import json
 
-    from connmon.alerts import LearningRateBackoff, Threshold
+    from connmon.alerts import LearningRateBackoff, RestorePoints, Threshold
 
     monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
     edge = Rule("past the edge of stability", "connmon/attention_entropy/all", Threshold(-1.0), cooldown=0, since=1)
-    alert = DriftAlert(rules=[edge], actions=("backoff",), backoff=LearningRateBackoff(factor=0.5, cooldown=10))
+    alert = DriftAlert(
+        rules=[edge], actions=("backoff", "checkpoint"), backoff=LearningRateBackoff(factor=0.5, cooldown=10),
+        restore_points=RestorePoints(keep=1, dirpath=out / "points"),
+    )  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=5, callbacks=[monitor, alert], logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -76,6 +80,7 @@ def backoff_run(out: Path) -> None:
     weights = sum(float(p.double().sum()) for p in module.parameters())
     backoff = alert.runner.backoff
     record = {"scale": backoff.scale, "last_step": backoff.last_step, "weights": weights}
+    record["restore_points"] = alert.runner.restore_points.paths
     (out / f"backoff{trainer.global_rank}.json").write_text(json.dumps(record))
 
 

@@ -111,9 +111,11 @@ def test_the_secant_reading_is_the_same_under_ddp_and_fsdp2_sharded_parameters(t
     assert fsdp2 == pytest.approx(ddp, rel=1e-3)
 
 
-def test_ddp_ranks_back_off_at_the_same_step_and_keep_equal_weights(tmp_path):
+def test_ddp_ranks_back_off_and_save_restore_points_at_the_same_step_and_keep_equal_weights(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
     subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "backoff"], check=True, timeout=300, env=env)
     ranks = [json.loads((tmp_path / f"backoff{r}.json").read_text()) for r in range(2)]
     assert ranks[0] == ranks[1]  # the same scale, from the same step, so DDP's replicas stay equal
     assert (ranks[0]["scale"], ranks[0]["last_step"]) == (0.5, 2)
+    points = sorted(path.name for path in (tmp_path / "points").iterdir())  # alerts at 2 and 4, saved after 3 and 5
+    assert points == ["step=5.ckpt"] and ranks[0]["restore_points"] == [str(tmp_path / "points" / "step=5.ckpt")]
