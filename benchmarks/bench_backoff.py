@@ -162,35 +162,32 @@ def name_of(run: dict) -> str:
 def report(runs: list[dict]) -> None:
     """The runs the back-off acted on (at the suite's end, step 1500, and at the run's end), then the healthy runs."""
     controls = {run["variant"]: final_loss(run["loss"]) for run in runs if run["arm"] == "control" and run["seed"] == 0}
-    print("\n| run | diverges without | back-offs (step: scale) | diverges with | best before the alert | final at "
-          "1500 / best | final at the end / best | healthy control's final | sampler gradients per step |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    counts = {
-        "diverging": 0,
-        "saved at 1500": 0,
-        "within 10% at 1500": 0,
-        "saved at the end": 0,
-        "within 10% at the end": 0,
-    }
+    print("\n| run | diverges without | final without / best | back-offs (step: scale) | diverges with | best before "
+          "the alert | final at 1500 / best | final at the end / best | healthy control's final | sampler gradients "
+          "per step |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    counts = {f"{what} {end}": 0 for end in ("by 1500", "by the end") for what in ("diverging", "saved", "within 10%")}
     for run in runs:
         if run["arm"] != "ramp" and not run.get("too_high"):
             continue
         without = run["without"]["divergence"] if run["without"] else divergence(run["loss"])
+        without_losses = run["loss"][: run["without"]["from"] + 1] + run["without"]["loss"] if run["without"] else []
         with_ = divergence(run["loss"])
         first = run["alerts"][0] if run["alerts"] else None
         best = smoothed_best(run["loss"], first) if first is not None else math.nan
         at_1500, at_end = final_loss(run["loss"], 1500) / best, final_loss(run["loss"]) / best
-        if without is not None:
-            counts["diverging"] += 1
-            for label, end, quotient in (("at 1500", 1500, at_1500), ("at the end", run["steps"], at_end)):
+        for label, end, quotient in (("by 1500", 1500, at_1500), ("by the end", run["steps"], at_end)):
+            if without is not None and without < end:
+                counts[f"diverging {label}"] += 1
                 if with_ is None or with_ >= end:
                     counts[f"saved {label}"] += 1
                     counts[f"within 10% {label}"] += quotient <= 1.1
         backoffs = ", ".join(f"{s}: {x:g}" for s, x in run["backoffs"]) or "none"
+        without_final = final_loss(without_losses, run["steps"]) / best
         cells = [
-            name_of(run), "no" if without is None else without, backoffs, "no" if with_ is None else with_,
-            f"{best:.3f}", f"{at_1500:.3f}", f"{at_end:.3f}", f"{controls.get(run['variant'], math.nan):.3f}",
-            f"{run['gradients_per_step']:.3f}",
+            name_of(run), "no" if without is None else without, f"{without_final:.3f}",
+            backoffs, "no" if with_ is None else with_, f"{best:.3f}", f"{at_1500:.3f}", f"{at_end:.3f}",
+            f"{controls.get(run['variant'], math.nan):.3f}", f"{run['gradients_per_step']:.3f}",
         ]  # fmt: skip
         print("| " + " | ".join(map(str, cells)).replace("nan", "-") + " |")
     healthy = [run for run in runs if run["arm"] in ("control", "warmup") and not run.get("too_high")]
