@@ -28,7 +28,8 @@ def test_bench_backoffs_run_without_the_back_off_is_the_plain_run_bitwise(monkey
 
     from connmon.alerts import edge_of_stability_rule
 
-    monkeypatch.setattr(bench_backoff, "edge_of_stability_rule", lambda: edge_of_stability_rule(bound=0.0, consecutive=1))
+    rule = edge_of_stability_rule(bound=0.0, consecutive=1)
+    monkeypatch.setattr(bench_backoff, "edge_of_stability_rule", lambda: rule)
     config = {"variant": "base", "arm": "ramp", "seed": 0}
     run = bench_backoff.backoff_run((config, 30))  # the first sample, at step 20, alerts and backs off
     assert run["alerts"] == [20] and run["backoffs"] == [(20, 0.5)] and run["without"]["from"] == 20

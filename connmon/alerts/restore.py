@@ -37,8 +37,8 @@ class RestorePoints:
         level: the lowest alert level that saves a restore point.
         keep: how many restore points are kept (the oldest is removed when one more is saved).
         dirpath: where they go; None for the entry point's default (Lightning: ``connmon_restore_points`` beside
-            ModelCheckpoint's ``checkpoints`` directory; plain loop: ``./connmon_restore_points``; Hugging Face: the ``Trainer``'s
-            ``output_dir``).
+            ModelCheckpoint's ``checkpoints`` directory; plain loop: ``./connmon_restore_points``; Hugging Face: the
+            ``Trainer``'s ``output_dir``).
         save: for :class:`connmon.Monitor` only, ``save(path, step)`` writes the restore point (called on every
             process); None for ``torch.save`` of the model's and optimizer's ``state_dict`` and the monitor's state
             on rank zero.

@@ -241,5 +241,5 @@ def test_the_checkpoint_action_has_the_trainer_save_a_restore_point_that_resumes
     resumed = make_trainer(tmp_path / "resumed", monitor=options)
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-4"))
     assert resumed.state.global_step == 6 and not (tmp_path / "resumed" / "checkpoint-6").exists()  # in cooldown
-    for (name, value), again in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+    for (name, value), again in zip(whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(value, again), name
