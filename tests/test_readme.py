@@ -68,6 +68,7 @@ BENCHMARKS = ROOT / "benchmarks" / "README.md"
 MONITORING = ROOT / "docs" / "monitoring.md"
 LARGE_RUNS = ROOT / "docs" / "large_runs.md"
 OVERHEAD, SHARPNESS, INSTABILITY = "## `bench_overhead.py`", "## `bench_sharpness.py`", "## `bench_instability.py`"
+BACKOFF = "## `bench_backoff.py`"
 # (the page, what it says (the figure as group 1), the benchmark section whose current tables must say the same)
 QUOTED = [
     (README, r"about 1% of the\s+training time on the example \((\d\.\d+)x", OVERHEAD),
@@ -85,6 +86,10 @@ QUOTED = [
     (LARGE_RUNS, r"a light sample costs (\d\.\d+) training steps", OVERHEAD),
     (LARGE_RUNS, r"and a full one\s+\(the spectrum group and the edge gap as well\) (\d\.\d+)", OVERHEAD),
     (LARGE_RUNS, r"a healthy run pays about (0\.\d+) gradients per training step", SHARPNESS),
+    (MONITORING, r"8 finished without diverging with the back-off \((\d+)%\)", BACKOFF),
+    (MONITORING, r"each within 10% of the best loss it reached\s+before the alert\*\* \((\d\.\d+)-", BACKOFF),
+    (MONITORING, r"one back-off at step (\d+) and it ended", BACKOFF),
+    (MONITORING, r"median (0\.\d+) gradients per training\s+step on the healthy runs", BACKOFF),
 ]
 
 
