@@ -319,6 +319,20 @@ class Monitor:
         rank zero writes ``{"step", "model", "optimizer", "connmon"}`` (the ``state_dict`` of each) with
         ``torch.save``. Older restore points beyond ``keep`` are removed (rank zero). A save that fails is reported
         and the run goes on. Returns the path, or None.
+
+        Examples:
+            >>> import warnings
+            >>> import connmon
+            >>> from connmon.alerts import AlertRunner, RestorePoints
+            >>> saved = []
+            >>> points = RestorePoints(save=lambda path, step: saved.append((path, step)))
+            >>> monitor = connmon.Monitor(alerts=AlertRunner([], actions=("checkpoint",), restore_points=points))
+            >>> points.due = 7  # what an alert at step 7 asks for
+            >>> with warnings.catch_warnings(record=True):  # it says where, in one line
+            ...     monitor.save_restore_point(8)
+            'connmon_restore_points/step=8.ckpt'
+            >>> saved, points.due
+            ([('connmon_restore_points/step=8.ckpt', 8)], None)
         """
         points = self.alerts.restore_points if self.alerts is not None else None
         if points is None or points.due is None:
