@@ -2,7 +2,9 @@
 
 :func:`connmon.curvature.sharpness_ratio` runs Lanczos on ``U^1/2 (H + decay) U^1/2`` (``U`` the optimizer's step
 sizes, see :mod:`connmon.curvature`); each Lanczos step asks for one product ``H w``, ``w = U^1/2 v``. Both ways read
-the loss as the mean of one or more losses (the micro-batches of an accumulated step), with the random streams
+the loss as a weighted sum of one or more losses (the micro-batches of an accumulated step, each with the factor
+the training step puts on it: ``1 / k`` for a per-micro-batch mean, ``1`` for a loss already normalised over the whole
+step), with the random streams
 reseeded before every forward (one dropout mask for every product) and ``.grad`` never touched
 (:func:`torch.autograd.grad`).
 
@@ -56,6 +58,25 @@ def scalar_loss(loss_fn: Callable[[], Tensor]) -> Tensor:
     return loss.reshape(())
 
 
+def step_weights(loss_fns: Sequence[object], weights: Sequence[float] | None) -> list[float]:
+    """Each micro-batch loss's factor in the step's loss: ``weights``, or ``1 / k`` for ``k`` losses (their mean).
+
+    Raises:
+        ValueError: if ``weights`` does not give one finite number per loss.
+
+    Examples:
+        >>> from connmon._hessian import step_weights
+        >>> step_weights([None] * 4, None), step_weights([None] * 2, [1.0, 1.0])
+        ([0.25, 0.25, 0.25, 0.25], [1.0, 1.0])
+    """
+    if weights is None:
+        return [1 / len(loss_fns)] * len(loss_fns)
+    weights = [float(w) for w in weights]
+    if len(weights) != len(loss_fns) or not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"weights must be one finite number per loss ({len(loss_fns)}), got weights={weights!r}")
+    return weights
+
+
 class GradientDifferenceProducts:
     """``w -> H w`` by forward differences of first-order gradients (see the module docstring).
 
@@ -67,7 +88,8 @@ class GradientDifferenceProducts:
     (each retake is one more gradient, counted in :attr:`evaluations`).
 
     Args:
-        loss_fns: the losses whose mean is read (one per micro-batch).
+        loss_fns: the losses whose weighted sum is read (one per micro-batch).
+        weights: each loss's factor in the sum (None: ``1 / len(loss_fns)``, their mean).
         params: the parameters (plain tensors or parameters of one device).
         dtype: the dtype of the flat vectors (float32 or float64).
         seed: the random streams' seed before every forward.
@@ -88,11 +110,13 @@ class GradientDifferenceProducts:
         gradient_change: float | None = None,
         storage: torch.device | None = None,
         initial_step: float | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
         self.loss_fns, self.params, self.dtype, self.seed = list(loss_fns), params, dtype, seed
+        self.weights = step_weights(self.loss_fns, weights)
         self.storage = storage if storage is not None else params[0].device
         self.sizes = [p.numel() for p in params]
-        self.evaluations = 0  # gradients of the whole (mean) loss taken
+        self.evaluations = 0  # gradients of the step's whole loss taken
         self.relative_step = relative_step
         if params[0].dtype not in GRADIENT_CHANGE:
             raise ValueError(
@@ -150,31 +174,39 @@ class GradientDifferenceProducts:
             self.restore()
 
     def _gradient(self) -> Tensor:
-        """The mean loss's gradient, flat (one buffer; the micro-batches' gradients added into it)."""
+        """The step's loss's gradient, flat (one buffer; the micro-batches' weighted gradients added into it)."""
         flat = torch.zeros(sum(self.sizes), dtype=self.dtype, device=self.storage)
-        for loss_fn in self.loss_fns:
+        for loss_fn, weight in zip(self.loss_fns, self.weights, strict=True):
             torch.manual_seed(self.seed)
             with torch.enable_grad(), torch.autocast(self.params[0].device.type, enabled=False):
                 loss = scalar_loss(loss_fn)
                 grads = torch.autograd.grad(loss, self.params, allow_unused=True)
             for part, grad in zip(flat.split(self.sizes), grads, strict=True):
                 if grad is not None:
-                    part.add_(grad.reshape(-1).to(device=self.storage, dtype=self.dtype))
+                    part.add_(grad.reshape(-1).to(device=self.storage, dtype=self.dtype), alpha=weight)
             del grads
         self.evaluations += 1
-        return flat.div_(len(self.loss_fns)) if len(self.loss_fns) > 1 else flat
+        return flat
 
 
 class DoubleBackwardProducts:
-    """``w -> H w`` exactly, by double backward through one graph of the mean loss (see the module docstring)."""
+    """``w -> H w`` exactly, by double backward through one graph of the step's loss (see the module docstring)."""
 
-    def __init__(self, loss_fns: Sequence[Callable[[], Tensor]], params: list[Tensor], dtype: torch.dtype, seed: int):
+    def __init__(
+        self,
+        loss_fns: Sequence[Callable[[], Tensor]],
+        params: list[Tensor],
+        dtype: torch.dtype,
+        seed: int,
+        weights: Sequence[float] | None = None,
+    ) -> None:
         self.params, self.dtype = params, dtype
         self.sizes = [p.numel() for p in params]
         self.evaluations = 1
         torch.manual_seed(seed)
         with torch.enable_grad():
-            loss = sum(scalar_loss(loss_fn) for loss_fn in loss_fns) / len(loss_fns)
+            pairs = zip(loss_fns, step_weights(loss_fns, weights), strict=True)
+            loss = sum(weight * scalar_loss(loss_fn) for loss_fn, weight in pairs)
             grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         self.grads = grads
         self.live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]  # the rest: H is 0 there

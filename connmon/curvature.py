@@ -57,7 +57,9 @@ from connmon._hessian import (
     GradientDifferenceProducts,
     Products,
     scalar_loss,
+    step_weights,
 )
+from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon.alerts.backoff import pending_lr_scale
 from connmon.functional._lanczos import largest_eigenvalue
@@ -136,6 +138,7 @@ def step_geometry(optimizer: torch.optim.Optimizer) -> StepGeometry:
         >>> geometry.step_sizes, round(geometry.constant, 4)  # 2 (1 + 0.9) / (1 + 1.8)
         ([0.1], 1.3571)
     """
+    optimizer = unwrap_optimizer(optimizer)
     sizes, constant = _step_sizes(optimizer)
     params, step_sizes, decay = [], [], []
     for p, size, wd in sizes:
@@ -207,6 +210,7 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def _kind(optimizer: torch.optim.Optimizer) -> str:
     """``"sgd"`` or ``"adam"``, or a ValueError naming what is supported."""
+    optimizer = unwrap_optimizer(optimizer)
     if any(group.get("maximize", False) for group in optimizer.param_groups):
         raise ValueError("maximize=True is not supported: the edge of stability is stated for a minimized loss")
     if isinstance(optimizer, torch.optim.SGD):
@@ -221,6 +225,7 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
 
 def _step_sizes(optimizer: torch.optim.Optimizer) -> tuple[Iterator[tuple[Tensor, Tensor | float, float]], float]:
     """``(parameter, U, coupled weight decay)`` one parameter at a time (no list of ``U``), and ``c``."""
+    optimizer = unwrap_optimizer(optimizer)
     if _kind(optimizer) == "sgd":
         return _sgd_sizes(optimizer), _sgd_constant(optimizer)
     return _adam_sizes(optimizer), _adam_constant(optimizer)
@@ -239,6 +244,7 @@ def sharpness_ratio(
     initial_step: float | None = None,
     storage: Storage = "device",
     noise_check: bool = True,
+    weights: Sequence[float] | None = None,
 ) -> Sharpness:
     """``lambda_max(U^1/2 H U^1/2) / c`` on the loss ``loss_fn()``: 1 is the optimizer's edge of stability.
 
@@ -253,12 +259,15 @@ def sharpness_ratio(
     * ``products="double_backward"``: the exact products by double backward through one graph, SDPA held to its math
       kernel (the fused kernels have no double backward): the reference.
 
-    ``loss_fn`` may be a sequence of losses, one per micro-batch of an accumulated step: their mean is read (the
-    whole batch the step trains on). Every forward runs with gradients enabled inside :func:`torch.random.fork_rng`,
-    reseeded with ``seed`` (dropout draws one mask for every product; the training run's random streams are
-    untouched); ``.grad`` is not touched (:func:`torch.autograd.grad`), and ``model``'s buffers (batch-norm
-    statistics) are restored afterwards when ``model`` is given. The Lanczos start vector comes from its own
-    generator (``seed``), so every process draws the same one.
+    ``loss_fn`` may be a sequence of losses, one per micro-batch of an accumulated step: the step's loss is their
+    mean, or ``sum(weights[i] * loss_fn[i]())`` with ``weights`` (the factor the training step puts on each: ``1`` for
+    a loss a trainer already normalised over the whole step, as Hugging Face's ``num_items_in_batch`` does).
+
+    Every forward runs with gradients enabled inside :func:`torch.random.fork_rng`, reseeded with ``seed`` (dropout
+    draws one mask for every product; the training run's random streams are untouched); ``.grad`` is not touched
+    (:func:`torch.autograd.grad`), and ``model``'s buffers (batch-norm statistics) are restored afterwards when
+    ``model`` is given. The Lanczos start vector comes from its own generator (``seed``), so every process draws the
+    same one.
 
     Args:
         loss_fn: computes the scalar loss of a batch through the model (for example
@@ -278,6 +287,7 @@ def sharpness_ratio(
         noise_check: with gradient differences, a reading of 0.5 or more is taken again at a 10x larger gradient
             change (up to twice); where it falls by more than 10% the first was round-off, and the lower reading
             stands (:data:`NOISE_CHECK_FROM`). It costs one more solve on such samples.
+        weights: each micro-batch loss's factor in the step's loss (None: ``1 / len(loss_fn)``, their mean).
 
     Raises:
         ValueError: for an unsupported optimizer (see :func:`step_geometry`), ``steps < 1``, a loss that is not a
@@ -312,6 +322,7 @@ def sharpness_ratio(
     loss_fns = [loss_fn] if callable(loss_fn) else list(loss_fn)
     if not loss_fns or not all(callable(f) for f in loss_fns):
         raise ValueError("loss_fn must be a callable or a non-empty sequence of callables, each returning the loss")
+    step_weights(loss_fns, weights)  # checked before any gradient is taken
     geometry = step_geometry(optimizer)
     params = geometry.params
     devices = {p.device for p in params}
@@ -327,9 +338,11 @@ def sharpness_ratio(
 
     def solve(change: float | None, initial: float | None) -> tuple[float, bool, int, float]:
         if exact:
-            hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed)
+            hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed, weights)
         else:
-            hessian = GradientDifferenceProducts(loss_fns, params, dtype, seed, relative_step, change, where, initial)
+            hessian = GradientDifferenceProducts(
+                loss_fns, params, dtype, seed, relative_step, change, where, initial, weights
+            )
 
         def matvec(v: Tensor) -> Tensor:  # (1, N) -> U^1/2 (H + decay) U^1/2 v, no N-sized temporary held
             product = hessian(v[0], scale)
@@ -451,6 +464,7 @@ class UpdateProbe:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer = unwrap_optimizer(optimizer)
         _kind(optimizer)
         self.optimizer = optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_number
 
 _ATTACHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, LearningRateBackoff] = weakref.WeakKeyDictionary()
@@ -37,7 +38,7 @@ def pending_lr_scale(optimizer: Any) -> float:
         >>> pending_lr_scale(optimizer), backoff.fire(step=0), pending_lr_scale(optimizer)
         (1.0, True, 0.5)
     """
-    optimizer = getattr(optimizer, "optimizer", optimizer)
+    optimizer = unwrap_optimizer(optimizer)
     backoff = _ATTACHED.get(optimizer)
     if backoff is None or id(optimizer) in backoff._saved:
         return 1.0
@@ -91,7 +92,7 @@ class LearningRateBackoff:
         """Apply the scale inside each optimizer's steps from now on (attaching again replaces the hooks)."""
         self.detach()
         for optimizer in optimizers:
-            optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's and accelerate's wrappers
+            optimizer = unwrap_optimizer(optimizer)
             self._handles.append(optimizer.register_step_pre_hook(self._scale))
             self._handles.append(optimizer.register_step_post_hook(self._restore))
             self._optimizers.append(optimizer)

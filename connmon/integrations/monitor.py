@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from connmon._cost import CostClock, agreed, check_budget, overhead_values, summary
+from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
@@ -260,7 +261,7 @@ class Monitor:
         self._first_step: int | None = None
         self.sharpness = sharpness
         self.loss_fn = loss_fn
-        self._optimizer = optimizer
+        self._optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self._step_now = 0  # the step of the latest monitor.step(): the one optimizer.step() completes
         self._pre_hook: Any = None
         if model is not None:
@@ -269,14 +270,23 @@ class Monitor:
     # --- the plain-loop API ---------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def step(self, step: int, rule_values: Mapping[str, float] | None = None, batch: Any = None) -> Iterator[bool]:
+    def step(
+        self,
+        step: int,
+        rule_values: Mapping[str, float] | None = None,
+        batch: Any = None,
+        loss_weight: float | None = None,
+    ) -> Iterator[bool]:
         """Wrap the forward of optimizer step ``step`` (the steps taken so far); yields whether it is sampled.
 
         On a sampled step the capture is armed for the block and the sample is measured and logged when it ends.
         If the block raises, every hook is removed and the partial sample is discarded (:meth:`discard`).
         ``rule_values`` (say, the previous step's ``{"loss": ..., "grad_norm": ...}``) are shown to the alert
         rules beside the sample's keys. ``batch`` is what ``loss_fn(model, batch)`` reads for a ``sharpness``
-        estimator that needs a loss.
+        estimator that needs a loss. ``loss_weight`` is the factor the loop puts on this micro-batch's loss before
+        its backward: None when each micro-batch's loss is its own mean and the loop divides it by the number of
+        micro-batches (the step's loss is their mean), ``1.0`` when ``loss_fn`` already normalises it over the whole
+        step (a token count of every micro-batch, as Hugging Face's ``num_items_in_batch``) and the loop sums them.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be the optimizer steps taken so far, an integer >= 0, got step={step!r}")
@@ -290,7 +300,7 @@ class Monitor:
             self.save_restore_point(step)
         if self.sharpness is not None and model is not None:
             loss = None if self.loss_fn is None or batch is None else lambda: self.loss_fn(model, batch)
-            self.publish_curvature(step, self.sharpness.before_forward(step, loss, model))
+            self.publish_curvature(step, self.sharpness.before_forward(step, loss, model, loss_weight))
         sampled = model is not None and self.due(step)
         if sampled and self.probe is not None:
             self.run_probe(model, step, rule_values)
@@ -370,7 +380,7 @@ class Monitor:
         the constructor's (a trainer that builds its optimizer later).
         """
         if optimizer is not None:
-            self._optimizer = optimizer
+            self._optimizer = unwrap_optimizer(optimizer)
         self.disarm()
         self._model = None
         try:

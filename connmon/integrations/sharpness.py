@@ -52,6 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from connmon._cost import CostClock, agreed, check_budget, overhead_values, stride_for
+from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon._ranks import warn_rank_zero
 from connmon.capture import paused
@@ -196,6 +197,7 @@ class SharpnessSampler:
         self._probe_step = -1  # the step the probe's update leads to (read at that step)
         self._stepped = False  # the probe's optimizer step happened
         self._losses: list[Callable[[], Tensor]] = []  # the sampled step's micro-batches, read before its step
+        self._weights: list[float | None] = []  # each one's factor in the step's loss (None: 1 / k)
         self._loss_step = -1  # the step they belong to
         self._model: nn.Module | None = None
         self._last_step: int | None = None  # the step last measured (once, however many micro-batches)
@@ -218,7 +220,7 @@ class SharpnessSampler:
         """
         self.detach()
         self.off, self.last_values, self._last_step, self._start_step = None, {}, None, None
-        self.optimizer = optimizer
+        self.optimizer = optimizer = unwrap_optimizer(optimizer)
         self._device = torch.device(device) if device is not None else _device_of(optimizer)
         self.clock.to(self._device).start()
         try:
@@ -268,9 +270,9 @@ class SharpnessSampler:
         values = None
         if self.reads_lanczos:
             if self._losses and self._loss_step == step:
-                losses, model = list(self._losses), self._model
+                losses, weights, model = list(self._losses), _weights(self._weights), self._model
                 self._drop_losses()
-                values = self._read(step, lambda _: self._lanczos(losses, model, step), needs_probe=False)
+                values = self._read(step, lambda _: self._lanczos(losses, weights, model, step), needs_probe=False)
             return values
         if self.estimator == "secant" and self._probe is not None and self._probe_step == step:
             values = self._read(step, lambda probe: probe.secant())
@@ -292,12 +294,20 @@ class SharpnessSampler:
         return self.due(step)
 
     def before_forward(
-        self, step: int, loss_fn: Callable[[], Tensor] | None, model: nn.Module | None = None
+        self,
+        step: int,
+        loss_fn: Callable[[], Tensor] | None,
+        model: nn.Module | None = None,
+        weight: float | None = None,
     ) -> dict[str, float] | None:
         """Before a forward after ``step`` steps: keep the micro-batch's loss on a sampled step, or read "difference".
 
         With the Lanczos estimators every micro-batch of a sampled step is kept (a closure over its batch) and read
         together in :meth:`before_step`; ``"difference"`` reads the step's first batch here (the values returned).
+        ``weight`` is the factor the training step puts on this micro-batch's loss before its backward: None for a
+        per-micro-batch mean that the trainer divides by the number of micro-batches (Lightning, a plain loop that
+        divides by ``k``), ``1`` for a loss already normalised over the whole step (the Hugging Face ``Trainer``
+        with ``num_items_in_batch``), so the reading is of the loss the step trains on.
         """
         if not self.reads_forward(step):
             return None
@@ -311,6 +321,7 @@ class SharpnessSampler:
             self._loss_step = step
         if len(self._losses) < _MAX_MICRO_BATCHES:
             self._losses.append(loss_fn)
+            self._weights.append(weight)
             self._model = model
         return None
 
@@ -335,19 +346,21 @@ class SharpnessSampler:
 
     # --- workers ----------------------------------------------------------------------------------------------------
 
-    def _lanczos(self, losses: list[Callable[[], Tensor]], model: nn.Module | None, step: int) -> Any:
+    def _lanczos(
+        self, losses: list[Callable[[], Tensor]], weights: list[float] | None, model: nn.Module | None, step: int
+    ) -> Any:
         products = "double_backward" if self.estimator == "lanczos" else "gradient_difference"
         initial = self._step_length if 0 < self._step_length < 0.1 else None
         result = sharpness_ratio(
             losses, self.optimizer, steps=self.lanczos_steps, model=model, seed=step, products=products,
-            storage=self.storage, initial_step=initial,
+            storage=self.storage, initial_step=initial, weights=weights,
         )  # fmt: skip
         if math.isfinite(result.step):
             self._step_length = result.step  # the next sample's search starts here: fewer retaken products
         return result
 
     def _drop_losses(self) -> None:
-        self._losses, self._loss_step, self._model = [], -1, None
+        self._losses, self._weights, self._loss_step, self._model = [], [], -1, None
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._probe is None or self._stepped or self.off is not None:
@@ -435,6 +448,13 @@ class SharpnessSampler:
         self._probe = None
         self._drop_losses()
         warn_rank_zero(f"{self.owner} is off for the rest of this run: {why}")
+
+
+def _weights(kept: list[float | None]) -> list[float] | None:
+    """The micro-batches' factors in the step's loss: None (their mean) unless one was given; a missing one is 1/k."""
+    if all(weight is None for weight in kept):
+        return None
+    return [1 / len(kept) if weight is None else weight for weight in kept]
 
 
 def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:

@@ -77,8 +77,11 @@ class ConnectionMonitorCallback(TrainerCallback):
             sampled step (the inputs taken from the model's forwards before they run), after the backward and before
             ``optimizer.step()``; ``"difference"`` reads it on the step's first micro-batch before its forward;
             ``"secant"`` reads the Trainer's own gradients (after clipping, before ``optimizer.step()``).
-        loss_fn: ``loss_fn(model, inputs)``, the scalar loss of the Trainer's ``inputs`` dict; default
-            ``model(**inputs).loss`` (the inputs carry labels).
+        loss_fn: ``loss_fn(model, inputs)``, the scalar loss of the Trainer's ``inputs`` dict as the Trainer computes
+            it (keep ``num_items_in_batch`` when the inputs carry it: the Trainer then sums the micro-batches' losses,
+            each normalised over the whole step, where it otherwise averages them); default ``model(**inputs).loss``
+            (the inputs carry labels). The reading is of the loss the optimizer step trains on, whatever the
+            gradient-accumulation steps.
 
     Every sample logs what connmon costs (``connmon/overhead``, ``connmon/overhead/attention``,
     ``connmon/overhead/curvature``); the end of training logs it once more and says it at INFO level.
@@ -152,7 +155,6 @@ class ConnectionMonitorCallback(TrainerCallback):
             self.monitor.discard()
         self.monitor.reset()
         optimizer = kwargs.get("optimizer") or self.trainer.optimizer
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
         if self.sharpness is not None:
             self.sharpness.reset()
             self.sharpness.attach(optimizer)
@@ -211,9 +213,10 @@ class ConnectionMonitorCallback(TrainerCallback):
         step = self._curvature_step
         inputs = dict(kwargs) if kwargs else (args[0] if args and isinstance(args[0], dict) else None)
         loss = None if inputs is None else lambda: self.loss_fn(module, inputs)
+        weight = None if inputs is None else _loss_factor(self.trainer, inputs)
         self._reading = True
         try:
-            self.monitor.publish_curvature(step, self.sharpness.before_forward(step, loss, module))
+            self.monitor.publish_curvature(step, self.sharpness.before_forward(step, loss, module, weight))
         finally:
             self._reading = False
 
@@ -316,6 +319,29 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path:
             break
         frame = frame.f_back
     return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+
+
+def _loss_factor(trainer: Trainer, inputs: dict) -> float | None:
+    """The factor ``Trainer.training_step`` puts on a micro-batch's loss before its backward, by the Trainer's rule.
+
+    None where the Trainer divides the loss by its gradient-accumulation steps (a per-micro-batch mean: the sampler
+    reads the mean of the micro-batches). Where the loss is already normalised over the whole step (the model took
+    ``num_items_in_batch``, the tokens of every micro-batch, or a ``compute_loss_func`` or ``loss_is_scaled_for_ga``
+    says so) the Trainer sums the micro-batches' losses as they are: 1, times the number of processes when it averages
+    the token count across devices (it multiplies the loss by it, and DDP averages the gradients again).
+    """
+    counted = inputs.get("num_items_in_batch") is not None
+    scaled = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled is None:
+        scaled = (getattr(trainer, "model_accepts_loss_kwargs", False) and counted) or (
+            getattr(trainer, "compute_loss_func", None) is not None
+        )
+    if not scaled:
+        return None
+    if counted and trainer.args.average_tokens_across_devices:
+        tp_size = trainer.get_tp_size() if hasattr(trainer, "get_tp_size") else 1
+        return float(max(trainer.accelerator.num_processes // tp_size, 1))
+    return 1.0
 
 
 def _model_loss(model: Any, inputs: dict) -> torch.Tensor:

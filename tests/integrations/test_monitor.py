@@ -182,6 +182,57 @@ def test_accelerate_prepared_model_and_invalid_options():
         connmon.Monitor(alerts=[rule for rule in ()])
 
 
+def test_accelerates_prepared_optimizer_is_read_and_hooked_and_training_is_unchanged(tmp_path):
+    """``accelerator.prepare(model, AdamW(...))``: the curvature, the back-off and a restore point see the AdamW inside.
+
+    Its ``AcceleratedOptimizer`` wrapper has none of an optimizer's hook state; the constructor raised on it.
+    """
+    accelerate = pytest.importorskip("accelerate")
+    from connmon.alerts import RestorePoints, edge_of_stability_rule
+    from connmon.integrations.sharpness import SharpnessSampler
+
+    def run(watched: bool, tmp: str) -> tuple[list[float], dict]:
+        accelerator = accelerate.Accelerator(cpu=True)
+        torch.manual_seed(0)
+        model = TinyGPT()
+        model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        loss_fn = lambda m, ids: torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())  # noqa: E731
+        logged: dict = {}
+        monitor = None
+        if watched:
+            alerts = AlertRunner(
+                [edge_of_stability_rule(bound=1e-9, consecutive=1, since=0)], actions=("log", "backoff", "checkpoint"),
+                restore_points=RestorePoints(dirpath=tmp),
+            )  # fmt: skip
+            monitor = connmon.Monitor(
+                model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer, loss_fn=loss_fn, alerts=alerts,
+                sharpness=SharpnessSampler(every_n_steps=2, cadence="fixed"),
+                log=lambda values, step: logged.update({(step, k): v for k, v in values.items()}),
+            )  # fmt: skip
+        losses = []
+        for step, ids in enumerate(batches(5)):
+            with monitor.step(step, batch=ids) if monitor is not None else contextlib.nullcontext():
+                loss = loss_fn(model, ids)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        if monitor is not None:
+            monitor.close()
+        return losses, logged
+
+    plain, _ = run(False, "")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watched, logged = run(True, str(tmp_path))
+    said = " ".join(str(w.message) for w in caught)
+    assert "not supported" not in said and "is off" not in said, said
+    assert math.isfinite(logged[(2, "connmon/sharpness_ratio")])
+    assert logged[(2, "connmon/lr_scale")] == 0.5  # the back-off scaled AdamW's rate inside its step
+    assert "saved a restore point after step 3" in said
+    assert watched[:3] == plain[:3] and watched[3] != plain[3]  # bitwise until the back-off's step, then backed off
+
+
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_a_compiled_model_gives_the_same_loss_and_gradients_to_float32_round_off():
     """Known limit: the capture's hooks break the compiled graph on the armed step, so its backward is fused

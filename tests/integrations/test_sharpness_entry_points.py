@@ -174,8 +174,10 @@ def test_the_hugging_face_trainer_reads_a_loss_on_the_sampled_step_batches(tmp_p
             if state.global_step == 2:
                 self.handle.remove()
                 losses = [lambda m=m, i=i: m(**i).loss for m, i in inputs_of_step]
+                assert all("num_items_in_batch" in i for _, i in inputs_of_step)  # each loss is of the whole step's
                 direct[2] = sharpness_ratio(losses, trainer.optimizer.optimizer, steps=8, model=inputs_of_step[0][0],
-                                            seed=2, products=products)  # fmt: skip
+                                            seed=2, products=products,
+                                            weights=[1.0] * len(losses))  # fmt: skip
 
     sharpness = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed")
     callback = ConnectionMonitorCallback(trainer, every_n_steps=2, diagnostics=("walk",), sharpness=sharpness)
@@ -190,3 +192,84 @@ def test_the_hugging_face_trainer_reads_a_loss_on_the_sampled_step_batches(tmp_p
         assert logged[2] == pytest.approx(direct[2].ratio, rel=1e-6)
     attention = [row for row in trainer.state.log_history if "connmon/attention_entropy/L00" in row]
     assert [row["step"] for row in attention] == [2, 4]  # the capture recorded the training forward, not the reading
+
+
+@pytest.mark.parametrize("estimator", ["gradient_difference", "lanczos"])
+def test_the_hugging_face_trainer_reads_the_steps_loss_whatever_its_accumulation(tmp_path, estimator):
+    """8 x 1, 4 x 2 and 2 x 4 sequences per optimizer step read one curvature, and its ratio above 1 alerts in each.
+
+    transformers passes ``num_items_in_batch`` (the tokens of the whole step) into the forward, so every
+    micro-batch's loss is already normalised over the step and the Trainer sums them: a mean of them read ``1 / k``.
+    """
+    pytest.importorskip("transformers")
+    from connmon.integrations.transformers import ConnectionMonitorCallback
+    from tests.integrations.test_transformers import make_trainer
+
+    readings, alerted = {}, {}
+    for micro_batch, accumulation in ((8, 1), (4, 2), (2, 4)):
+        trainer = make_trainer(
+            tmp_path / str(accumulation), max_steps=5, per_device_train_batch_size=micro_batch,
+            gradient_accumulation_steps=accumulation, learning_rate=0.05, lr_scheduler_type="constant",
+        )  # fmt: skip
+        # step 2 is Adam's second step (its preconditioner from two gradients reads 29): the rule tests from step 3
+        alerts = AlertRunner([edge_of_stability_rule(consecutive=1, since=3)], actions=("log",))
+        sharpness = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed")
+        callback = ConnectionMonitorCallback(
+            trainer, every_n_steps=1000, diagnostics=("walk",), sharpness=sharpness, alerts=alerts
+        )
+        trainer.add_callback(callback)
+        with pytest.warns(UserWarning, match="past the edge of stability"):
+            trainer.train()
+        readings[accumulation] = {row["step"]: row[RATIO] for row in trainer.state.log_history if RATIO in row}
+        alerted[accumulation] = alerts.total
+    assert sorted(readings[1]) == [2, 4]
+    for accumulation in (2, 4):
+        for step in (2, 4):
+            assert readings[accumulation][step] == pytest.approx(readings[1][step], rel=1e-2), (accumulation, step)
+    assert readings[4][4] > 1 and all(alerted.values())  # past the edge at step 4, said by the rule in each run
+
+
+def test_a_plain_loop_reads_the_steps_loss_whatever_its_normaliser():
+    """Two micro-batches read what their whole batch reads: each a mean divided by 2, or each normalised by the step.
+
+    The second loop normalises each micro-batch's summed loss by the whole step's token count and sums the two (as
+    Hugging Face's ``num_items_in_batch`` does); ``loss_weight=1.0`` says so, and a mean of them would read half.
+    """
+
+    def summed_loss(model, batch, count):
+        idx, target = batch
+        return torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten(), reduction="sum") / count
+
+    readings, tokens = {}, {}
+    for layout in ("whole", "mean", "normalised"):
+        module = LitGPT()
+        model = module.model
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+        logged = {}
+        loss_fn = next_token_loss if layout != "normalised" else lambda m, b: summed_loss(m, b, tokens["step"])
+        monitor = connmon.Monitor(
+            model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer, loss_fn=loss_fn,
+            sharpness=SharpnessSampler(every_n_steps=1, cadence="fixed"),
+            log=lambda values, step, logged=logged: RATIO in values and logged.update({step: values[RATIO]}),
+        )  # fmt: skip
+        batches = iter(loader(batch_size=8))
+        for step in range(2):
+            idx, target = next(batches)
+            if layout == "whole":
+                with monitor.step(step, batch=(idx, target)):
+                    next_token_loss(model, (idx, target)).backward()
+            else:
+                count = tokens["step"] = target.numel()
+                for part in zip(idx.chunk(2), target.chunk(2), strict=True):
+                    if layout == "mean":
+                        with monitor.step(step, batch=part):
+                            (next_token_loss(model, part) / 2).backward()
+                    else:
+                        with monitor.step(step, batch=part, loss_weight=1.0):
+                            summed_loss(model, part, count).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        monitor.close()
+        readings[layout] = logged[1]
+    assert readings["mean"] == pytest.approx(readings["whole"], rel=1e-3)
+    assert readings["normalised"] == pytest.approx(readings["whole"], rel=1e-3)
