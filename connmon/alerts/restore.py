@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from connmon._options import check_callable, check_choice, check_number
+from connmon._ranks import warn_rank_zero
 from connmon.alerts.rules import LEVELS, Alert, Level
 
 
@@ -27,7 +28,10 @@ class RestorePoints:
     where in one line. The alerts come from synced values, so every process asks at the same step. The last ``keep``
     restore points are kept, older ones removed (Lightning and plain loops; the Hugging Face ``Trainer`` rotates its
     checkpoints itself, by ``save_total_limit``). The paths saved are in :meth:`state_dict`, so a resumed run goes
-    on rotating them.
+    on rotating them. A restore point is never written over a file this run did not write, nor is one rotated away:
+    where another run's ``step=<N>.ckpt`` lies in the folder, this run's is ``step=<N>-v1.ckpt`` (as Lightning's
+    ``ModelCheckpoint`` names a second file of one name), said once; the Hugging Face callback, whose ``Trainer``
+    names its own folders, saves none over another run's ``checkpoint-<N>`` and says so.
 
     An ``ERROR`` alert (a non-finite value) comes after the damage: a restore point saved then may hold it. The
     earlier ones, kept by ``keep``, do not; pass ``level="WARN"`` with ``keep`` >= 2, or ``level`` above what you
@@ -71,6 +75,7 @@ class RestorePoints:
         self.dirpath = None if dirpath is None else os.fspath(dirpath)
         self.due: int | None = None  # the step whose alert asked for a restore point not yet saved
         self.paths: list[str] = []  # the restore points saved and kept, oldest first
+        self._others_said = False  # the warning that another run's restore points lie in the folder
 
     def request(self, alerts: list[Alert], step: int) -> bool:
         """Ask for a restore point at ``step`` if one of ``alerts`` is at ``level`` or above; whether one was."""
@@ -81,8 +86,28 @@ class RestorePoints:
         return True
 
     def path(self, step: int, root: str | os.PathLike[str] = "connmon_restore_points") -> str:
-        """Where the restore point of ``step`` goes: in ``dirpath``, else in ``root`` (the entry point's default)."""
-        return os.path.join(self.dirpath if self.dirpath is not None else os.fspath(root), f"step={step}.ckpt")
+        """Where the restore point of ``step`` goes: in ``dirpath``, else in ``root`` (the entry point's default).
+
+        ``step=<step>.ckpt``, or ``step=<step>-v<i>.ckpt`` with the first ``i`` whose name holds no file that this
+        run did not write (another run's restore point is never written over).
+        """
+        folder = self.dirpath if self.dirpath is not None else os.fspath(root)
+        path, version = os.path.join(folder, f"step={step}.ckpt"), 0
+        while os.path.exists(path) and path not in self.paths:
+            version += 1
+            path = os.path.join(folder, f"step={step}-v{version}.ckpt")
+        if version and not self._others_said:
+            self._others_said = True
+            warn_rank_zero(
+                f"RestorePoints: {folder} holds step={step}.ckpt, which this run did not write: it is kept, and "
+                f"this run's restore points there get their own names ({os.path.basename(path)}); pass dirpath= "
+                "to keep each run's apart"
+            )
+        return path
+
+    def foreign(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` exists and is not a restore point this run wrote (not to be written over or removed)."""
+        return os.path.exists(path) and os.fspath(path) not in self.paths
 
     def saved(self, path: str) -> list[str]:
         """Record that ``path`` was saved (the request is met); returns the older paths to remove beyond ``keep``."""

@@ -199,7 +199,7 @@ class DriftAlert(Callback):
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         due, step = points.due, trainer.global_step
-        path = points.path(step, root=self._restore_root)
+        path = trainer.strategy.broadcast(points.path(step, root=self._restore_root))  # rank zero's name everywhere
         try:
             trainer.save_checkpoint(path)
         except Exception as error:  # a full disk must not end the training run

@@ -344,7 +344,9 @@ class CaptureSession:
                 "(ConnectionMonitor(probe=...)) for exact records",
                 key=("dropout", id(module)),
             )
-        elif error > tolerance:  # NaN passes: a truncated window, or a non-finite forward the metrics flag as NaN
+        elif error > tolerance and bool(torch.isfinite(record.max_logit).all()):
+            # NaN passes (a truncated window), and so does a non-finite forward, which the metrics flag as NaN: a
+            # kernel turns NaN score rows into zero or NaN rows, so its rebuilt output is no test of the capture
             warn_once(
                 f"connmon: {layer.name} ({type(module).__name__}) is not recorded: the connection walk rebuilt "
                 f"from its capture reproduces its output only to a relative error of {error:.2g} (tolerance "

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from connmon._cost import CostClock, agreed, check_budget, overhead_values, summary
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
-from connmon._ranks import is_rank_zero, warn_rank_zero
+from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers, python_attention_path
 from connmon.capture.session import CaptureSession, Layer
@@ -347,7 +347,7 @@ class Monitor:
         points = self.alerts.restore_points if self.alerts is not None else None
         if points is None or points.due is None:
             return None
-        due, path = points.due, points.path(step)
+        due, path = points.due, rank_zeros(points.path(step))
         try:
             if points.save is not None:
                 points.save(path, step)

@@ -16,7 +16,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from connmon._cost import overhead_values, summary
-from connmon._ranks import is_rank_zero, warn_rank_zero
+from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.integrations.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
 from connmon.integrations.sharpness import SharpnessSampler
@@ -236,13 +236,21 @@ class ConnectionMonitorCallback(TrainerCallback):
             self.monitor.run_probe(model, state.global_step, _latest_logged(state))  # after global_step steps
         points = self.monitor.alerts.restore_points if self.monitor.alerts is not None else None
         if points is not None and points.due is not None:  # "checkpoint": the Trainer saves at the end of this step
-            control.should_save = True
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            points.saved(str(folder))  # the Trainer rotates its checkpoints itself (save_total_limit)
-            warn_rank_zero(
-                f"ConnectionMonitorCallback: the Trainer saves a restore point after step {state.global_step} "
-                f"(an alert): {folder}"
-            )
+            if rank_zeros(points.foreign(folder)):  # the Trainer would write over another run's checkpoint folder
+                points.due = None
+                warn_rank_zero(
+                    f"ConnectionMonitorCallback: no restore point after step {state.global_step} (an alert): {folder} "
+                    "holds a checkpoint this run did not write, and the Trainer would save over it; give each run "
+                    "its own output_dir"
+                )
+            else:
+                control.should_save = True
+                points.saved(str(folder))  # the Trainer rotates its checkpoints itself (save_total_limit)
+                warn_rank_zero(
+                    f"ConnectionMonitorCallback: the Trainer saves a restore point after step {state.global_step} "
+                    f"(an alert): {folder}"
+                )
         if self.monitor.should_stop and not control.should_training_stop:
             control.should_training_stop = True
             warn_rank_zero(

@@ -60,10 +60,13 @@ class LayerwiseMean(Metric):
         finite = torch.isfinite(values)
         self.total[record.index] += torch.where(finite, values, torch.zeros_like(values)).sum(dim=0)
         self.count[record.index] += finite.sum(dim=0)
-        # a forward gone non-finite: its input, its output, or its attention (a kernel may return finite values for
-        # rows whose scores are NaN, as SDPA's CPU flash kernel does). No host sync.
+        # a forward gone non-finite: its input, its output, its attention or its logits (a kernel may return finite
+        # zero or value rows for scores that are NaN, as SDPA's CPU flash kernel does). No host sync.
         broken = ~(
-            torch.isfinite(record.x).all() & torch.isfinite(record.output).all() & torch.isfinite(record.attn).all()
+            torch.isfinite(record.x).all()
+            & torch.isfinite(record.output).all()
+            & torch.isfinite(record.attn).all()
+            & torch.isfinite(record.max_logit).all()
         )
         self.nonfinite[record.index] += broken
 

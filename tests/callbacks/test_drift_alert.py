@@ -1,4 +1,5 @@
 import json
+import os
 import warnings
 
 import lightning as L
@@ -330,3 +331,21 @@ def test_a_restore_point_is_a_lightning_checkpoint_that_resumes_bitwise(tmp_path
     assert not torch.equal(
         saved["plain", "whole"]["model.wte.weight"], saved["plain", "restore point"]["model.wte.weight"]
     )
+
+
+def test_a_second_fit_into_the_same_folder_keeps_the_firsts_restore_points(tmp_path):
+    """Restore points of one run are never written over by the next run's (the same dirpath): its own names."""
+    from connmon.alerts import RestorePoints
+
+    rule = Rule("any logit", LOGIT, Threshold(-1.0), cooldown=100, since=3)  # fires at step 3: saved after step 4
+    folder = tmp_path / "points"
+    contents = []
+    for lr in (1e-2, 3e-2):
+        points = RestorePoints(dirpath=folder)
+        alert = DriftAlert(rules=[rule], actions=("checkpoint",), restore_points=points)
+        with pytest.warns(UserWarning, match="restore point after step 4"):
+            fit(tmp_path / str(lr), [monitor(), alert], module=AdamGPT(lr=lr))
+        contents.append((points.paths, {p.name: p.read_bytes() for p in folder.iterdir()}))
+    (first, before), (second, after) = contents
+    assert [os.path.basename(p) for p in first + second] == ["step=4.ckpt", "step=4-v1.ckpt"]
+    assert after["step=4.ckpt"] == before["step=4.ckpt"] and after["step=4-v1.ckpt"] != before["step=4.ckpt"]

@@ -733,3 +733,31 @@ def test_the_checkpoint_action_saves_a_restore_point_that_resumes_bitwise_and_ke
         run(monitor, monitor._model, torch.optim.SGD(monitor._model.parameters(), lr=0.0), range(6))
     assert calls == [(os.path.join("connmon_restore_points", "step=5.ckpt"), 5)]  # the hook wrote it, not connmon
     assert not os.path.exists("connmon_restore_points")
+
+
+def test_a_second_run_in_the_same_folder_never_writes_over_or_removes_the_firsts_restore_points(tmp_path, monkeypatch):
+    """Two runs from one working directory with the default place: the second's get their own names, said once."""
+    from connmon.alerts import RestorePoints
+
+    monkeypatch.chdir(tmp_path)
+    rule = Rule("any logit", "connmon/max_attention_logit/L*", Threshold(-1.0), cooldown=2, since=3)  # 4 and 6
+    folder = tmp_path / "connmon_restore_points"
+    runs = []
+    for seed, keep in ((0, 2), (1, 1)):
+        torch.manual_seed(seed)
+        model = TinyGPT()
+        points = RestorePoints(keep=keep)
+        alerts = AlertRunner([rule], actions=("checkpoint",), restore_points=points)
+        monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), alerts=alerts)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train(model, batches(8), monitor)
+        runs.append(
+            (points.paths, [str(w.message) for w in caught], {p.name: p.read_bytes() for p in folder.iterdir()})
+        )
+    (first, _, files_after_first), (second, said, files_after_second) = runs
+    assert [os.path.basename(p) for p in first] == ["step=5.ckpt", "step=7.ckpt"]
+    assert [os.path.basename(p) for p in second] == ["step=7-v1.ckpt"]  # keep=1: its own step=5-v1 rotated away
+    assert sum("this run did not write" in line for line in said) == 1
+    assert {name: files_after_second[name] for name in files_after_first} == files_after_first  # run 1's untouched
+    assert sorted(files_after_second) == ["step=5.ckpt", "step=7-v1.ckpt", "step=7.ckpt"]

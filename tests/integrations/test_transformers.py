@@ -243,3 +243,20 @@ def test_the_checkpoint_action_has_the_trainer_save_a_restore_point_that_resumes
     assert resumed.state.global_step == 6 and not (tmp_path / "resumed" / "checkpoint-6").exists()  # in cooldown
     for (name, value), again in zip(whole.model.state_dict().items(), resumed.model.state_dict().values(), strict=True):
         assert torch.equal(value, again), name
+
+
+def test_a_second_run_in_the_same_output_dir_saves_no_restore_point_over_the_firsts(tmp_path):
+    """The Trainer names its own folders: where ``checkpoint-<N>`` holds another run's, no restore point, said once."""
+    rule = Rule("any logit", "connmon/max_attention_logit/L*", Threshold(-1.0), cooldown=100, since=3)
+    for run in ("first", "second"):
+        options = {"every_n_steps": 2, "diagnostics": ("walk",), "alerts": AlertRunner([rule], actions=("checkpoint",))}
+        trainer = make_trainer(tmp_path, monitor=options, learning_rate=1e-3 if run == "first" else 3e-3)
+        if run == "first":
+            trainer.train()
+            saved = {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-4").iterdir() if p.is_file()}
+            continue
+        with pytest.warns(
+            UserWarning, match=r"no restore point after step 4 .*checkpoint-4 holds a checkpoint this run"
+        ):
+            trainer.train()
+    assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-4").iterdir() if p.is_file()} == saved
