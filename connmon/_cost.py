@@ -3,8 +3,9 @@
 Every monitor holds a :class:`CostClock`. Its sections (:meth:`CostClock.measuring`) enclose all of the monitor's
 work on a sampled step; on an accelerator the device is synchronized at both ends of a section, so asynchronous
 kernels are counted where they run (and a section's start waits for the training work queued before it, which is
-not counted). The training time is the wall time since :meth:`CostClock.start` minus connmon's time, so
-``fraction`` is connmon's time over the time the training would have taken without it.
+not counted). The training time is the wall time since :meth:`CostClock.start` minus the time of every monitor
+running beside it (one base for all of a run's monitors: the attention's and the curvature's shares add up to the
+total), so ``fraction`` is connmon's time over the time the training would have taken without it.
 
 A ``budget`` (a fraction such as 0.01) sets the stride of a monitor's costly part, the smallest one that keeps its
 mean cost per step inside the budget: :func:`stride_for`. Every process decides from the same figures (the
@@ -26,8 +27,10 @@ from collections.abc import Iterator
 
 import torch
 
+from connmon._copying import CopiesDetached
 
-class CostClock:
+
+class CostClock(CopiesDetached):
     """Seconds spent in connmon, and the training time around them, on one clock.
 
     Args:
@@ -46,6 +49,8 @@ class CostClock:
         >>> clock.stop()
     """
 
+    _not_copied = (("_others", weakref.WeakKeyDictionary),)  # a copy runs alone
+
     def __init__(self, part: str = "connmon", device: torch.device | str = "cpu") -> None:
         self.part = part
         self.device = torch.device(device)
@@ -53,6 +58,7 @@ class CostClock:
         self.sections = 0
         self._started: float | None = None
         self._stopped: float | None = None
+        # the other monitors' clocks running beside this one: their spent seconds when they met (not ours before)
         self._others: weakref.WeakKeyDictionary[CostClock, float] = weakref.WeakKeyDictionary()
         self._depth = 0  # sections nest (a recording inside a sample): only the outermost counts
         _RUNNING.discard(self)
@@ -61,6 +67,8 @@ class CostClock:
         """Start the training clock (a new run): nothing spent yet."""
         self.spent, self.sections, self._started, self._stopped = 0.0, 0, time.perf_counter(), None
         self._others = weakref.WeakKeyDictionary({c: c.spent for c in _RUNNING})  # their time so far is not ours
+        for other in _RUNNING:
+            other._others[self] = 0.0  # from now on, this clock's time is not the other's training time either
         _RUNNING.add(self)
 
     def stop(self) -> None:
@@ -99,12 +107,17 @@ class CostClock:
             self.sections += 1
 
     @property
+    def others(self) -> float:
+        """Seconds the other monitors running beside this one spent since they met it."""
+        return sum(max(other.spent - spent, 0.0) for other, spent in list(self._others.items()))
+
+    @property
     def training(self) -> float:
-        """Seconds of training since :meth:`start`, connmon's own excluded."""
+        """Seconds of training since :meth:`start`: every monitor's time excluded (this one's and the others')."""
         if self._started is None:
             return 0.0
         end = self._stopped if self._stopped is not None else time.perf_counter()
-        return max(end - self._started - self.spent, 0.0)
+        return max(end - self._started - self.spent - self.others, 0.0)
 
     @property
     def fraction(self) -> float:
@@ -137,27 +150,27 @@ def total_fraction(clock: CostClock) -> float:
         True
         >>> clock.stop()
     """
-    if clock._started is None:
-        return math.nan
-    spent = clock.spent + sum(
-        max(other.spent - clock._others.get(other, 0.0), 0.0) for other in _RUNNING if other is not clock
-    )
-    end = clock._stopped if clock._stopped is not None else time.perf_counter()
-    training = end - clock._started - spent
-    return spent / training if training > 0 else math.nan
+    training = clock.training
+    return (clock.spent + clock.others) / training if training > 0 else math.nan
 
 
-def overhead_values(clock: CostClock) -> dict[str, float]:
+def overhead_values(clock: CostClock, steps_trained: int | None = None) -> dict[str, float]:
     """``connmon/overhead`` (every running monitor) and ``connmon/overhead/<part>`` (this one), as logged.
+
+    ``steps_trained``, the optimizer steps trained since the clock started: with none yet (a sample at a run's first
+    step) there is no training time to compare with, and nothing is returned (a startup against a single forward
+    would read 10x).
 
     Examples:
         >>> from connmon._cost import CostClock, overhead_values
         >>> clock = CostClock("curvature")
         >>> clock.start()
-        >>> sorted(overhead_values(clock))
-        ['connmon/overhead', 'connmon/overhead/curvature']
+        >>> sorted(overhead_values(clock)), overhead_values(clock, steps_trained=0)
+        (['connmon/overhead', 'connmon/overhead/curvature'], {})
         >>> clock.stop()
     """
+    if steps_trained is not None and steps_trained < 1:
+        return {}
     values = {"connmon/overhead": total_fraction(clock), f"connmon/overhead/{clock.part}": clock.fraction}
     return {key: value for key, value in values.items() if math.isfinite(value)}
 

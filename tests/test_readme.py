@@ -8,13 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.integrations.wandb_read import read_run
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GUIDE = [ROOT / "docs" / page for page in ("monitoring.md", "integrations.md", "capture.md")]  # in reading order
 COVERAGE = ROOT / "docs" / "capture.md"
 
 
-def test_readme_and_guide_print_what_they_say():
+def test_readme_and_guide_print_what_they_say(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")  # README's plain-loop block opens a W&B run, as a user's would
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     text = "".join(path.read_text() for path in [README, *GUIDE])
     block = "".join(re.findall(r"```python\n(.*?)```", text, re.S))  # every python block, in order
     promised = [line.split("# ", 1)[1].strip() for line in block.splitlines() if line.startswith("print(")]
@@ -23,6 +27,10 @@ def test_readme_and_guide_print_what_they_say():
         exec(compile(block, "README.md + docs", "exec"), {})
     printed = [line.strip() for line in out.getvalue().splitlines()]
     assert printed == promised
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")  # the plain-loop block's W&B run holds what it logged
+    rows = [record["history"]["item"] for record in read_run(run / "files") if record.get("type") == "history"]
+    logged = [row for row in rows if "connmon/attention_entropy/all" in row]
+    assert [row["_step"] for row in logged] == [0, 100]
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from connmon._copying import CopiesDetached
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_number
 
@@ -45,7 +46,7 @@ def pending_lr_scale(optimizer: Any) -> float:
     return backoff.scale
 
 
-class LearningRateBackoff:
+class LearningRateBackoff(CopiesDetached):
     """Scales every parameter group's learning rate by ``factor`` when one of ``rules`` alerts.
 
     At most once per ``cooldown`` steps; the scale multiplies (two back-offs: ``factor ** 2``). The decision comes
@@ -73,6 +74,8 @@ class LearningRateBackoff:
         >>> weight.tolist(), optimizer.param_groups[0]["lr"]
         ([0.95, 0.95], 0.1)
     """
+
+    _not_copied = (("_handles", list), ("_optimizers", list), ("_saved", dict))  # a copy is attached to nothing
 
     def __init__(
         self, factor: float = 0.5, cooldown: int = 100, rules: Sequence[str] = ("past the edge of stability",)

@@ -9,11 +9,12 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger  # imports wandb only when a run starts
 from lightning.pytorch.utilities import rank_zero_warn
 
+from connmon._copying import CopiesDetached
 from connmon.callbacks._cost import say_cost
 from connmon.integrations.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
 
 
-class ConnectionMonitor(Callback):
+class ConnectionMonitor(CopiesDetached, Callback):
     """Reads every self-attention layer as a connection walk every ``every_n_steps`` optimizer steps.
 
     On a sampled step the capture is armed (hooks exist on no other step), the first ``num_sequences`` sequences of
@@ -66,6 +67,8 @@ class ConnectionMonitor(Callback):
         >>> monitor = ConnectionMonitor(every_n_steps=50, diagnostics=("walk", "transport"))
         >>> trainer = L.Trainer(callbacks=[monitor], logger=False, enable_progress_bar=False)
     """
+
+    _not_copied = (("_trainer", lambda: None),)  # set again by setup (ddp_spawn pickles the callbacks)
 
     def __init__(
         self,
@@ -172,6 +175,7 @@ class ConnectionMonitor(Callback):
         self.monitor.disarm()
         if stage == "fit":
             self._restored = False  # the next fit starts afresh unless a checkpoint is loaded into it
+            self._trainer = None
 
     def state_dict(self) -> dict[str, Any]:
         """Sampling cadence and the previous sample of each layer (so a resumed run continues its time drift)."""

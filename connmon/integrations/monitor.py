@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, agreed, check_budget, overhead_values, summary
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
@@ -53,7 +54,7 @@ SAMPLING_OPTIONS = (
 )
 
 
-class Monitor:
+class Monitor(CopiesDetached):
     """Reads every self-attention layer of ``model`` as a connection walk on every ``every_n_steps``-th step.
 
     In a plain PyTorch (or Accelerate) loop, wrap the forward of each step in :meth:`step`; on a sampled step the
@@ -135,6 +136,8 @@ class Monitor:
         >>> monitor.samples, round(logged["connmon/stochasticity_gap/L00"], 6)
         (2, 0.0)
     """
+
+    _not_copied = (("_pre_hook", lambda: None), ("_armed", lambda: None), ("_session", lambda: None))  # hooks stay
 
     def __init__(
         self,
@@ -259,6 +262,7 @@ class Monitor:
         self._costs = {True: [0.0, 0], False: [0.0, 0]}  # full?: [seconds, samples] this run
         self._sample_began = 0.0  # the clock's spent seconds when the current sample was armed
         self._first_step: int | None = None
+        self._start_step: int | None = None  # the first step asked about since attach: where training time starts
         self.sharpness = sharpness
         self.loss_fn = loss_fn
         self._optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
@@ -407,7 +411,7 @@ class Monitor:
         self.metrics = {name: groups[name]() for name in self.diagnostics}
         self.to(_device_of(model))
         self.clock.start()
-        self._costs, self._first_step = {True: [0.0, 0], False: [0.0, 0]}, None
+        self._costs, self._first_step, self._start_step = {True: [0.0, 0], False: [0.0, 0]}, None, None
         if self.sharpness is not None and self._optimizer is not None:
             self.sharpness.attach(self._optimizer, _device_of(model))
             if self._pre_hook is not None:
@@ -534,6 +538,8 @@ class Monitor:
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` is sampled (a step is sampled once, however many micro-batches it has)."""
+        if self._start_step is None:
+            self._start_step = step
         cadence = step % self.every_n_steps == 0 or step in self.extra_steps
         return bool(self.selected) and cadence and step != self.last_sampled_step
 
@@ -674,7 +680,7 @@ class Monitor:
         scalars = self._scalars(values, broken_layers)
         if self._first_step is None:
             self._first_step = step
-        scalars.update(overhead_values(self.clock))
+        scalars.update(overhead_values(self.clock, step - (self._start_step if self._start_step is not None else step)))
         if self.alerts is not None:
             alerts, stop = self.alerts.run({**(rule_values or {}), **scalars}, step, wandb=self.sink)
             self.should_stop = self.should_stop or stop

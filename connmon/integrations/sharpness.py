@@ -51,6 +51,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, agreed, check_budget, overhead_values, stride_for
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
@@ -104,7 +105,7 @@ def adaptive_interval(ratio: float, every_n_steps: int, ladder: tuple[tuple[floa
     return every_n_steps * ladder[0][1]
 
 
-class SharpnessSampler:
+class SharpnessSampler(CopiesDetached):
     """Reads the curvature against the optimizer's edge of stability on a cadence of optimizer steps.
 
     Nothing of the training run changes: parameters (written from a saved copy for each product and copied back,
@@ -156,6 +157,8 @@ class SharpnessSampler:
         16
         >>> sampler.detach()
     """
+
+    _not_copied = (("_hook", lambda: None),)  # a copy watches no optimizer until attached
 
     def __init__(
         self,
@@ -414,7 +417,7 @@ class SharpnessSampler:
             ratio_key: ratio,
             eigenvalue_key: ratio * constant,
             INTERVAL_KEY: interval,
-            **overhead_values(self.clock),
+            **overhead_values(self.clock, step - (self._start_step or 0)),
         }
         if self.reads_lanczos:  # the run's gradients (a resumed run's restored) over its optimizer steps so far
             values[GRADIENTS_KEY] = self.gradients / max(step, 1)

@@ -1,6 +1,6 @@
 """Standalone DDP run for test_ddp.py: Lightning's "ddp" strategy re-launches this script for rank 1.
 
-Usage: python tests/callbacks/ddp_run.py OUT_DIR [alert | sharpness | secant ddp | secant fsdp2 | fsdp | fsdp2]
+Usage: python tests/callbacks/ddp_run.py OUT_DIR [alert | sharpness | spawn MODE | secant MODE | fsdp | fsdp2]
 
 ``fsdp2`` runs the same monitored fit under ModelParallelStrategy with FSDP2 ``fully_shard`` per Block (parameters
 sharded across the 2 CPU processes; each rank writes whether its Block parameters are sharded DTensors to
@@ -17,6 +17,9 @@ it saved (to OUT_DIR/points) to OUT_DIR/backoff<r>.json.
 With ``sharpness``, a SharpnessMonitor samples at steps 2 and 4; each rank writes its own ratio at step 2 (computed
 directly) and the synced values to OUT_DIR/sharpness<r>.json. Its loss function raises on rank 1 at step 4: both
 ranks must turn the monitor off together and train on to step 6.
+
+With ``spawn ddp`` or ``spawn ddp_spawn``, ConnectionMonitor, SharpnessMonitor and DriftAlert log to
+OUT_DIR/<mode> through a CSVLogger (``ddp_spawn`` pickles the callbacks into its processes).
 
 With ``secant ddp`` or ``secant fsdp2``, a SharpnessMonitor(estimator="secant") samples at steps 2, 4 and 6; each
 rank writes the synced values to OUT_DIR/secant-<mode><r>.json.
@@ -142,6 +145,30 @@ def secant_run(out: Path, mode: str) -> None:
     (out / f"secant-{mode}{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
+def next_token_loss(module, batch):
+    """A module-level loss: ``ddp_spawn`` pickles the callbacks, and a lambda does not pickle."""
+    import torch
+
+    idx, target = batch
+    return torch.nn.functional.cross_entropy(module(idx).flatten(0, 1), target.flatten())
+
+
+def spawn_run(out: Path, mode: str) -> None:
+    """ConnectionMonitor, SharpnessMonitor and DriftAlert under ``ddp`` or ``ddp_spawn``, logged to CSV."""
+    from connmon.callbacks import SharpnessMonitor
+
+    callbacks = [
+        ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None),
+        SharpnessMonitor(next_token_loss, every_n_steps=2, cadence="fixed"),
+        DriftAlert(actions=("log",)),
+    ]
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=mode, max_steps=5, callbacks=callbacks, logger=CSVLogger(out, name=mode),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, log_every_n_steps=1,
+    )  # fmt: skip
+    trainer.fit(LitGPT(), loader(batch_size=4))
+
+
 def strategy(name: str):
     """The strategy of a mode: DDP, FSDP (FSDPStrategy) or FSDP2 (ModelParallelStrategy, fully_shard per Block)."""
     from tests.capture.models import Block
@@ -167,6 +194,9 @@ if __name__ == "__main__":
         leave()
     if sys.argv[2:] == ["sharpness"]:
         sharpness_run(out)
+        leave()
+    if sys.argv[2:3] == ["spawn"]:
+        spawn_run(out, sys.argv[3])
         leave()
     if sys.argv[2:3] == ["secant"]:
         secant_run(out, sys.argv[3])

@@ -334,9 +334,14 @@ def test_each_sample_logs_the_monitor_cost_beside_the_sharpness_monitor_and_the_
     curvature = {
         int(r["step"]): float(r["connmon/overhead/curvature"]) for r in rows if "connmon/overhead/curvature" in r
     }
-    assert sorted(attention) == [0, 2, 4, 6] and sorted(curvature) == [3, 6]
+    # step 0's sample has no training time to compare with yet: its cost is logged from step 2 on
+    assert sorted(attention) == [2, 4, 6] and sorted(curvature) == [3, 6]
+    assert "connmon/attention_entropy/L00" in next(r for r in rows if r["step"] == "0")
     total = {int(r["step"]): float(r["connmon/overhead"]) for r in rows if "connmon/overhead" in r}
     assert total[6] >= max(attention[6], curvature[6])  # both monitors' time
     assert all(0 < value < 100 for value in (*attention.values(), *curvature.values()))
     said = [r.getMessage() for r in caplog.records if "% of training time" in r.getMessage()]
     assert any("ConnectionMonitor cost" in m for m in said) and any("SharpnessMonitor cost" in m for m in said)
+    a, c = monitor.monitor.clock, sharpness.sampler.clock  # one base: each excludes both monitors' time
+    apart = abs(a._started - c._started) + abs(a._stopped - c._stopped)  # the two clocks' hooks, microseconds apart
+    assert abs(a.training - c.training) <= apart + 1e-9 and c.spent > 10 * apart

@@ -119,3 +119,21 @@ def test_ddp_ranks_back_off_and_save_restore_points_at_the_same_step_and_keep_eq
     assert (ranks[0]["scale"], ranks[0]["last_step"]) == (0.5, 2)
     points = sorted(path.name for path in (tmp_path / "points").iterdir())  # alerts at 2 and 4, saved after 3 and 5
     assert points == ["step=5.ckpt"] and ranks[0]["restore_points"] == [str(tmp_path / "points" / "step=5.ckpt")]
+
+
+def test_ddp_spawn_fits_with_every_callback_and_logs_what_ddp_logs(tmp_path):
+    """``strategy="ddp_spawn"`` pickles the callbacks into its processes: the same fit logs the same values as ddp."""
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
+    logged = {}
+    for mode in ("ddp", "ddp_spawn"):
+        subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "spawn", mode], check=True, timeout=300, env=env)
+        rows = list(csv.DictReader(next((tmp_path / mode).rglob("metrics.csv")).open()))
+        logged[mode] = {
+            (row["step"], key): float(value)
+            for row in rows
+            for key, value in row.items()
+            if value and key != "step" and "overhead" not in key  # the cost is timed: it differs run to run
+        }
+    assert {key for _, key in logged["ddp"]} >= {"connmon/attention_entropy/L00", "connmon/sharpness_ratio"}
+    assert logged["ddp_spawn"].keys() == logged["ddp"].keys()
+    assert logged["ddp_spawn"] == pytest.approx(logged["ddp"], rel=1e-6)

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from connmon._copying import CopiesDetached
 from connmon.capture.adapters import flex, handwritten
 from connmon.capture.adapters.base import Adapter, transport_maps
 from connmon.capture.session import CaptureSession, busy, warn_once
@@ -237,7 +238,7 @@ def _has_projection(module: nn.Module) -> bool:
     return any(m is not module and linear_weight(m) is not None for m in module.modules())
 
 
-class KernelAttention(Adapter):
+class KernelAttention(CopiesDetached, Adapter):
     """Adapter for any module whose forward calls an attention kernel and that holds its projections.
 
     A module matches when its forward calls the kernel and it contains Linear layers, or when a child without
@@ -261,6 +262,7 @@ class KernelAttention(Adapter):
     """
 
     name = "attention kernel"
+    _not_copied = (("_resolved", weakref.WeakKeyDictionary),)  # found again by a copy's first capture
 
     def __init__(self) -> None:
         # the maps found by each module's last capture; weak keys: nothing is kept once a model is gone
