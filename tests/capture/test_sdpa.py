@@ -228,3 +228,25 @@ def test_an_outer_layer_chosen_alone_is_not_given_its_inner_modules_walk():
         model(x)
     (record,) = session.records
     assert record.name == "0" and torch.equal(record.attn, everything["0"].attn)
+
+
+def test_a_session_armed_after_another_in_one_thread_still_records_when_the_first_ends():
+    """Two armed sessions overlap in one thread (two monitors, two models): the first ending leaves the wrapped
+    kernels in place (a transformers model's attention is read through its wrapped attention dispatch)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16)
+    first, second = TinyGPT().eval(), transformers.GPT2Model(config).eval()
+    idx = torch.randint(0, 50, (2, 9))
+    original = torch.nn.functional.scaled_dot_product_attention
+    one = connmon.capture.armed(first)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer of the second goes unread
+        one.__enter__()
+        with connmon.capture.armed(second) as session:
+            one.__exit__(None, None, None)  # the first session ends while the second is armed
+            assert torch.nn.functional.scaled_dot_product_attention is not original  # still wrapped for the second
+            second(idx, attention_mask=torch.tensor([[1] * 9, [1] * 6 + [0] * 3]))
+    assert [r.name for r in session.records] == ["h.0.attn", "h.1.attn"]
+    assert all(r.reconstruction_error.item() <= TOL for r in session.records)
+    assert torch.nn.functional.scaled_dot_product_attention is original  # restored when the last one ended

@@ -585,7 +585,7 @@ def intercepted(session: CaptureSession) -> Iterator[None]:
         if not any(other.is_own_thread() for other in _SESSIONS):  # this thread's last session: nothing of it stays
             _stack().clear()
             _release_reader()
-        if first:
+        if not _SESSIONS:  # the last session armed, wherever it started: another may outlive the first
             torch.nn.functional.scaled_dot_product_attention = _sdpa.original
             interface = _attention_interface()
             if interface is not None and getattr(_get_interface, "original", None) is not None:
