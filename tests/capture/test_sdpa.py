@@ -250,3 +250,44 @@ def test_a_session_armed_after_another_in_one_thread_still_records_when_the_firs
     assert [r.name for r in session.records] == ["h.0.attn", "h.1.attn"]
     assert all(r.reconstruction_error.item() <= TOL for r in session.records)
     assert torch.nn.functional.scaled_dot_product_attention is original  # restored when the last one ended
+
+
+def refined_through_a_closure() -> type:
+    """Nested attention whose outer forward reaches SDPA through a helper defined inside a function."""
+
+    def attend(q, k, v):
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    class Closed(RefinedAttention):
+        def forward(self, x):
+            x = x + self.inner(x)
+            b, n, d = x.shape
+            q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            return self.out(attend(q, k, v).transpose(1, 2).reshape(b, n, d))
+
+    return Closed
+
+
+class RefinedThroughALambda(RefinedAttention):
+    """Nested attention whose outer forward reaches SDPA through a lambda the instance holds."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = lambda q, k, v: nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def forward(self, x):
+        x = x + self.inner(x)
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return self.out(self.mix(q, k, v).transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.mark.parametrize("outer", [refined_through_a_closure(), RefinedThroughALambda], ids=["closure", "lambda"])
+def test_a_layer_reaching_its_kernel_through_a_closure_or_a_lambda_is_recorded(outer):
+    model = nn.Sequential(outer())
+    x = torch.randn(2, 7, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        records = {r.name: r for r in connmon.capture(model, x)}
+    assert set(records) == {"0", "0.inner"}
+    assert all(record.reconstruction_error.item() <= 1e-5 for record in records.values())

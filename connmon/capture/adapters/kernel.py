@@ -105,12 +105,26 @@ def calls_attention_kernel(module: nn.Module) -> bool:
         >>> calls_attention_kernel(Attend()), calls_attention_kernel(torch.nn.Linear(2, 2))
         (True, False)
     """
-    return _forward_calls_kernel(type(module))
+    if _forward_calls_kernel(type(module)):
+        return True
+    # helpers held by the instance (self.attend = lambda q, k, v: F.sdpa(...)), read where forward names them
+    forward = getattr(_function(inspect.getattr_static(type(module), "forward", None)), "__code__", None)
+    named = _names(forward) if forward is not None else set()
+    helpers = [
+        getattr(value, "func", value)
+        for name, value in vars(module).items()
+        if name in named and isinstance(value, (types.FunctionType, functools.partial))
+    ]
+    return bool(helpers) and _reaches_kernel(type(module), helpers)
 
 
 @functools.cache
 def _forward_calls_kernel(cls: type) -> bool:
-    todo = [_function(inspect.getattr_static(cls, "forward", None))]
+    return _reaches_kernel(cls, [_function(inspect.getattr_static(cls, "forward", None))])
+
+
+def _reaches_kernel(cls: type, todo: list[object]) -> bool:
+    """Whether a function in ``todo``, or what it calls of ``cls``, its module or its closure, is a kernel."""
     seen = set()
     while todo:
         function = todo.pop()
@@ -120,7 +134,9 @@ def _forward_calls_kernel(cls: type) -> bool:
         seen.add(code)
         names = _names(code)
         namespace = getattr(function, "__globals__", {})
-        if _KERNEL_NAMES & names or any(_is_kernel(namespace.get(name)) for name in names):
+        # variables a nested function or lambda closes over (a helper defined inside a function, not at top level)
+        closed = dict(zip(code.co_freevars, (_contents(cell) for cell in function.__closure__ or ()), strict=True))
+        if _KERNEL_NAMES & names or any(_is_kernel(v) for v in (*map(namespace.get, names), *closed.values())):
             return True
         todo.extend(_function(inspect.getattr_static(cls, n, None)) for n in names)  # the class's own methods
         if "super" in names:  # a subclass's forward that hands on to its base's (class Mine(LlamaAttention))
@@ -130,7 +146,16 @@ def _forward_calls_kernel(cls: type) -> bool:
             for value in map(namespace.get, names)
             if isinstance(value, types.FunctionType) and value.__module__ == function.__module__
         )
+        todo.extend(value for value in closed.values() if isinstance(value, types.FunctionType))
     return False
+
+
+def _contents(cell: types.CellType) -> object:
+    """What a closure cell holds (None while its variable is unassigned)."""
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return None
 
 
 def _function(value: object) -> object:
