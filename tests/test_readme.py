@@ -77,6 +77,7 @@ MONITORING = ROOT / "docs" / "monitoring.md"
 LARGE_RUNS = ROOT / "docs" / "large_runs.md"
 OVERHEAD, SHARPNESS, INSTABILITY = "## `bench_overhead.py`", "## `bench_sharpness.py`", "## `bench_instability.py`"
 BACKOFF = "## `bench_backoff.py`"
+PAST_EDGE = "## `bench_past_edge.py`"
 # (the page, what it says (the figure as group 1), the benchmark section whose current tables must say the same)
 QUOTED = [
     (README, r"about 1% of the\s+training time on the example \((\d\.\d+)x", OVERHEAD),
@@ -98,6 +99,8 @@ QUOTED = [
     (MONITORING, r"each within 10% of the best loss it reached\s+before the alert\*\* \((\d\.\d+)-", BACKOFF),
     (MONITORING, r"one back-off at step (\d+) and it ended", BACKOFF),
     (MONITORING, r"median (0\.\d+) gradients per training\s+step on the healthy runs", BACKOFF),
+    (MONITORING, r"\*\*(0\.\d+) gradients\s+per training step instead of", PAST_EDGE),
+    (MONITORING, r"per training step instead of (\d\.\d+)\*\*", PAST_EDGE),
 ]
 
 

@@ -249,6 +249,34 @@ class RuleSet:
                 alerts.append(dataclasses.replace(fired, rule=rule.name, level=rule.level))
         return alerts
 
+    def ready_step(self, key: str, every_n_steps: int) -> int | None:
+        """The first step from which samples of ``key`` every ``every_n_steps`` can raise an alert again, or None.
+
+        While every rule watching ``key`` is in the cooldown of its last alert, no value of ``key`` can alert: a
+        monitor whose samples cost (the curvature) need not take them. A rule that needs ``n`` values in a row
+        (``Threshold(consecutive=n)``) needs them at the last ``n - 1`` intervals of its cooldown, so that it can fire
+        when the cooldown ends. None when a rule watching ``key`` is not in a cooldown (or is a conjunction, whose
+        members' evidence keeps counting), or none watches it.
+
+        Examples:
+            >>> from connmon.alerts import RuleSet, edge_of_stability_rule
+            >>> rules = RuleSet([edge_of_stability_rule(cooldown=100, consecutive=2, since=0)])
+            >>> [len(rules.update({"connmon/sharpness_ratio": 1.5}, step)) for step in (20, 40)]
+            [0, 1]
+            >>> rules.ready_step("connmon/sharpness_ratio", 20), rules.ready_step("connmon/alerts/count", 20)
+            (120, None)
+        """
+        ready = []
+        for rule in self.rules:
+            members = rule.rules if isinstance(rule, AllOf) else (rule,)
+            if not any(fnmatch.fnmatchcase(key, member.keys) for member in members):
+                continue
+            last = self._state[rule.name].last_alert_step
+            if isinstance(rule, AllOf) or last is None:
+                return None
+            ready.append(last + rule.cooldown - (getattr(rule.detector, "consecutive", 1) - 1) * every_n_steps)
+        return min(ready) if ready else None
+
     def regime_steps(self, every_n_steps: int) -> frozenset[int]:
         """The steps a monitor sampling every ``every_n_steps`` adds so that its regime rules can fire.
 

@@ -179,6 +179,8 @@ class DriftAlert(Callback):
 
     def _on_curvature(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
         self._run(trainer, step, values)
+        if self._listening_curvature is not None:
+            self._listening_curvature.sampler.hold_for(self.rules)
 
     def _run(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
         alerts, stop = self.runner.run(values, step, wandb=self._wandb)

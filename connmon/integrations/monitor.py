@@ -771,6 +771,8 @@ class Monitor(CopiesDetached):
             alerts, stop = self.alerts.run(values, step, wandb=self.sink)
             self.should_stop = self.should_stop or stop
             values.update(self.alerts.counts(alerts))
+            if self.sharpness is not None:
+                self.sharpness.hold_for(self.alerts.rules)
         if is_rank_zero() or self.log_on_every_rank:
             try:
                 if self.log is not None:

@@ -56,6 +56,7 @@ from connmon._cost import CostClock, agreed, check_budget, overhead_values, stri
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon._ranks import warn_rank_zero
+from connmon.alerts.rules import RuleSet
 from connmon.capture import paused
 from connmon.curvature import STORAGES, Storage, UpdateProbe, check_optimizer, sharpness_ratio
 
@@ -192,6 +193,7 @@ class SharpnessSampler(CopiesDetached):
         self.stride = 1  # with a budget: every interval times stride
         self.gradients = 0  # gradients of a step's batch the samples took (the cost in units of a training step's)
         self.next_step: int | None = None  # adaptive: the next sampled step (None: the first, at every_n_steps)
+        self.held_until = 0  # no sample before this step: the rules watching the ratio are in their cooldown
         self.last_values: dict[str, float] = {}
         self.optimizer: torch.optim.Optimizer | None = None
         self._device = torch.device("cpu")
@@ -236,6 +238,7 @@ class SharpnessSampler(CopiesDetached):
     def reset(self) -> None:
         """A new run: no sample taken, the budget's stride back to 1, the cadence from its start."""
         self.samples, self.stride, self.gradients, self.next_step, self.last_values = 0, 1, 0, None, {}
+        self.held_until = 0
 
     def detach(self) -> None:
         """Remove the optimizer hook and drop any pending probe (its parameter copy) and kept losses."""
@@ -250,12 +253,25 @@ class SharpnessSampler(CopiesDetached):
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` (steps taken so far) is sampled."""
-        if self.off is not None or step <= 0:
+        if self.off is not None or step <= 0 or step < self.held_until:
             return False
         if self.cadence == "fixed":
             return step % (self.every_n_steps * self.stride) == 0
         first = self.every_n_steps * self.stride
         return step >= (self.next_step if self.next_step is not None else first)
+
+    def hold_for(self, rules: RuleSet) -> None:
+        """After its values went to ``rules``: no sample while none of its values could raise an alert.
+
+        Once the edge-of-stability rule has fired, it stays quiet for its ``cooldown`` (100 steps by default);
+        dense samples past the edge then buy nothing, and cost the most (a run past its edge is sampled at the
+        densest interval, with the noise check's second solve). So the next sample comes when a rule watching the
+        ratio can fire again (:meth:`connmon.alerts.RuleSet.ready_step`): that is also when a back-off is seen to
+        have worked or not. The approach to the edge, where the lead comes from, is sampled as before.
+        """
+        ready = rules.ready_step(keys_of(self.estimator)[0], self.every_n_steps * self.stride)
+        if ready is not None and ready > self.held_until:
+            self.held_until = ready
 
     # --- events -----------------------------------------------------------------------------------------------------
 
@@ -337,6 +353,7 @@ class SharpnessSampler(CopiesDetached):
             "stride": self.stride,
             "gradients": self.gradients,
             "next_step": self.next_step,
+            "held_until": self.held_until,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -346,6 +363,7 @@ class SharpnessSampler(CopiesDetached):
         self.gradients = int(state_dict.get("gradients", 0))
         next_step = state_dict.get("next_step")
         self.next_step = int(next_step) if next_step is not None else None
+        self.held_until = int(state_dict.get("held_until", 0))
 
     # --- workers ----------------------------------------------------------------------------------------------------
 

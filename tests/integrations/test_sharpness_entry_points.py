@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import lightning as L
@@ -52,7 +53,7 @@ def plain_loop(monitor_options: dict, max_steps: int = 7) -> tuple[dict[int, flo
     monitor = connmon.Monitor(
         model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer, log=log, **monitor_options
     )
-    batches = iter(loader())
+    batches = itertools.cycle(loader())  # epochs, as Lightning's loop runs them
     for step in range(max_steps):
         batch = next(batches)
         with monitor.step(step, batch=batch):
@@ -273,3 +274,33 @@ def test_a_plain_loop_reads_the_steps_loss_whatever_its_normaliser():
         readings[layout] = logged[1]
     assert readings["mean"] == pytest.approx(readings["whole"], rel=1e-3)
     assert readings["normalised"] == pytest.approx(readings["whole"], rel=1e-3)
+
+
+def test_past_the_edge_the_sampler_waits_for_the_rules_cooldown_in_every_entry_point():
+    """Once the edge rule fired, no curvature sample comes before the rule can fire again (its cooldown, less the
+    samples it needs in a row): 2, 4 (alert), 12, 14 (alert), 22, ... instead of every 2 steps."""
+    expected = [2, 4, 12, 14, 22]
+
+    def rule():
+        return edge_of_stability_rule(bound=1e-9, consecutive=2, cooldown=10, since=0)
+
+    sampler = SharpnessSampler(every_n_steps=2, cadence="fixed")
+    logged, _ = plain_loop(
+        {"sharpness": sampler, "loss_fn": next_token_loss, "alerts": AlertRunner([rule()], actions=("log",))},
+        max_steps=23,
+    )
+    assert sorted(logged) == expected
+    assert sampler.state_dict()["held_until"] == 22  # saved: a resumed run keeps waiting
+
+    from connmon.callbacks import DriftAlert
+
+    seen = {}
+    monitor = SharpnessMonitor(lambda m, b: next_token_loss(m.model, b), every_n_steps=2, cadence="fixed")
+    monitor.add_listener(lambda trainer, step, values: seen.update({step: values[RATIO]}))
+    trainer = L.Trainer(
+        max_steps=23, callbacks=[monitor, DriftAlert(rules=[rule()], actions=("log",))], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="past the edge of stability"):
+        trainer.fit(LitGPT(), loader())
+    assert sorted(seen) == expected
