@@ -35,6 +35,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from connmon._shards import Shards, local
+
 Products = Literal["gradient_difference", "double_backward"]
 PRODUCTS: tuple[Products, ...] = ("gradient_difference", "double_backward")
 
@@ -98,6 +100,10 @@ class GradientDifferenceProducts:
         initial_step: where the rule's search starts, ``||h w|| / ||theta||`` (a previous solve's :attr:`step`;
             None: :data:`FIRST_STEP`).
         storage: the device of the flat vectors (the parameters' own by default; ``"cpu"`` to keep them off it).
+        shards: the parameters' layout across processes (:class:`connmon._shards.Shards`; None: found here).
+        leaves: every other tensor whose ``.grad`` a backward may touch (the model's other trainable parameters):
+            with sharded parameters the gradients are taken by the model's own backward (FSDP2 reduces them there),
+            and each of these ``.grad`` is put back as it was, with the parameters'.
     """
 
     def __init__(
@@ -111,11 +117,16 @@ class GradientDifferenceProducts:
         storage: torch.device | None = None,
         initial_step: float | None = None,
         weights: Sequence[float] | None = None,
+        shards: Shards | None = None,
+        leaves: Sequence[Tensor] = (),
     ) -> None:
         self.loss_fns, self.params, self.dtype, self.seed = list(loss_fns), params, dtype, seed
         self.weights = step_weights(self.loss_fns, weights)
         self.storage = storage if storage is not None else params[0].device
-        self.sizes = [p.numel() for p in params]
+        self.shards = shards if shards is not None else Shards(params)
+        self.sizes = self.shards.sizes
+        mine = {id(p) for p in params}
+        self.leaves = [*params, *(t for t in leaves if id(t) not in mine)]
         self.evaluations = 0  # gradients of the step's whole loss taken
         self.relative_step = relative_step
         if params[0].dtype not in GRADIENT_CHANGE:
@@ -127,23 +138,21 @@ class GradientDifferenceProducts:
         self.target = gradient_change or GRADIENT_CHANGE[params[0].dtype]
         with torch.no_grad():
             self.saved = [p.detach().clone() for p in params]
-            theta = torch.sqrt(sum(p.detach().double().square().sum() for p in params)).item()
+            theta = math.sqrt(self.shards.squares([local(p).detach() for p in params]))
         self.theta_norm = theta if theta > 0 else 1.0
         self.base = self._gradient()
-        self.base_norm = float(self.base.norm(dtype=torch.float64))
+        self.base_norm = self._norm(self.base)
         self.length = (relative_step or initial_step or FIRST_STEP) * self.theta_norm  # ||h w||, product to product
 
     def __call__(self, v: Tensor, scale: Tensor) -> Tensor:
         """``H w`` for ``w = scale * v`` (flat, ``dtype``, on the storage device), ``w`` never held whole."""
-        w_norm = math.sqrt(
-            sum(float((a * b).square().sum(dtype=torch.float64)) for a, b in _pieces(v, scale, self.sizes))
-        )
+        w_norm = math.sqrt(self.shards.squares([a * b for a, b in _pieces(v, scale, self.sizes)]))
         if not w_norm > 0:
             return torch.zeros_like(v)
         for attempt in range(_RETAKES + 1):
             h = self.length / w_norm
             difference = self._gradient_at(v, scale, h).sub_(self.base)
-            change = float(difference.norm(dtype=torch.float64)) / self.base_norm if self.base_norm > 0 else 0.0
+            change = self._norm(difference) / self.base_norm if self.base_norm > 0 else 0.0
             if self.relative_step is not None or not math.isfinite(change) or change <= 0:
                 break
             factor = self.target / change
@@ -161,32 +170,76 @@ class GradientDifferenceProducts:
         """The parameters back to the saved copy, bitwise."""
         with torch.no_grad():
             for p, saved in zip(self.params, self.saved, strict=True):
-                p.copy_(saved)
+                local(p).copy_(local(saved))
+
+    def _norm(self, flat: Tensor) -> float:
+        return math.sqrt(self.shards.dots(flat.unsqueeze(0), flat.unsqueeze(0))[0].item())
 
     def _gradient_at(self, v: Tensor, scale: Tensor, h: float) -> Tensor:
         """The gradient at ``theta + h scale v``, the parameters copied back after it (also when it raises)."""
         try:
             with torch.no_grad():
                 for p, saved, (a, b) in zip(self.params, self.saved, _pieces(v, scale, self.sizes), strict=True):
-                    p.copy_(saved + (h * a * b).view_as(p).to(device=p.device, dtype=p.dtype))
+                    part = local(p)  # a shard is written in its own storage, which the model's forward gathers
+                    part.copy_(local(saved) + (h * a * b).view_as(part).to(device=part.device, dtype=part.dtype))
             return self._gradient()
         finally:
             self.restore()
 
     def _gradient(self) -> Tensor:
-        """The step's loss's gradient, flat (one buffer; the micro-batches' weighted gradients added into it)."""
+        """The step's loss's gradient over the global batch, flat (local parts; one buffer).
+
+        Every process takes part in one all-reduce per gradient (the plain parameters' parts averaged, and whether
+        any process failed), so that a failure on one process raises on all of them alike.
+        """
         flat = torch.zeros(sum(self.sizes), dtype=self.dtype, device=self.storage)
-        for loss_fn, weight in zip(self.loss_fns, self.weights, strict=True):
-            torch.manual_seed(self.seed)
-            with torch.enable_grad(), torch.autocast(self.params[0].device.type, enabled=False):
-                loss = scalar_loss(loss_fn)
-                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-            for part, grad in zip(flat.split(self.sizes), grads, strict=True):
-                if grad is not None:
-                    part.add_(grad.reshape(-1).to(device=self.storage, dtype=self.dtype), alpha=weight)
-            del grads
+        error = None
+        try:
+            self._add_gradient(flat)
+        except Exception as raised:  # reported after the processes agree that one failed
+            if self.shards.world == 1:
+                raise
+            error = raised
+        failures = self.shards.average_plain(flat, failed=error is not None)
+        if error is not None:
+            raise error
+        if failures:
+            raise RuntimeError("the loss or its gradient failed on another process (that process's warning says why)")
         self.evaluations += 1
         return flat
+
+    def _add_gradient(self, flat: Tensor) -> None:
+        """The micro-batches' weighted gradients (local parts) added into ``flat``.
+
+        Plain parameters: :func:`torch.autograd.grad`, ``.grad`` untouched. Sharded ones: the model's own backward,
+        which reduces the shards' gradients across processes (FSDP2 averages them), with every ``.grad`` it may
+        touch set aside before and put back after, bitwise (the same tensors).
+        """
+        if not self.shards.sharded:
+            for loss_fn, weight in zip(self.loss_fns, self.weights, strict=True):
+                torch.manual_seed(self.seed)
+                with torch.enable_grad(), torch.autocast(self.params[0].device.type, enabled=False):
+                    loss = scalar_loss(loss_fn)
+                    grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+                for part, grad in zip(flat.split(self.sizes), grads, strict=True):
+                    if grad is not None:
+                        part.add_(grad.reshape(-1).to(device=self.storage, dtype=self.dtype), alpha=weight)
+                del grads
+            return
+        kept = [t.grad for t in self.leaves]
+        try:
+            for t in self.leaves:
+                t.grad = None
+            for loss_fn, weight in zip(self.loss_fns, self.weights, strict=True):
+                torch.manual_seed(self.seed)
+                with torch.enable_grad(), torch.autocast(self.params[0].device.type, enabled=False):
+                    (scalar_loss(loss_fn) * weight).backward()
+            for part, p in zip(flat.split(self.sizes), self.params, strict=True):
+                if p.grad is not None:
+                    part.copy_(local(p.grad).reshape(-1))
+        finally:
+            for t, grad in zip(self.leaves, kept, strict=True):
+                t.grad = grad
 
 
 class DoubleBackwardProducts:
@@ -199,7 +252,14 @@ class DoubleBackwardProducts:
         dtype: torch.dtype,
         seed: int,
         weights: Sequence[float] | None = None,
+        shards: Shards | None = None,
     ) -> None:
+        self.shards = shards if shards is not None else Shards(params)
+        if self.shards.sharded:
+            raise ValueError(
+                "exact products by double backward need unsharded parameters (FSDP2 has no double backward): use the "
+                "gradient-difference products"
+            )
         self.params, self.dtype = params, dtype
         self.sizes = [p.numel() for p in params]
         self.evaluations = 1
@@ -227,7 +287,9 @@ class DoubleBackwardProducts:
                 if product is not None:
                     pieces[i] = product.reshape(-1).to(device=v.device, dtype=self.dtype)
         self.evaluations += 1
-        return torch.cat(pieces)
+        product = torch.cat(pieces)
+        self.shards.average_plain(product)  # under DDP: the global batch's Hessian, the mean of the processes'
+        return product
 
     step = math.nan  # no step: the products are exact
 

@@ -61,6 +61,7 @@ from connmon._hessian import (
 )
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
+from connmon._shards import Shards
 from connmon.alerts.backoff import pending_lr_scale
 from connmon.functional._lanczos import largest_eigenvalue
 
@@ -325,6 +326,7 @@ def sharpness_ratio(
     step_weights(loss_fns, weights)  # checked before any gradient is taken
     geometry = step_geometry(optimizer)
     params = geometry.params
+    shards = Shards(params)  # an unsupported layout is refused here, before any forward
     devices = {p.device for p in params}
     if len(devices) != 1:
         raise ValueError(f"the parameters live on several devices ({sorted(map(str, devices))}); connmon needs one")
@@ -332,16 +334,18 @@ def sharpness_ratio(
     where = torch.device("cpu") if storage == "cpu" else device
     dtype = torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
     scale = torch.cat([_root(size, p, dtype).to(where) for size, p in zip(geometry.step_sizes, params, strict=True)])
-    sizes = [p.numel() for p in params]
+    sizes = shards.sizes
     exact = products == "double_backward"
+    inner = shards.dots if shards.world > 1 else None  # one process: the plain inner product, as before
+    leaves = [t for t in model.parameters() if t.requires_grad] if model is not None else []
     kernels = sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext()
 
     def solve(change: float | None, initial: float | None) -> tuple[float, bool, int, float]:
         if exact:
-            hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed, weights)
+            hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed, weights, shards)
         else:
             hessian = GradientDifferenceProducts(
-                loss_fns, params, dtype, seed, relative_step, change, where, initial, weights
+                loss_fns, params, dtype, seed, relative_step, change, where, initial, weights, shards, leaves
             )
 
         def matvec(v: Tensor) -> Tensor:  # (1, N) -> U^1/2 (H + decay) U^1/2 v, no N-sized temporary held
@@ -352,9 +356,11 @@ def sharpness_ratio(
                     out.add_(part * root, alpha=wd)
             return product.mul_(scale).unsqueeze(0)
 
-        generator = torch.Generator().manual_seed(seed)
-        start = torch.randn(1, scale.numel(), generator=generator, dtype=dtype).to(where)
-        value, converged = largest_eigenvalue(matvec, start, steps, _TOL, dtype=dtype)
+        if shards.world > 1 or shards.sharded:
+            start = shards.start(seed, dtype, where)  # the same global vector whatever the layout
+        else:
+            start = torch.randn(1, scale.numel(), generator=torch.Generator().manual_seed(seed), dtype=dtype).to(where)
+        value, converged = largest_eigenvalue(matvec, start, steps, _TOL, dtype=dtype, inner=inner)
         return float(value[0]), bool(converged[0]), hessian.evaluations, hessian.step
 
     with _training_state_kept(model, device), kernels, torch.enable_grad():
@@ -377,10 +383,10 @@ def sharpness_ratio(
 
 
 def _root(size: Tensor | float, p: Tensor, dtype: torch.dtype) -> Tensor:
-    """``U^1/2`` of one parameter, flattened."""
+    """``U^1/2`` of one parameter's local part, flattened."""
     if isinstance(size, Tensor):
-        return size.detach().to(dtype).reshape(-1).sqrt()
-    return torch.full((p.numel(),), math.sqrt(size), dtype=dtype, device=p.device)
+        return _local(size).detach().to(dtype).reshape(-1).sqrt()
+    return torch.full((_local(p).numel(),), math.sqrt(size), dtype=dtype, device=p.device)
 
 
 @contextlib.contextmanager

@@ -47,7 +47,12 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> Te
 
 
 def largest_eigenvalue(
-    matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int, tol: float, dtype: torch.dtype = torch.float64
+    matvec: Callable[[Tensor], Tensor],
+    start: Tensor,
+    steps: int,
+    tol: float,
+    dtype: torch.dtype = torch.float64,
+    inner: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The largest eigenvalue of each of ``N`` symmetric operators after ``steps`` Lanczos steps; whether it converged.
 
@@ -55,7 +60,9 @@ def largest_eigenvalue(
     its distance to an eigenvalue is at most the residual ``|beta_m u_m|`` of its Ritz vector (Parlett); converged
     means that residual is within ``tol`` times the value (the Krylov-Schur solver's test). One host
     synchronization is left to the caller (reading the flags). The vectors are kept in ``dtype`` (float32 for
-    operators too large to hold several float64 copies of), the recurrence's coefficients in float64.
+    operators too large to hold several float64 copies of), the recurrence's coefficients in float64. ``inner(x, y)``,
+    the ``(N,)`` float64 inner products of two ``(N, r)`` blocks of vectors, replaces the plain one where the vectors
+    are parts of larger ones (sharded across processes: the parts' products added across them).
 
     Returns:
         ``(values (N,), converged (N,) bool)``, float64.
@@ -70,7 +77,7 @@ def largest_eigenvalue(
         >>> bool(ok.all()), bool(torch.allclose(top, torch.linalg.eigvalsh(x)[:, -1]))
         (True, True)
     """
-    alpha, beta = _recurrence(matvec, start, steps, dtype)
+    alpha, beta = _recurrence(matvec, start, steps, dtype, inner)
     nodes, vectors = torch.linalg.eigh(_finite_or_zero(_tridiagonal(alpha, beta[:, :-1]))[0])
     residual = (beta[:, -1] * vectors[:, -1, -1]).abs()
     finite = torch.isfinite(alpha).all(-1) & torch.isfinite(beta).all(-1)
@@ -79,24 +86,32 @@ def largest_eigenvalue(
 
 
 def _recurrence(
-    matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int, dtype: torch.dtype = torch.float64
+    matvec: Callable[[Tensor], Tensor],
+    start: Tensor,
+    steps: int,
+    dtype: torch.dtype = torch.float64,
+    inner: Callable[[Tensor, Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The three-term recurrence: ``alpha (N, m)`` and ``beta (N, m)``, ``beta[:, -1]`` the next vector's norm."""
+
+    def norm_of(x: Tensor) -> Tensor:
+        return x.norm(dim=-1, dtype=torch.float64) if inner is None else inner(x, x).sqrt()
+
     start = start.to(dtype)
     count = start.shape[0]
     alpha = start.new_zeros(count, steps, dtype=torch.float64)
     beta = start.new_zeros(count, steps, dtype=torch.float64)
-    norm = start.norm(dim=-1, keepdim=True)
+    norm = start.norm(dim=-1, keepdim=True) if inner is None else norm_of(start).to(dtype).unsqueeze(-1)
     q = torch.where(norm > 0, start / norm.clamp(min=torch.finfo(start.dtype).tiny), 0)
     previous = torch.zeros_like(q)
     for j in range(steps):
         w = matvec(q).to(dtype)  # updated in place below: three vectors held, not more (operators of a model's size)
-        scale = w.norm(dim=-1, dtype=torch.float64)
-        a = (w * q).sum(dim=-1, dtype=torch.float64)
+        scale = norm_of(w)
+        a = (w * q).sum(dim=-1, dtype=torch.float64) if inner is None else inner(w, q)
         w.addcmul_(a.to(dtype).unsqueeze(-1), q, value=-1)
         if j:
             w.addcmul_(beta[:, j - 1].to(dtype).unsqueeze(-1), previous, value=-1)
-        b = w.norm(dim=-1, dtype=torch.float64)
+        b = norm_of(w)
         ended = b <= _BREAKDOWN * scale
         alpha[:, j] = a
         beta[:, j] = torch.where(ended, 0, b)

@@ -14,8 +14,8 @@ With ``backoff``, a DriftAlert with the ``"backoff"`` and ``"checkpoint"`` actio
 synced key); each rank writes its scale, the step of the back-off, a checksum of its weights and the restore points
 it saved (to OUT_DIR/points) to OUT_DIR/backoff<r>.json.
 
-With ``sharpness``, a SharpnessMonitor samples at steps 2 and 4; each rank writes its own ratio at step 2 (computed
-directly) and the synced values to OUT_DIR/sharpness<r>.json. Its loss function raises on rank 1 at step 4: both
+With ``sharpness``, a SharpnessMonitor samples at steps 2 and 4; each rank writes the ratio of the global batch at
+step 2 (computed directly from both ranks' batches) and the synced values to OUT_DIR/sharpness<r>.json. Its loss function raises on rank 1 at step 4: both
 ranks must turn the monitor off together and train on to step 6.
 
 With ``spawn ddp`` or ``spawn ddp_spawn``, ConnectionMonitor, SharpnessMonitor and DriftAlert log to
@@ -109,10 +109,11 @@ def sharpness_run(out: Path) -> None:
                 self.batch = batch
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            if trainer.global_step == 2 and 2 not in local:
-                batch = self.batch
-                ratio = sharpness_ratio(lambda: loss_fn(pl_module, batch), trainer.optimizers[0], steps=8, seed=2)
-                local[2] = ratio.ratio
+            if trainer.global_step == 2 and 2 not in local:  # the global batch: both ranks' batches, on each rank
+                both = [None, None]
+                torch.distributed.all_gather_object(both, self.batch)
+                losses = [lambda batch=batch: loss_fn(pl_module, batch) for batch in both]
+                local[2] = sharpness_ratio(losses, trainer.optimizers[0], steps=8, seed=2).ratio
 
     synced = {}
     monitor = SharpnessMonitor(loss_fn, every_n_steps=2, cadence="fixed")  # the default: gradient differences
