@@ -15,7 +15,8 @@ synced key); each rank writes its scale, the step of the back-off, a checksum of
 it saved (to OUT_DIR/points) to OUT_DIR/backoff<r>.json.
 
 With ``sharpness``, a SharpnessMonitor samples at steps 2 and 4; each rank writes the ratio of the global batch at
-step 2 (computed directly from both ranks' batches) and the synced values to OUT_DIR/sharpness<r>.json. Its loss function raises on rank 1 at step 4: both
+step 2 (computed directly from both ranks' batches) and the synced values to OUT_DIR/sharpness<r>.json. Its loss
+function raises on rank 1 at step 4: both
 ranks must turn the monitor off together and train on to step 6.
 
 With ``spawn ddp`` or ``spawn ddp_spawn``, ConnectionMonitor, SharpnessMonitor and DriftAlert log to
