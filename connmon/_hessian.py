@@ -104,6 +104,8 @@ class GradientDifferenceProducts:
         leaves: every other tensor whose ``.grad`` a backward may touch (the model's other trainable parameters):
             with sharded parameters the gradients are taken by the model's own backward (FSDP2 reduces them there),
             and each of these ``.grad`` is put back as it was, with the parameters'.
+        model: the model, needed with sharded parameters: a forward that raises leaves FSDP2's gathered weights in
+            it, which are freed (``reshard``) so that the next forward gathers the restored shards.
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class GradientDifferenceProducts:
         weights: Sequence[float] | None = None,
         shards: Shards | None = None,
         leaves: Sequence[Tensor] = (),
+        model: torch.nn.Module | None = None,
     ) -> None:
         self.loss_fns, self.params, self.dtype, self.seed = list(loss_fns), params, dtype, seed
         self.weights = step_weights(self.loss_fns, weights)
@@ -127,6 +130,7 @@ class GradientDifferenceProducts:
         self.sizes = self.shards.sizes
         mine = {id(p) for p in params}
         self.leaves = [*params, *(t for t in leaves if id(t) not in mine)]
+        self.model = model
         self.evaluations = 0  # gradients of the step's whole loss taken
         self.relative_step = relative_step
         if params[0].dtype not in GRADIENT_CHANGE:
@@ -237,6 +241,9 @@ class GradientDifferenceProducts:
             for part, p in zip(flat.split(self.sizes), self.params, strict=True):
                 if p.grad is not None:
                     part.copy_(local(p.grad).reshape(-1))
+        except BaseException:
+            _reshard(self.model)  # a forward cut short leaves FSDP2's gathered (perturbed) weights in the model
+            raise
         finally:
             for t, grad in zip(self.leaves, kept, strict=True):
                 t.grad = grad
@@ -295,6 +302,13 @@ class DoubleBackwardProducts:
 
     def restore(self) -> None:
         """Nothing to restore: the parameters are never written."""
+
+
+def _reshard(model: torch.nn.Module | None) -> None:
+    """Free every FSDP2 module's gathered parameters: the next forward gathers the shards again."""
+    for module in model.modules() if model is not None else ():
+        if hasattr(module, "reshard") and type(module).__name__.startswith("FSDP"):
+            module.reshard()
 
 
 def _pieces(v: Tensor, scale: Tensor, sizes: list[int]) -> zip:

@@ -327,6 +327,8 @@ def sharpness_ratio(
     geometry = step_geometry(optimizer)
     params = geometry.params
     shards = Shards(params)  # an unsupported layout is refused here, before any forward
+    if shards.sharded and model is None:
+        raise ValueError("sharded parameters need model=...: a failed forward's gathered weights are freed through it")
     devices = {p.device for p in params}
     if len(devices) != 1:
         raise ValueError(f"the parameters live on several devices ({sorted(map(str, devices))}); connmon needs one")
@@ -345,7 +347,7 @@ def sharpness_ratio(
             hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed, weights, shards)
         else:
             hessian = GradientDifferenceProducts(
-                loss_fns, params, dtype, seed, relative_step, change, where, initial, weights, shards, leaves
+                loss_fns, params, dtype, seed, relative_step, change, where, initial, weights, shards, leaves, model
             )
 
         def matvec(v: Tensor) -> Tensor:  # (1, N) -> U^1/2 (H + decay) U^1/2 v, no N-sized temporary held

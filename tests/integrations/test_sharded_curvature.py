@@ -93,3 +93,105 @@ def test_data_parallel_reads_the_global_batch_and_leaves_training_bitwise_unchan
     _, expected = train(TinyGPT().double(), whole, watched=True)
     for step, ratio in ranks[0]["ratios"].items():
         assert ratio == pytest.approx(expected[int(step)], rel=1e-4), step
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (a failure inside a product's backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in a backward")
+
+
+def failing_at(call: int, where: str, model, ids):
+    """A loss function that fails on its ``call``-th call, in its forward or its backward; and a call counter."""
+    calls = [0]
+
+    def loss():
+        calls[0] += 1
+        value = loss_fn(model, ids)
+        if calls[0] == call:
+            if where == "forward":
+                raise RuntimeError("injected failure in a forward")
+            value = FailingBackward.apply(value)
+        return value
+
+    return loss, calls
+
+
+def state_of(model, optimizer) -> list[torch.Tensor]:
+    """Everything a sample must leave bitwise: parameters (local parts), gradients, optimizer state, random stream."""
+    from connmon._shards import local
+
+    tensors = [local(p).detach().clone() for p in model.parameters()]
+    tensors += [local(p.grad).clone() for p in model.parameters() if p.grad is not None]
+    for state in optimizer.state.values():
+        tensors += [local(v).clone() for v in state.values() if isinstance(v, torch.Tensor)]
+    return [*tensors, torch.get_rng_state()]
+
+
+def check_every_failure(model, optimizer, ids) -> int:
+    """A sample that fails at each of its loss calls, forward or backward, leaves the state bitwise; the calls."""
+    from connmon.curvature import sharpness_ratio
+
+    counting, calls = failing_at(0, "forward", model, ids)
+    sharpness_ratio(counting, optimizer, steps=3, model=model, seed=1)  # a ratio >= 0.5: the noise check's solves too
+    total = calls[0]
+    before = state_of(model, optimizer)
+    for call in range(1, total + 1):
+        for where in ("forward", "backward"):
+            loss, _ = failing_at(call, where, model, ids)
+            with pytest.raises(RuntimeError, match="injected failure"):
+                sharpness_ratio(loss, optimizer, steps=3, model=model, seed=1)
+            after = state_of(model, optimizer)
+            assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True)), (call, where)
+    return total
+
+
+def prepared(model):
+    """AdamW after two steps at a rate past the edge (the noise check runs), ``.grad`` of a third batch in place."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
+    ids = torch.randint(0, 50, (4, 10), generator=torch.Generator().manual_seed(7))
+    for _ in range(3):
+        optimizer.zero_grad()
+        loss_fn(model, ids).backward()
+        if len(optimizer.state) == 0 or _ == 1:
+            optimizer.step()
+    return optimizer, ids
+
+
+def test_a_sample_that_fails_at_any_stage_leaves_parameters_gradients_optimizer_and_rng_bitwise():
+    torch.manual_seed(0)
+    model = TinyGPT().double()
+    optimizer, ids = prepared(model)
+    assert check_every_failure(model, optimizer, ids) > 4  # the base gradient, every product, the noise check's
+
+
+def failing_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = TinyGPT().double()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer, ids = prepared(model)
+        total = check_every_failure(model, optimizer, ids)  # both ranks fail at the same call (as FSDP2 needs)
+        with open(os.path.join(out, f"failures{rank}.json"), "w") as file:
+            json.dump(total, file)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave()
+
+
+def test_under_fsdp2_a_sample_that_fails_at_any_stage_leaves_every_shard_and_gradient_bitwise(tmp_path):
+    mp.spawn(failing_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    assert [json.loads((tmp_path / f"failures{r}.json").read_text()) > 4 for r in range(2)] == [True, True]
