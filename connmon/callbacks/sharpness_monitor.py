@@ -43,12 +43,14 @@ class SharpnessMonitor(Callback):
     Every sample logs the interval it chose (``connmon/curvature_interval``), what the samples cost in gradients of
     a step's batch per training step (``connmon/overhead/curvature_gradients``) and in time
     (``connmon/overhead/curvature``, synchronized on accelerators, and ``connmon/overhead`` for every connmon monitor
-    of the run); the end of the fit says it in one line. Under DDP each process reads its own batch and the mean is
-    logged.
+    of the run); the end of the fit says it in one line. Under DDP and FSDP2 the reading is of the global batch the
+    step trains on (the processes' gradients averaged in every product, as the strategy averages the training's),
+    the same on every process.
 
     Nothing of the training run changes: parameters, gradients, optimizer state, random streams and buffers are
-    bitwise as they were. The update estimators also run under FSDP2 (``ModelParallelStrategy``: the sums over
-    sharded parameters add every process's shard). An optimizer without a known edge of stability (see
+    bitwise as they were. Every estimator but the exact ``"lanczos"`` also runs under FSDP2
+    (``ModelParallelStrategy``): the Lanczos vectors are held as each process's shards, their inner products added
+    across processes. An optimizer without a known edge of stability (see
     :func:`connmon.curvature.step_geometry`), another sharding strategy (FSDP1, DeepSpeed), running out of memory or any
     other error turns the monitor off for the run with one warning that says why, on every process alike; the
     training run goes on.
@@ -141,9 +143,9 @@ class SharpnessMonitor(Callback):
         self._restored = False
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
-        fsdp2 = isinstance(strategy, ModelParallelStrategy)  # DTensor parameters: the update sums add their shards
-        if not plain and not (fsdp2 and not self.sampler.reads_lanczos):
-            supported = "single-device, DDP, and FSDP2 (ModelParallelStrategy) with the update estimators"
+        fsdp2 = isinstance(strategy, ModelParallelStrategy)  # DTensor parameters: every estimator reads their shards
+        if not plain and not (fsdp2 and self.sampler.estimator != "lanczos"):
+            supported = "single-device, DDP, and ModelParallelStrategy (FSDP2) with every estimator but 'lanczos'"
             self.sampler.turn_off(f"the {type(strategy).__name__} shards or wraps the parameters; {supported}")
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -22,8 +22,8 @@ ranks must turn the monitor off together and train on to step 6.
 With ``spawn ddp`` or ``spawn ddp_spawn``, ConnectionMonitor, SharpnessMonitor and DriftAlert log to
 OUT_DIR/<mode> through a CSVLogger (``ddp_spawn`` pickles the callbacks into its processes).
 
-With ``secant ddp`` or ``secant fsdp2``, a SharpnessMonitor(estimator="secant") samples at steps 2, 4 and 6; each
-rank writes the synced values to OUT_DIR/secant-<mode><r>.json.
+With ``secant ddp`` or ``secant fsdp2`` (and an estimator after it, default ``secant``), a SharpnessMonitor samples
+at steps 2, 4 and 6; each rank writes the synced values to OUT_DIR/<estimator>-<mode><r>.json.
 """
 
 import os
@@ -128,15 +128,17 @@ def sharpness_run(out: Path) -> None:
     (out / f"sharpness{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
-def secant_run(out: Path, mode: str) -> None:
-    """SharpnessMonitor's secant reading under DDP or FSDP2: the synced ratios of steps 2, 4, 6 per rank."""
+def secant_run(out: Path, mode: str, estimator: str = "secant") -> None:
+    """SharpnessMonitor's reading under DDP or FSDP2: the synced ratios of steps 2, 4, 6 per rank."""
     import json
 
     from connmon.callbacks import SharpnessMonitor
+    from connmon.integrations.sharpness import keys_of
 
     synced = {}
-    monitor = SharpnessMonitor(every_n_steps=2, estimator="secant", cadence="fixed")
-    key = "connmon/update_sharpness_ratio"
+    loss_fn = next_token_loss if estimator != "secant" else None
+    monitor = SharpnessMonitor(loss_fn, every_n_steps=2, estimator=estimator, cadence="fixed")
+    key = keys_of(estimator)[0]
     monitor.add_listener(lambda trainer, step, values: synced.update({step: values[key]}))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy(mode), max_steps=7, callbacks=[monitor], logger=False,
@@ -144,7 +146,7 @@ def secant_run(out: Path, mode: str) -> None:
     )  # fmt: skip
     trainer.fit(LitGPT(sharded=mode == "fsdp2"), loader(batch_size=4))
     result = {"synced": synced, "off": monitor.off}
-    (out / f"secant-{mode}{trainer.global_rank}.json").write_text(json.dumps(result))
+    (out / f"{estimator}-{mode}{trainer.global_rank}.json").write_text(json.dumps(result))
 
 
 def next_token_loss(module, batch):
@@ -201,7 +203,7 @@ if __name__ == "__main__":
         spawn_run(out, sys.argv[3])
         leave()
     if sys.argv[2:3] == ["secant"]:
-        secant_run(out, sys.argv[3])
+        secant_run(out, sys.argv[3], *sys.argv[4:5])
         leave()
     mode = sys.argv[2] if len(sys.argv) > 2 else "ddp"
     monitor = ConnectionMonitor(every_n_steps=2, edge_samples=None, edge_queries=None, figures_every_n_samples=None)

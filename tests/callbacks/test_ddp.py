@@ -97,13 +97,16 @@ def test_ddp_sharpness_reads_the_global_batch_and_a_failure_on_one_rank_turns_bo
     assert "out of luck on rank 1" in ranks[1]["off"] and "another process" in ranks[0]["off"]
 
 
-def test_the_secant_reading_is_the_same_under_ddp_and_fsdp2_sharded_parameters(tmp_path):
-    """The same data, the same global gradient: sharded parameters give the replicated run's ratios."""
+@pytest.mark.parametrize("estimator", ["secant", "gradient_difference"])
+def test_the_reading_is_the_same_under_ddp_and_fsdp2_sharded_parameters(tmp_path, estimator):
+    """The same data, the same global gradient: sharded parameters give the replicated run's ratios (the default
+    gradient-difference Lanczos of the global batch, and the secant along the update)."""
     env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
     runs = {}
     for mode in ("ddp", "fsdp2"):
-        subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "secant", mode], check=True, timeout=300, env=env)
-        runs[mode] = [json.loads((tmp_path / f"secant-{mode}{r}.json").read_text()) for r in range(2)]
+        command = [sys.executable, str(SCRIPT), str(tmp_path), "secant", mode, estimator]
+        subprocess.run(command, check=True, timeout=300, env=env)
+        runs[mode] = [json.loads((tmp_path / f"{estimator}-{mode}{r}.json").read_text()) for r in range(2)]
     for mode, ranks in runs.items():
         assert all(rank["off"] is None for rank in ranks), (mode, ranks)
         assert ranks[0]["synced"] == ranks[1]["synced"] and sorted(ranks[0]["synced"]) == ["2", "4", "6"]
