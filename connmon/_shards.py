@@ -2,12 +2,12 @@
 
 A solve holds parameter-sized vectors (the Lanczos vectors, the gradient at ``theta``, the step sizes) as the
 concatenation of each parameter's *local* part: a sharded parameter's shard (a ``DTensor``, as FSDP2's
-``fully_shard`` and tensor parallelism's ``parallelize_module`` make, on any device mesh that spans every process),
-a plain parameter whole. So a sample's extra memory per process is that of its shards, about ``1/N`` of the
-unsharded sample's. An element held by several processes (a plain parameter under DDP, a ``Replicate`` placement
-such as a norm's weight under tensor parallelism, HSDP's replicate dimension) is counted once in every inner product:
-each process weighs its part by ``1 / copies`` and the partial sums are added across processes (one all-reduce of a
-few numbers).
+``fully_shard`` and tensor parallelism's ``parallelize_module`` make, on a device mesh or a sub-mesh of one that
+spans every process, as FSDP2 + TP's 2-D layouts use), a plain parameter whole. So a sample's extra memory per
+process is that of its shards, about ``1/N`` of the unsharded sample's. An element held by several processes (a
+plain parameter under DDP, a ``Replicate`` placement such as a norm's weight under tensor parallelism, HSDP's
+replicate dimension) is counted once in every inner product: each process weighs its part by ``1 / copies`` and the
+partial sums are added across processes (one all-reduce of a few numbers).
 
 The gradient a product reads is of the global batch the step trains on: a sharded model's backward reduces its
 gradients itself (FSDP2 averages over its data-parallel processes); the plain parameters' parts are averaged across
@@ -35,8 +35,8 @@ class Shards:
         params: the parameters a solve reads, in a fixed order (the optimizer's), the same on every process.
 
     Raises:
-        ValueError: for a ``DTensor`` on a device mesh that does not span every process, or with a ``Partial``
-            placement (a parameter is never a pending sum).
+        ValueError: for a ``DTensor`` on a device mesh whose size does not divide the number of processes, or with a
+            ``Partial`` placement (a parameter is never a pending sum).
 
     Examples:
         >>> import torch
@@ -57,12 +57,12 @@ class Shards:
                 self.copies.append(self.world)
                 continue
             mesh = p.device_mesh
-            if mesh.size() != self.world:
+            if self.world % mesh.size():
                 raise ValueError(
                     f"a parameter is sharded over a device mesh of {mesh.size()} of the {self.world} processes; "
-                    "connmon reads meshes that span every process"
+                    "connmon reads meshes whose size divides the number of processes (sub-meshes of one mesh)"
                 )
-            copies = 1
+            copies = self.world // mesh.size()  # a sub-mesh's parameter is held alike along the other dimensions
             for dim, placement in enumerate(p.placements):
                 if placement.is_partial():
                     raise ValueError(f"a parameter has a Partial placement ({p.placements}): not a parameter's layout")

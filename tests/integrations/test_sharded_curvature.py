@@ -1,5 +1,5 @@
-"""The curvature of the global batch under data parallelism: DDP and FSDP2 (2 CPU processes, gloo) read what one
-process reads on the whole batch, and training with the sampler is bitwise the same sharded run without it."""
+"""The curvature of the global batch on sharded models: DDP, FSDP2 and tensor parallelism (2 CPU processes, gloo)
+read what one process reads on the whole batch, and training with the sampler is bitwise the same run without it."""
 
 from __future__ import annotations
 
@@ -58,21 +58,39 @@ def train(model, data: list[list[torch.Tensor]], watched: bool) -> tuple[list[fl
 
 def worker(rank: int, port: int, out: str, layout: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD[layout])
     try:
         runs = {}
         for watched in (False, True):
             torch.manual_seed(0)
             model = TinyGPT().double()
-            if layout == "fsdp2":
+            if layout in ("fsdp2", "hsdp"):  # hsdp: shards over 2 processes, replicated over the other 2
+                from torch.distributed.device_mesh import init_device_mesh
                 from torch.distributed.fsdp import fully_shard
 
+                mesh = (
+                    init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if layout == "hsdp" else None
+                )
                 for block in model.blocks:
-                    fully_shard(block)
-                fully_shard(model)
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            elif layout in ("tp", "2d"):  # each block's MLP column- then row-sharded over "tp"; 2d: FSDP2 over "dp"
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.fsdp import fully_shard
+                from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+                mesh = init_device_mesh("cpu", (WORLD[layout] // 2, 2), mesh_dim_names=("dp", "tp"))
+                for block in model.blocks:
+                    parallelize_module(block.mlp, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+                if layout == "2d":
+                    for block in model.blocks:
+                        fully_shard(block, mesh=mesh["dp"])
+                    fully_shard(model, mesh=mesh["dp"])
             else:
                 model = torch.nn.parallel.DistributedDataParallel(model)
-            runs[watched] = train(model, [[ids] for ids in batches(rank)], watched)
+            # tensor parallel: the ranks of one "tp" group read the same batch (rank // 2: its "dp" index)
+            data = batches(rank // 2 if layout in ("tp", "2d") else rank)
+            runs[watched] = train(model, [[ids] for ids in data], watched)
         with open(os.path.join(out, f"{layout}{rank}.json"), "w") as file:
             json.dump({"plain": runs[False][0], "watched": runs[True][0], "ratios": runs[True][1]}, file)
     except BaseException:
@@ -81,15 +99,22 @@ def worker(rank: int, port: int, out: str, layout: str) -> None:
     leave()
 
 
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
-def test_data_parallel_reads_the_global_batch_and_leaves_training_bitwise_unchanged(tmp_path, layout):
-    mp.spawn(worker, args=(free_port(), str(tmp_path), layout), nprocs=2)
-    ranks = [json.loads((tmp_path / f"{layout}{r}.json").read_text()) for r in range(2)]
+# 2d: FSDP2 over 2 "dp" processes, each MLP over 2 "tp" ones; hsdp: FSDP2 sharding over 2, replicating over 2
+WORLD = {"ddp": 2, "fsdp2": 2, "tp": 2, "2d": 4, "hsdp": 4}
+
+
+@pytest.mark.parametrize("layout", list(WORLD))
+def test_sharded_runs_read_the_global_batch_and_train_bitwise_unchanged(tmp_path, layout):
+    mp.spawn(worker, args=(free_port(), str(tmp_path), layout), nprocs=WORLD[layout])
+    ranks = [json.loads((tmp_path / f"{layout}{r}.json").read_text()) for r in range(WORLD[layout])]
     for rank in ranks:
         assert rank["watched"] == rank["plain"]  # bitwise, on every rank
-    assert ranks[1]["ratios"] == {} and sorted(ranks[0]["ratios"]) == ["2", "4"]  # logged once, by rank zero
+    assert all(rank["ratios"] == {} for rank in ranks[1:]) and sorted(ranks[0]["ratios"]) == ["2", "4"]  # rank 0
     torch.manual_seed(0)
-    whole = [[a, b] for a, b in zip(batches(0), batches(1), strict=True)]  # one process, the global batch
+    data_parallel = 4 if layout == "hsdp" else 2
+    whole = [list(step) for step in zip(*map(batches, range(data_parallel)), strict=True)]  # the global batch
+    if layout == "tp":  # one "dp" group: the global batch is its one batch
+        whole = [[ids] for ids in batches(0)]
     _, expected = train(TinyGPT().double(), whole, watched=True)
     for step, ratio in ranks[0]["ratios"].items():
         assert ratio == pytest.approx(expected[int(step)], rel=1e-4), step
