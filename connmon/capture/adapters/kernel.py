@@ -254,6 +254,19 @@ def _readers() -> Iterator[tuple[nn.Module, CaptureSession]]:
             yield module, session
 
 
+_TENSOR_PARALLEL = (
+    "its projections are sharded across processes (tensor parallelism: each process computes some of its heads and "
+    "the output projection adds their parts), which connmon does not read yet; it runs unchanged"
+)
+
+
+def _tensor_parallel(projection: nn.Module) -> bool:
+    """Whether a projection's weight is split across processes while the forward runs (a ``DTensor`` with a shard)."""
+    weight = getattr(projection, "weight", None)
+    placements = getattr(weight, "placements", ())
+    return any(placement.is_shard() for placement in placements)
+
+
 def projections(module: nn.Module) -> list[nn.Module]:
     """The Linear and ``Conv1D`` layers inside ``module``: the candidates for its value and output projections."""
     return [m for m in module.modules() if m is not module and linear_weight(m) is not None]
@@ -331,6 +344,8 @@ class KernelAttention(CopiesDetached, Adapter):
                 pending.adapter_state.setdefault("calls", [])
                 if any(kwargs.get(key) is not None for key in _CROSS_KWARGS):
                     session.skip(mod, "it is called as cross-attention (queries and keys from different sequences)")
+                elif any(_tensor_parallel(proj) for proj in candidates):  # FSDP2's weights are whole in a forward
+                    session.skip(mod, _TENSOR_PARALLEL)
 
         def projected(proj: nn.Module, args: tuple, output: Tensor) -> None:
             if session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
