@@ -31,6 +31,9 @@ status=0
   echo "## Lightning FSDPStrategy (FSDP1 needs CUDA): logged values equal one process's (tests/callbacks/test_ddp.py)"
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/callbacks/test_ddp.py -k "fsdp and not fsdp2" || status=1
   echo
+  echo "## The sharded curvature on a one-rank FSDP2 mesh with NCCL (tests/integrations/test_sharded_curvature.py)"
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/integrations/test_sharded_curvature.py -k "one_rank" || status=1
+  echo
   echo "## bench_capture.py --device cuda --no-memory (memory tables are CPU resident memory: not run here)"
   timeout 120 python3 benchmarks/bench_capture.py --device cuda --no-memory || status=1
 } 2>&1 | tee "$out"

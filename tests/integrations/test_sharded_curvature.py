@@ -220,3 +220,44 @@ def failing_worker(rank: int, port: int, out: str) -> None:
 def test_under_fsdp2_a_sample_that_fails_at_any_stage_leaves_every_shard_and_gradient_bitwise(tmp_path):
     mp.spawn(failing_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     assert [json.loads((tmp_path / f"failures{r}.json").read_text()) > 4 for r in range(2)] == [True, True]
+
+
+def one_rank_worker(rank: int, port: int, out: str, device: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        from connmon.curvature import sharpness_ratio
+
+        readings = []
+        for sharded in (False, True):
+            torch.manual_seed(0)
+            model = TinyGPT().double().to(device)
+            if sharded:
+                mesh = init_device_mesh(device, (1,))
+                for block in model.blocks:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
+            optimizer, ids = prepared(model)
+            ids = ids.to(device)
+            readings.append(sharpness_ratio(lambda m=model, i=ids: loss_fn(m, i), optimizer, model=model, seed=3).ratio)
+        with open(os.path.join(out, "one_rank.json"), "w") as file:
+            json.dump(readings, file)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave()
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_a_one_rank_mesh_reads_what_the_unsharded_model_reads(tmp_path, device):
+    """FSDP2 on a one-rank device mesh: the sharded path (DTensor shards, the model's own backward) in one process;
+    benchmarks/gpu.sh runs it on CUDA, where the collectives are NCCL's."""
+    mp.spawn(one_rank_worker, args=(free_port(), str(tmp_path), device), nprocs=1)
+    unsharded, sharded = json.loads((tmp_path / "one_rank.json").read_text())
+    assert sharded == pytest.approx(unsharded, rel=1e-9)
