@@ -182,11 +182,21 @@ class CaptureSession:
         x: Tensor | None = None,
         output: Tensor | None = None,
         weights: tuple[Tensor, Tensor, Tensor] | None = None,
+        heads_over: object = None,
     ) -> None:
-        """Hand over a piece: ``x`` or ``output`` as ``(B, n, d)`` (windowed here), or ``(w_v, w_o, bias)``."""
+        """Hand over a piece: ``x`` or ``output`` as ``(B, n, d)`` (windowed here), or ``(w_v, w_o, bias)``.
+
+        ``heads_over``: the process group the module's heads are split over (tensor parallelism): the weights are
+        every head's already, and the attention read on this process (its heads) is assembled over the group.
+        """
         if not self.wants(module):
             return
         pending = self.pending(module)
+        if heads_over is not None and pending.probs is not None:
+            pending.probs = torch.cat(_gathered(heads_over, pending.probs), dim=1)  # (B_s, H, m, m), head order
+            maxima = _gathered(heads_over, pending.max_logit)
+            pending.max_logit = torch.stack(maxima).amax(dim=0)
+            pending.key_mask = torch.stack(_gathered(heads_over, pending.key_mask.to(torch.uint8))).any(dim=0)
         with self.guarded(module):
             if x is not None:
                 pending.x = self.take(x)
@@ -385,6 +395,23 @@ class CaptureSession:
             key_mask=None if bool(key_mask.all()) else key_mask,
             reconstruction_error=error,
         )
+
+
+def _gathered(group: object, tensor: Tensor) -> list[Tensor]:
+    """``tensor`` of every process of ``group``, in rank order (each process's the same shape)."""
+    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def assembled(group: object, weights: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Every head's ``(w_v, w_o, c)`` under tensor parallelism, from each process's heads (in rank order).
+
+    The processes' parts of the bias constant are added; the output projection's own bias is not among them.
+    """
+    w_v, w_o, bias = weights
+    w_vs, w_os, biases = (_gathered(group, t.detach()) for t in (w_v, w_o, bias))
+    return torch.cat(w_vs), torch.cat(w_os), torch.stack(biases).sum(dim=0)
 
 
 def _first(mask: Tensor, n: int) -> Tensor:

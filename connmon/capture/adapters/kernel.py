@@ -38,9 +38,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from connmon._copying import CopiesDetached
+from connmon._shards import local
 from connmon.capture.adapters import flex, handwritten
 from connmon.capture.adapters.base import Adapter, transport_maps
-from connmon.capture.session import CaptureSession, busy, warn_once
+from connmon.capture.session import CaptureSession, assembled, busy, warn_once
 
 _KERNEL_NAMES = frozenset(
     {"scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "flex_attention"}
@@ -255,16 +256,22 @@ def _readers() -> Iterator[tuple[nn.Module, CaptureSession]]:
 
 
 _TENSOR_PARALLEL = (
-    "its projections are sharded across processes (tensor parallelism: each process computes some of its heads and "
-    "the output projection adds their parts), which connmon does not read yet; it runs unchanged"
+    "its projections are sharded over more than one device mesh dimension while it runs (tensor parallelism on a "
+    "2-D mesh), which connmon does not read yet; it runs unchanged"
 )
 
 
-def _tensor_parallel(projection: nn.Module) -> bool:
-    """Whether a projection's weight is split across processes while the forward runs (a ``DTensor`` with a shard)."""
+def _tensor_parallel_group(projection: nn.Module) -> object:
+    """The process group a projection's weight is split over while the forward runs (tensor parallelism), or None.
+
+    ``"2-D"`` for a weight sharded over a mesh of several dimensions.
+    """
     weight = getattr(projection, "weight", None)
     placements = getattr(weight, "placements", ())
-    return any(placement.is_shard() for placement in placements)
+    if not any(placement.is_shard() for placement in placements):
+        return None
+    mesh = weight.device_mesh
+    return mesh.get_group() if mesh.ndim == 1 else "2-D"
 
 
 def projections(module: nn.Module) -> list[nn.Module]:
@@ -344,8 +351,12 @@ class KernelAttention(CopiesDetached, Adapter):
                 pending.adapter_state.setdefault("calls", [])
                 if any(kwargs.get(key) is not None for key in _CROSS_KWARGS):
                     session.skip(mod, "it is called as cross-attention (queries and keys from different sequences)")
-                elif any(_tensor_parallel(proj) for proj in candidates):  # FSDP2's weights are whole in a forward
-                    session.skip(mod, _TENSOR_PARALLEL)
+                else:  # FSDP2's weights are whole in a forward: a shard then is tensor parallelism's
+                    groups = {group for group in map(_tensor_parallel_group, candidates) if group is not None}
+                    if len(groups) > 1 or "2-D" in groups:
+                        session.skip(mod, _TENSOR_PARALLEL)
+                    elif groups:
+                        pending.adapter_state["tensor_parallel"] = groups.pop()
 
         def projected(proj: nn.Module, args: tuple, output: Tensor) -> None:
             if session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
@@ -378,6 +389,11 @@ class KernelAttention(CopiesDetached, Adapter):
         Called by the hooks on its Linear layers and for ``F.linear`` calls on its parameters (the same call seen
         both ways is read once).
         """
+        # under tensor parallelism each process reads its own part: its shard of the weight, its heads' features;
+        # an output that is still a sum of the processes' parts (a row-sharded projection, before its all-reduce) whole
+        if getattr(out, "placements", None) and any(placement.is_partial() for placement in out.placements):
+            out = out.full_tensor()
+        weight, bias, inp, out = (None if t is None else local(t) for t in (weight, bias, inp, out))
         state = session.pending(module).adapter_state
         if "consumes" in state:  # after the kernel call: is this the output projection?
             self._output(session, module, (weight, bias), inp, out)
@@ -399,9 +415,15 @@ class KernelAttention(CopiesDetached, Adapter):
             session.put(module, x=x)
         out_weight, out_bias = projection
         value_bias, out_bias = (None if b is None else b.detach() for b in (value_bias, out_bias))
-        weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), out_bias)
+        group = state.get("tensor_parallel")
+        if group is not None:  # this process's heads; the output projection's bias is added once, after the sum
+            weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), None)
+            w_v, w_o, bias = assembled(group, weights)
+            weights = (w_v, w_o, bias + out_bias if out_bias is not None else bias)
+        else:
+            weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), out_bias)
         self._resolved[module] = weights
-        session.put(module, output=out, weights=weights)
+        session.put(module, output=out, weights=weights, heads_over=group)
 
     def read_kernel_call(
         self,
