@@ -19,6 +19,10 @@ step 2 (computed directly from both ranks' batches) and the synced values to OUT
 function raises on rank 1 at step 4: both
 ranks must turn the monitor off together and train on to step 6.
 
+With ``parallel tp`` or ``parallel single``, ConnectionMonitor and SharpnessMonitor on a GPT with separate q, k, v
+projections log to OUT_DIR/<mode>: under ModelParallelStrategy with its heads and MLPs sharded over 2 processes, or
+on one device.
+
 With ``spawn ddp`` or ``spawn ddp_spawn``, ConnectionMonitor, SharpnessMonitor and DriftAlert log to
 OUT_DIR/<mode> through a CSVLogger (``ddp_spawn`` pickles the callbacks into its processes).
 
@@ -173,6 +177,33 @@ def spawn_run(out: Path, mode: str) -> None:
     trainer.fit(LitGPT(), loader(batch_size=4))
 
 
+def tensor_parallel_run(out: Path, mode: str) -> None:
+    """ConnectionMonitor and SharpnessMonitor on LitSplitGPT, logged to CSV: ``tp`` under ModelParallelStrategy with
+    its heads and MLPs sharded over 2 processes (both read the same batches), ``single`` on one device."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from connmon.callbacks import SharpnessMonitor
+    from tests.callbacks.lightning_models import LitSplitGPT
+
+    callbacks = [
+        ConnectionMonitor(every_n_steps=2, edge_samples=None, edge_queries=None, figures_every_n_samples=None),
+        SharpnessMonitor(next_token_loss, every_n_steps=2, cadence="fixed"),
+    ]
+    sharded = mode == "tp"
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2 if sharded else 1, max_steps=3, callbacks=callbacks, log_every_n_steps=1,
+        strategy=ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2) if sharded else "auto",
+        logger=CSVLogger(out, name=mode), enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False,
+    )  # fmt: skip
+    data = loader(batch_size=4)
+    if not sharded:  # the order the strategy's sampler gives a data-parallel size of 1 (a training loader: shuffled)
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        data = DataLoader(data.dataset, batch_size=4, sampler=DistributedSampler(data.dataset, num_replicas=1, rank=0))
+    trainer.fit(LitSplitGPT(tensor_parallel=sharded), data)
+
+
 def strategy(name: str):
     """The strategy of a mode: DDP, FSDP (FSDPStrategy) or FSDP2 (ModelParallelStrategy, fully_shard per Block)."""
     from tests.capture.models import Block
@@ -198,6 +229,9 @@ if __name__ == "__main__":
         leave()
     if sys.argv[2:] == ["sharpness"]:
         sharpness_run(out)
+        leave()
+    if sys.argv[2:3] == ["parallel"]:
+        tensor_parallel_run(out, sys.argv[3])
         leave()
     if sys.argv[2:3] == ["spawn"]:
         spawn_run(out, sys.argv[3])

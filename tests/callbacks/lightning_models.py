@@ -6,7 +6,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tests.capture.models import TinyGPT
+from tests.capture.models import SplitGPT, TinyGPT, tensor_parallel
 
 VOCAB, TOKENS = 50, 12
 
@@ -47,6 +47,21 @@ class LitGPT(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class LitSplitGPT(LitGPT):
+    """LitGPT with separate q, k, v projections; ``tensor_parallel``: ModelParallelStrategy's ``configure_model``
+    shards every block's attention heads and MLP over the "tensor_parallel" mesh dimension."""
+
+    def __init__(self, lr: float = 1e-2, tensor_parallel: bool = False) -> None:
+        super().__init__(lr=lr)
+        torch.manual_seed(0)
+        self.model = SplitGPT(vocab=VOCAB)
+        self.tensor_parallel = tensor_parallel
+
+    def configure_model(self) -> None:
+        if self.tensor_parallel:
+            tensor_parallel(self.model, self.device_mesh["tensor_parallel"])
 
 
 def loader(batch_size: int = 4, seed: int = 0) -> DataLoader:

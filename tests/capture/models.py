@@ -62,6 +62,62 @@ class TinyGPT(nn.Module):
         return self.head(x)
 
 
+class SplitAttention(nn.Module):
+    """torchtitan's layout: separate q, k, v and output projections, heads inferred from the (local) width."""
+
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.head_dim = d // heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (w(x).view(b, n, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H / tp, n, head_dim)
+        return self.wo(y.transpose(1, 2).reshape(b, n, -1))
+
+
+class SplitBlock(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(d), SplitAttention(d, heads), nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class SplitGPT(nn.Module):
+    """A GPT whose attention and MLPs tensor parallelism can shard (:func:`tensor_parallel`)."""
+
+    def __init__(self, vocab: int = 50, d: int = 32, heads: int = 4, n_layer: int = 2) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(SplitBlock(d, heads) for _ in range(n_layer))
+        self.head = nn.Linear(d, vocab)
+        for block in self.blocks:  # sharper attention than the default init
+            block.attn.wq.weight.data *= 4
+            block.attn.wk.weight.data *= 4
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def tensor_parallel(model: SplitGPT, mesh: object) -> SplitGPT:
+    """Shard every block's attention heads and MLP over ``mesh`` (ColwiseParallel in, RowwiseParallel out)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.blocks:
+        plan = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(), "wo": RowwiseParallel()}
+        parallelize_module(block.attn, mesh, plan)
+        parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
 def sharpen(model: nn.Module, names: tuple[str, ...], factor: float = 4.0) -> nn.Module:
     """Scale query/key projection weights so attention is far from uniform."""
     with torch.no_grad():

@@ -15,22 +15,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import connmon
+from tests.capture.models import SplitAttention
 from tests.gloo import free_port, leave
-
-
-class SplitAttention(nn.Module):
-    """torchtitan's layout: separate q, k, v and output projections, heads inferred from the (local) width."""
-
-    def __init__(self, d: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d, bias=False) for _ in range(4))
-        self.head_dim = d // heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        q, k, v = (w(x).view(b, n, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H / tp, n, head_dim)
-        return self.wo(y.transpose(1, 2).reshape(b, n, -1))
 
 
 class Net(nn.Module):
