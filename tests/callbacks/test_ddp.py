@@ -124,19 +124,22 @@ def test_ddp_ranks_back_off_and_save_restore_points_at_the_same_step_and_keep_eq
     assert points == ["step=5.ckpt"] and ranks[0]["restore_points"] == [str(tmp_path / "points" / "step=5.ckpt")]
 
 
+def logged_by(tmp_path, run: str, mode: str) -> dict[tuple[str, str], float]:
+    """Run ``ddp_run.py OUT run mode`` and read its CSV: ``(step, key) -> value``, the timed cost keys left out."""
+    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
+    subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), run, mode], check=True, timeout=300, env=env)
+    rows = list(csv.DictReader(next((tmp_path / mode).rglob("metrics.csv")).open()))
+    return {
+        (row["step"], key): float(value)
+        for row in rows
+        for key, value in row.items()
+        if value and key != "step" and "overhead" not in key  # the cost is timed: it differs run to run
+    }
+
+
 def test_ddp_spawn_fits_with_every_callback_and_logs_what_ddp_logs(tmp_path):
     """``strategy="ddp_spawn"`` pickles the callbacks into its processes: the same fit logs the same values as ddp."""
-    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
-    logged = {}
-    for mode in ("ddp", "ddp_spawn"):
-        subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "spawn", mode], check=True, timeout=300, env=env)
-        rows = list(csv.DictReader(next((tmp_path / mode).rglob("metrics.csv")).open()))
-        logged[mode] = {
-            (row["step"], key): float(value)
-            for row in rows
-            for key, value in row.items()
-            if value and key != "step" and "overhead" not in key  # the cost is timed: it differs run to run
-        }
+    logged = {mode: logged_by(tmp_path, "spawn", mode) for mode in ("ddp", "ddp_spawn")}
     assert {key for _, key in logged["ddp"]} >= {"connmon/attention_entropy/L00", "connmon/sharpness_ratio"}
     assert logged["ddp_spawn"].keys() == logged["ddp"].keys()
     assert logged["ddp_spawn"] == pytest.approx(logged["ddp"], rel=1e-6)
@@ -145,17 +148,7 @@ def test_ddp_spawn_fits_with_every_callback_and_logs_what_ddp_logs(tmp_path):
 def test_model_parallel_strategy_with_tensor_parallel_logs_what_one_device_logs(tmp_path):
     """ModelParallelStrategy(tensor_parallel_size=2): heads and MLPs sharded over 2 processes that read the same
     batches. Every attention diagnostic and the curvature equal the unsharded model's on one device."""
-    env = {**os.environ, "PYTHONPATH": str(SCRIPT.parents[2])}
-    logged = {}
-    for mode in ("single", "tp"):
-        subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), "parallel", mode], check=True, timeout=300, env=env)
-        rows = list(csv.DictReader(next((tmp_path / mode).rglob("metrics.csv")).open()))
-        logged[mode] = {
-            (row["step"], key): float(value)
-            for row in rows
-            for key, value in row.items()
-            if value and key != "step" and "overhead" not in key  # the cost is timed
-        }
+    logged = {mode: logged_by(tmp_path, "parallel", mode) for mode in ("single", "tp")}
     keys = {key for _, key in logged["single"]}
     assert {
         "connmon/reconstruction_error/L01",
