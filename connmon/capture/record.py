@@ -1,4 +1,4 @@
-"""AttentionRecord: one self-attention layer's forward pass, as the connection walk reads it (DESIGN section 3)."""
+"""AttentionRecord: one self-attention layer's forward pass, as the connection walk reads it (docs/architecture.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure tensor math of the connection walk (DESIGN section 1): no state, no hooks, no Lightning.
+"""Pure tensor math of the connection walk (docs/diagnostics.md): no state, no hooks, no Lightning.
 
 Every function runs on its inputs' device, is batched over leading dims, keeps float32/float64 inputs in their
 dtype and upcasts float16/bfloat16 to float32. Non-finite input gives NaN results and never raises or hangs.

@@ -1,4 +1,4 @@
-"""Input checks and the dtype rule shared by the functional code (DESIGN section 1, "Numerics").
+"""Input checks and the dtype rule shared by the functional code (docs/numerics.md).
 
 Every check here reads shapes and dtypes only: nothing inspects tensor values, so nothing synchronizes the GPU.
 """

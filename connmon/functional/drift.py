@@ -1,4 +1,4 @@
-"""How the walk and the transport move across depth and across training time (DESIGN section 1, "Drift").
+"""How the walk and the transport move across depth and across training time (docs/diagnostics.md, "Drift").
 
 All three drifts are the relative Frobenius change ``||X - X_prev||_F / ||X||_F`` over the last two dims;
 they differ in what is compared. A change between two zero matrices is 0; NaN propagates.

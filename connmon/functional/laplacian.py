@@ -1,4 +1,4 @@
-"""How close one layer is to a random-walk connection Laplacian (DESIGN section 1; docs/diagnostics.md).
+"""How close one layer is to a random-walk connection Laplacian (docs/diagnostics.md).
 
 The paper's second claim: under stochasticity, reversibility and metric-compatible transports, the generator
 ``L = I - M / s`` is a random-walk connection Laplacian, ``M / s = P ⊗ R`` blockwise with ``R_ij`` orthogonal and

@@ -1,4 +1,4 @@
-"""The connection walk operator ``M = sum_h kron(A^h, T_h)`` and its spectrum (DESIGN section 1).
+"""The connection walk operator ``M = sum_h kron(A^h, T_h)`` and its spectrum (docs/diagnostics.md).
 
 ``M`` acts on token-major vector fields ``X`` (``n x d``, flat index ``i * d + a``) as
 ``M(X) = sum_h A^h X T_h^T``. Spectral quantities are of ``M / s``, ``s`` the transport scale
@@ -180,7 +180,7 @@ def connection_matvec(attn: Tensor, w_v: Tensor, w_o: Tensor, x: Tensor) -> Tens
     """Apply the connection walk to a vector field: ``M(X)_i = sum_h sum_j A^h_ij T_h x_j``.
 
     Two GEMMs of the stacked heads and one batched attention GEMM, ``O(n d H d_h + H n^2 d_h)``: the cost of an
-    attention forward. ``module_output = M(X) + c`` for the layer's input ``X`` (DESIGN: reconstruction).
+    attention forward. ``module_output = M(X) + c`` for the layer's input ``X`` (docs/diagnostics.md: reconstruction).
 
     Args:
         attn: ``(*, H, n, n)``.

@@ -1,4 +1,4 @@
-"""Head transports ``T_h = O_h V_h`` and how far they are from scaled isometries (DESIGN section 1, "Transport").
+"""Head transports ``T_h = O_h V_h`` and how far they are from scaled isometries (docs/diagnostics.md, "Transport").
 
 Shapes: ``w_v`` is ``(*, H, d_h, d)`` (the value-projection rows of each query head's kv head, GQA expanded) and
 ``w_o`` is ``(*, H, d, d_h)`` (the output-projection columns of each head), so ``T_h = w_o[h] @ w_v[h]`` is

@@ -1,4 +1,4 @@
-"""The attention walk: heads averaged into one random walk on tokens (DESIGN section 1, "Walk").
+"""The attention walk: heads averaged into one random walk on tokens (docs/diagnostics.md, "Walk").
 
 Shapes: ``attn`` is ``(*, H, n, n)`` (H heads, n query rows, n keys; each row sums to 1 over its allowed keys and
 is 0 elsewhere); ``P`` is ``(*, n, n)``. Masks are boolean with True = allowed key, as in

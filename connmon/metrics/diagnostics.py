@@ -1,4 +1,4 @@
-"""The diagnostic groups of DESIGN section 1 as torchmetrics accumulators, updated from AttentionRecords.
+"""The diagnostic groups of docs/diagnostics.md as torchmetrics accumulators, updated from AttentionRecords.
 
 Each group delegates to :mod:`connmon.functional`; values are per sequence (a transport diagnostic, which depends
 on the weights only, counts once per sequence so that every group averages over the same sequences). In a padded

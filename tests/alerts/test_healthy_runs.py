@@ -10,6 +10,8 @@ import torch
 
 from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
 
+pytestmark = pytest.mark.slow
+
 WORDS = (
     "the a river city music night old new small bright cold warm quiet loud market garden train window book letter "
     "walks sings opens falls waits runs reads writes near under over behind today slowly again never"

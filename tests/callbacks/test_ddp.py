@@ -15,6 +15,8 @@ import connmon
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 from tests.callbacks.lightning_models import LitGPT, corpus
 
+pytestmark = pytest.mark.distributed
+
 SCRIPT = Path(__file__).with_name("ddp_run.py")
 
 

@@ -18,6 +18,8 @@ import connmon
 from tests.capture.models import SplitAttention
 from tests.gloo import free_port, leave
 
+pytestmark = pytest.mark.distributed
+
 
 class Net(nn.Module):
     def __init__(self) -> None:

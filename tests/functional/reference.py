@@ -1,4 +1,4 @@
-"""Dense float64 references written straight from DESIGN section 1, one loop per definition.
+"""Dense float64 references written straight from docs/diagnostics.md, one loop per definition.
 
 Nothing here shares code with connmon.functional: numpy and scipy do the linear algebra, and every quantity is
 built the slow, obvious way (explicit T_h, T_ij and kron operators, vector iteration for pi).
@@ -182,7 +182,7 @@ def quotient_basis(attn: np.ndarray, d: int) -> np.ndarray:
 
 
 def walk_operator(attn: np.ndarray, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
-    """Q M Q on range(Q), in an orthonormal basis of range(Q) (DESIGN: the walk part)."""
+    """Q M Q on range(Q), in an orthonormal basis of range(Q) (docs/diagnostics.md: the walk part)."""
     basis = quotient_basis(attn, w_v.shape[-1])
     return basis.T @ connection_operator(attn, w_v, w_o) @ basis
 

@@ -16,6 +16,8 @@ from connmon.metrics import DriftMetrics, TransportMetrics, WalkMetrics
 from tests.capture.models import TinyGPT
 from tests.gloo import free_port, leave
 
+pytestmark = pytest.mark.distributed
+
 
 def inputs(rank: int) -> torch.Tensor:
     return torch.randint(0, 50, (4, 10), generator=torch.Generator().manual_seed(100 + rank))

@@ -103,6 +103,7 @@ def worker(rank: int, port: int, out: str, layout: str) -> None:
 WORLD = {"ddp": 2, "fsdp2": 2, "tp": 2, "2d": 4, "hsdp": 4}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("layout", list(WORLD))
 def test_sharded_runs_read_the_global_batch_and_train_bitwise_unchanged(tmp_path, layout):
     mp.spawn(worker, args=(free_port(), str(tmp_path), layout), nprocs=WORLD[layout])
@@ -217,6 +218,7 @@ def failing_worker(rank: int, port: int, out: str) -> None:
     leave()
 
 
+@pytest.mark.distributed
 def test_under_fsdp2_a_sample_that_fails_at_any_stage_leaves_every_shard_and_gradient_bitwise(tmp_path):
     mp.spawn(failing_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     assert [json.loads((tmp_path / f"failures{r}.json").read_text()) > 4 for r in range(2)] == [True, True]
@@ -251,6 +253,7 @@ def one_rank_worker(rank: int, port: int, out: str, device: str) -> None:
     leave()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "device",
     ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
