@@ -32,7 +32,7 @@ _LAZY = {
     "curvature": ("connmon.curvature", None),
     "functional": ("connmon.functional", None),
     "analyze": ("connmon.analysis", "analyze"),
-    "Monitor": ("connmon.integrations.monitor", "Monitor"),
+    "Monitor": ("connmon.monitor", "Monitor"),
     "Report": ("connmon.analysis", "Report"),
     "AttentionRecord": ("connmon.capture", "AttentionRecord"),
 }

@@ -1,7 +1,10 @@
 """`import connmon` and `connmon --help` pay only for what they use: no torch, torchmetrics or Lightning up front."""
 
+import importlib
 import subprocess
 import sys
+
+import pytest
 
 
 def loaded_after(code: str) -> set[str]:
@@ -23,3 +26,15 @@ def test_attributes_still_resolve_on_first_use():
     code = "import connmon\nconnmon.functional.walk_matrix\nconnmon.capture.armed\nconnmon.analyze\nconnmon.curvature"
     loaded = loaded_after(code)
     assert {"torch", "torchmetrics"} <= loaded and "lightning" not in loaded
+
+
+def test_the_engine_moved_to_connmon_monitor_and_its_old_paths_warn_with_the_new_one():
+    import connmon
+    import connmon.monitor
+
+    assert connmon.Monitor is connmon.monitor.Monitor
+    for old in ("connmon.integrations.monitor", "connmon.integrations"):
+        module = importlib.import_module(old)
+        for name in ("Monitor", "DIAGNOSTICS"):
+            with pytest.warns(DeprecationWarning, match=rf"moved to connmon\.monitor\.{name}"):
+                assert getattr(module, name) is getattr(connmon.monitor, name)

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from connmon._copying import CopiesDetached
 from connmon.callbacks._cost import say_cost
-from connmon.integrations.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
+from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
 
 
 class ConnectionMonitor(CopiesDetached, Callback):

@@ -18,8 +18,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from connmon._cost import overhead_values, summary
 from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
-from connmon.integrations.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
 from connmon.integrations.sharpness import SharpnessSampler
+from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
 
 _LOG = logging.getLogger(__name__)
 

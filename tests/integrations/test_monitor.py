@@ -301,8 +301,8 @@ def test_every_entry_point_takes_the_sampling_options_with_the_same_defaults():
     import inspect
 
     from connmon.callbacks import ConnectionMonitor
-    from connmon.integrations.monitor import SAMPLING_OPTIONS
     from connmon.integrations.transformers import ConnectionMonitorCallback
+    from connmon.monitor import SAMPLING_OPTIONS
 
     def defaults(cls):
         return {name: p.default for name, p in inspect.signature(cls).parameters.items() if name in SAMPLING_OPTIONS}

@@ -1,0 +1,879 @@
+"""Monitor: the engine, trainer-agnostic, behind every entry point; and the plain-PyTorch-loop API.
+
+Lightning's :class:`connmon.callbacks.ConnectionMonitor`, the Hugging Face
+:class:`connmon.integrations.transformers.ConnectionMonitorCallback` and plain loops all sample through one
+:class:`Monitor`: it finds the attention layers, arms the capture on a sampled step, streams the records into the
+torchmetrics accumulators, syncs them across processes, logs ``connmon/<metric>/L<ll>`` and ``/all``, writes the
+W&B histograms and figures, and runs the alert rules. No diagnostic is defined anywhere else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from connmon._copying import CopiesDetached
+from connmon._cost import CostClock, agreed, check_budget, overhead_values, summary
+from connmon._optimizer import unwrap_optimizer
+from connmon._options import check_int
+from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
+from connmon.alerts.runner import AlertRunner
+from connmon.capture import AttentionRecord, armed, attention_layers, python_attention_path
+from connmon.capture.session import CaptureSession, Layer
+from connmon.integrations.sharpness import SharpnessSampler
+from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
+
+Diagnostic = Literal["walk", "transport", "spectrum", "drift"]
+DIAGNOSTICS: tuple[Diagnostic, ...] = ("walk", "transport", "spectrum", "drift")
+LogFn = Callable[..., Any]  # called as log(values, step=step)
+# the sampling options every entry point takes with the same names and defaults (the adapters forward them)
+SAMPLING_OPTIONS = (
+    "every_n_steps",
+    "num_sequences",
+    "max_tokens",
+    "layers",
+    "diagnostics",
+    "spectrum_k",
+    "probe",
+    "probe_fn",
+    "log_histograms",
+    "figures_every_n_samples",
+    "edge_samples",
+    "edge_queries",
+    "full_every_n_samples",
+    "edge_lanczos_steps",
+    "budget",
+)
+
+
+class Monitor(CopiesDetached):
+    """Reads every self-attention layer of ``model`` as a connection walk on every ``every_n_steps``-th step.
+
+    In a plain PyTorch (or Accelerate) loop, wrap the forward of each step in :meth:`step`; on a sampled step the
+    capture is armed for that forward only (no hook exists on other steps), the first ``num_sequences`` sequences of
+    each layer are measured, and when the block ends the values are synced across processes (``torch.distributed``,
+    if initialized; every process must call :meth:`step` with the same steps) and logged as
+    ``connmon/<metric>/L<ll>`` and ``connmon/<metric>/all`` through ``log(values, step=step)`` on rank zero. The
+    eigen- and SVD-bound diagnostics (the spectrum group and the edge isometry gap) run on every
+    ``full_every_n_samples``-th sample, the first included. Pass the same ``step`` for every micro-batch of a
+    gradient-accumulation step: only its first forward is sampled. With ``alerts`` whose rules watch only the first
+    steps (the default ``attention logits growing early``, until step 50), a sparse cadence also samples the steps
+    those rules need (25 and 50: :meth:`connmon.alerts.RuleSet.regime_steps`, in :attr:`extra_steps`). A
+    ``torch.compile``'d model keeps its graph as compiled: its sampled batch is read beside it by one more forward of
+    the original module (eval mode, ``no_grad``), so training stays bitwise unchanged.
+
+    Nothing the monitor does can end the run: a model without readable attention turns it off with one warning,
+    a layer it cannot record exactly is skipped with one warning, W&B errors are reported once.
+
+    Args:
+        model: the model whose attention is read (None: call :meth:`attach` later).
+        every_n_steps: sample every this many steps.
+        num_sequences: sequences recorded per sampled step (per process).
+        max_tokens: tokens recorded per sequence (see :func:`connmon.capture`); None for all.
+        layers: which attention layers: None for all, a regex on module names, or a list of names or indices.
+        diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
+        spectrum_k: eigenvalues of ``M / s`` per layer (histograms, figures, spectral radius).
+        probe: None to record the training forward of sampled steps; or a fixed batch, recorded instead on sampled
+            steps (at the start of :meth:`step`, so on the model after ``step`` optimizer steps) under ``no_grad`` in
+            eval mode, every module's own mode restored afterwards, so that time drift compares like with like and
+            dropout does not make the records inexact.
+        probe_fn: how to run the probe, ``probe_fn(model, probe)``; default ``model(probe)`` (``model(*probe)`` for
+            a tuple, ``model(**probe)`` for a dict).
+        log_histograms: write W&B histograms (with ``wandb``).
+        figures_every_n_samples: write W&B figures every this many samples (with ``wandb``); None for never.
+        edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
+        edge_queries: query rows for ``edge_isometry_gap`` (None: every row).
+        full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample.
+        edge_lanczos_steps: Lanczos steps per sampled edge (None: one ``d x d`` decomposition per edge).
+        budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample the
+            monitor sets ``full_every_n_samples`` from the measured costs of its light and full samples and the
+            training step's time (the largest figures across processes, so the same everywhere; saved in
+            :meth:`state_dict`; said once per change).
+        log: called as ``log(values, step=step)`` with a dict of floats on rank zero after each sample, e.g.
+            ``wandb.log`` or ``accelerator.log``; None to log the scalars to ``wandb`` (or nowhere).
+        wandb: a W&B run (``wandb.init(...)``) for histograms, figures and alerts, logged with ``step=step``.
+        alerts: an :class:`connmon.alerts.AlertRunner` run on every sample; its stop requests set
+            :attr:`should_stop`; with its ``"checkpoint"`` action, the restore point an alert asks for is saved at the
+            start of the next :meth:`step` (:meth:`save_restore_point`).
+        optimizer: the training's optimizer, for ``sharpness`` and for ``alerts`` with the ``"backoff"`` action.
+        sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
+            optimizer's edge of stability on its own cadence, logged and shown to ``alerts`` like the attention
+            values (``connmon/sharpness_ratio`` with the Lanczos estimators, ``connmon/update_sharpness_ratio`` with
+            an update estimator). It watches ``optimizer.step()`` through the optimizer's hooks: the Lanczos
+            estimators read every batch the step's ``monitor.step(step, batch=...)`` blocks were given (its
+            micro-batches) in the optimizer's step pre-hook, before the parameters move.
+        loss_fn: ``loss_fn(model, batch)``, the batch's scalar loss, for a ``sharpness`` estimator that reads one
+            (all but ``"secant"``); pass the batch as ``monitor.step(step, batch=batch)``. It runs inside
+            ``optimizer.step()``, outside the training's autocast: wrap it in the same autocast to read in bf16.
+
+    Every sample's values include what the monitor costs, ``connmon/overhead/attention`` (its time over the
+    training time since :meth:`attach`) and ``connmon/overhead`` (all connmon monitors running);
+    :meth:`cost_summary` says it in one line.
+
+    Raises:
+        ValueError: for an invalid option (the message names the valid ones).
+
+    Examples:
+        >>> import torch
+        >>> import connmon
+        >>> layer = torch.nn.TransformerEncoderLayer(16, 2, dropout=0.0, batch_first=True)
+        >>> model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        >>> logged = {}
+        >>> log = lambda values, step: logged.update(values)
+        >>> monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=log)
+        >>> for step in range(3):
+        ...     with monitor.step(step):
+        ...         loss = model(torch.randn(4, 6, 16)).pow(2).mean()
+        ...     loss.backward()
+        >>> monitor.samples, round(logged["connmon/stochasticity_gap/L00"], 6)
+        (2, 0.0)
+    """
+
+    _not_copied = (("_pre_hook", lambda: None), ("_armed", lambda: None), ("_session", lambda: None))  # hooks stay
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        *,
+        every_n_steps: int = 100,
+        num_sequences: int = 2,
+        max_tokens: int | None = 256,
+        layers: str | Sequence[str | int] | None = None,
+        diagnostics: Sequence[Diagnostic] = DIAGNOSTICS,
+        spectrum_k: int = 8,
+        probe: Any = None,
+        probe_fn: Callable[[nn.Module, Any], Any] | None = None,
+        log_histograms: bool = True,
+        figures_every_n_samples: int | None = 10,
+        edge_samples: int | None = 1,
+        edge_queries: int | None = 16,
+        full_every_n_samples: int = 25,
+        edge_lanczos_steps: int | None = 32,
+        budget: float | None = None,
+        log: LogFn | None = None,
+        wandb: Any = None,
+        alerts: AlertRunner | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        sharpness: SharpnessSampler | None = None,
+        loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+    ) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}: {model!r:.60}")
+        check_int("every_n_steps", every_n_steps)
+        check_int("num_sequences", num_sequences)
+        check_int("max_tokens", max_tokens, optional=True)
+        check_int("spectrum_k", spectrum_k)
+        check_int("figures_every_n_samples", figures_every_n_samples, optional=True)
+        check_int("edge_samples", edge_samples, optional=True)
+        check_int("edge_queries", edge_queries, optional=True)
+        check_int("edge_lanczos_steps", edge_lanczos_steps, optional=True)
+        check_int("full_every_n_samples", full_every_n_samples)
+        check_budget(budget)
+        if probe_fn is not None and not callable(probe_fn):
+            raise ValueError(f"probe_fn must be callable as probe_fn(model, probe), got probe_fn={probe_fn!r}")
+        if probe_fn is not None and probe is None:
+            raise ValueError("probe_fn needs a probe batch: pass probe=... too")
+        if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
+            raise ValueError(
+                "sharpness must be a connmon.integrations.sharpness.SharpnessSampler or None, got "
+                f"{type(sharpness).__name__}"
+            )
+        if sharpness is not None and optimizer is None:
+            raise ValueError("sharpness needs the optimizer it watches: pass optimizer=...")
+        if sharpness is not None and sharpness.estimator != "secant" and loss_fn is None:
+            raise ValueError(
+                f"sharpness estimator={sharpness.estimator!r} reads a loss: pass loss_fn=... (and "
+                "monitor.step(step, batch=batch)), or use estimator='secant'"
+            )
+        if loss_fn is not None and not callable(loss_fn):
+            raise ValueError(f"loss_fn must be callable as loss_fn(model, batch), got loss_fn={loss_fn!r}")
+        diagnostics = (diagnostics,) if isinstance(diagnostics, str) else diagnostics
+        if not isinstance(diagnostics, Sequence) or not diagnostics or any(d not in DIAGNOSTICS for d in diagnostics):
+            raise ValueError(
+                f"diagnostics must be a non-empty subset of {DIAGNOSTICS}, got diagnostics={diagnostics!r}"
+            )
+        if isinstance(layers, str):
+            try:
+                re.compile(layers)
+            except re.error as error:
+                raise ValueError(f"layers={layers!r} is not a valid regular expression: {error}") from None
+        elif layers is not None and (
+            not isinstance(layers, Sequence)
+            or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in layers)
+        ):
+            raise ValueError(
+                "layers must be None (all), a regular expression on module names, or a list of names and indices, "
+                f"got layers={layers!r}"
+            )
+        if not isinstance(log_histograms, bool):
+            raise ValueError(f"log_histograms must be True or False, got log_histograms={log_histograms!r}")
+        if log is not None and not callable(log):
+            raise ValueError(f"log must be callable as log(values, step=step), got log={log!r}")
+        if alerts is not None and not isinstance(alerts, AlertRunner):
+            raise ValueError(f"alerts must be a connmon.alerts.AlertRunner or None, got {type(alerts).__name__}")
+        self.every_n_steps = every_n_steps
+        self.num_sequences = num_sequences
+        self.max_tokens = max_tokens
+        self.layers = layers if layers is None or isinstance(layers, str) else list(layers)
+        self.diagnostics = tuple(diagnostics)
+        self.spectrum_k = spectrum_k
+        self.probe = probe
+        self.probe_fn = probe_fn
+        self.log_histograms = log_histograms
+        self.figures_every_n_samples = figures_every_n_samples
+        self.edge_samples = edge_samples
+        self.edge_queries = edge_queries
+        self.edge_lanczos_steps = edge_lanczos_steps
+        self.full_every_n_samples = full_every_n_samples
+        self.budget = budget
+        self.clock = CostClock("attention")
+        self.log = log
+        self.alerts = alerts
+        # sampled besides the cadence: what the alert rules that watch only a run's first steps need to compare
+        self.extra_steps = alerts.rules.regime_steps(every_n_steps) if alerts is not None else frozenset()
+        self.log_on_every_rank = False  # an integration whose logger filters ranks itself sets this
+        self.owner = "connmon.Monitor"  # the entry point named in warnings
+        self.sink: Any = None  # connmon.loggers.wandb.WandbSink for histograms, figures and W&B alerts
+        if wandb is not None:
+            from connmon.loggers.wandb import WandbSink
+
+            self.sink = WandbSink(wandb, step_key=None)
+        self.samples = 0
+        self.last_sampled_step = -1
+        self.last_values: dict[str, float] = {}
+        self.should_stop = False
+        self.selected: list[Layer] = []
+        self._unarmed: list[Layer] = []
+        self.metrics: dict[str, LayerwiseMean] = {}
+        self._model: nn.Module | None = None
+        self._armed: contextlib.ExitStack | None = None
+        self._session: CaptureSession | None = None  # the armed capture's session
+        self._pending_drift_state: dict | None = None
+        self._drift_before: dict | None = None  # the time-drift references before the armed sample
+        self._listeners: list[Callable[[int, dict[str, float]], None]] = []
+        self._costs = {True: [0.0, 0], False: [0.0, 0]}  # full?: [seconds, samples] this run
+        self._sample_began = 0.0  # the clock's spent seconds when the current sample was armed
+        self._first_step: int | None = None
+        self._start_step: int | None = None  # the first step asked about since attach: where training time starts
+        self.sharpness = sharpness
+        self.loss_fn = loss_fn
+        self._optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
+        self._step_now = 0  # the step of the latest monitor.step(): the one optimizer.step() completes
+        self._pre_hook: Any = None
+        if model is not None:
+            self.attach(model)
+
+    # --- the plain-loop API ---------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(
+        self,
+        step: int,
+        rule_values: Mapping[str, float] | None = None,
+        batch: Any = None,
+        loss_weight: float | None = None,
+    ) -> Iterator[bool]:
+        """Wrap the forward of optimizer step ``step`` (the steps taken so far); yields whether it is sampled.
+
+        On a sampled step the capture is armed for the block and the sample is measured and logged when it ends.
+        If the block raises, every hook is removed and the partial sample is discarded (:meth:`discard`).
+        ``rule_values`` (say, the previous step's ``{"loss": ..., "grad_norm": ...}``) are shown to the alert
+        rules beside the sample's keys. ``batch`` is what ``loss_fn(model, batch)`` reads for a ``sharpness``
+        estimator that needs a loss. ``loss_weight`` is the factor the loop puts on this micro-batch's loss before
+        its backward: None when each micro-batch's loss is its own mean and the loop divides it by the number of
+        micro-batches (the step's loss is their mean), ``1.0`` when ``loss_fn`` already normalises it over the whole
+        step (a token count of every micro-batch, as Hugging Face's ``num_items_in_batch``) and the loop sums them.
+        """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be the optimizer steps taken so far, an integer >= 0, got step={step!r}")
+        model = self._model
+        self._step_now = step
+        if (
+            self.alerts is not None
+            and self.alerts.restore_points is not None
+            and self.alerts.restore_points.due is not None
+        ):
+            self.save_restore_point(step)
+        if self.sharpness is not None and model is not None:
+            loss = None if self.loss_fn is None or batch is None else lambda: self.loss_fn(model, batch)
+            self.publish_curvature(step, self.sharpness.before_forward(step, loss, model, loss_weight))
+        sampled = model is not None and self.due(step)
+        if sampled and self.probe is not None:
+            self.run_probe(model, step, rule_values)
+            sampled = False
+        if not sampled:
+            yield False
+            return
+        if hasattr(model, "_orig_mod"):  # torch.compile'd: its graph stays as compiled, the batch is read beside it
+            with self._read_beside(model, step, rule_values):
+                yield True
+            return
+        self.arm(model)
+        try:
+            yield True
+        except BaseException:
+            self.discard()
+            raise
+        self.disarm()
+        self.finish(step, rule_values)
+
+    def save_restore_point(self, step: int) -> str | None:
+        """Save the restore point an alert asked for (the ``"checkpoint"`` action), as the state after ``step`` steps.
+
+        :meth:`step` calls it at its start when one is due. With ``restore_points.save`` the path and step are handed
+        to it on every process (save there whatever resumes your run: scheduler, data position, ...); without one,
+        rank zero writes ``{"step", "model", "optimizer", "connmon"}`` (the ``state_dict`` of each) with
+        ``torch.save``. Older restore points beyond ``keep`` are removed (rank zero). A save that fails is reported
+        and the run goes on. Returns the path, or None.
+
+        Examples:
+            >>> import warnings
+            >>> import connmon
+            >>> from connmon.alerts import AlertRunner, RestorePoints
+            >>> saved = []
+            >>> points = RestorePoints(save=lambda path, step: saved.append((path, step)))
+            >>> monitor = connmon.Monitor(alerts=AlertRunner([], actions=("checkpoint",), restore_points=points))
+            >>> points.due = 7  # what an alert at step 7 asks for
+            >>> with warnings.catch_warnings(record=True):  # it says where, in one line
+            ...     monitor.save_restore_point(8)
+            'connmon_restore_points/step=8.ckpt'
+            >>> saved, points.due
+            ([('connmon_restore_points/step=8.ckpt', 8)], None)
+        """
+        points = self.alerts.restore_points if self.alerts is not None else None
+        if points is None or points.due is None:
+            return None
+        due, path = points.due, rank_zeros(points.path(step))
+        try:
+            if points.save is not None:
+                points.save(path, step)
+            elif is_rank_zero():
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                model = getattr(self._model, "_orig_mod", self._model)
+                torch.save({
+                    "step": step,
+                    "model": model.state_dict() if model is not None else None,
+                    "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+                    "connmon": self.state_dict(),
+                }, path)  # fmt: skip
+        except Exception as error:  # a full disk or a failing hook must not end the training run
+            points.due = None
+            warn_rank_zero(f"{self.owner} could not save the restore point {path}: {type(error).__name__}: {error}")
+            return None
+        for old in points.saved(path):
+            if is_rank_zero() and os.path.isdir(old):
+                shutil.rmtree(old, ignore_errors=True)
+            elif is_rank_zero():
+                _remove(old)
+        warn_rank_zero(f"{self.owner} saved a restore point after step {step} (alert at step {due}): {path}")
+        return path
+
+    def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
+        """Find ``model``'s attention layers and build the accumulators on its device; False (and one warning) if none.
+
+        Called by the constructor with a model. Calling it again builds fresh accumulators (the cadence is kept; the
+        time-drift references restart unless :meth:`load_state_dict` gave some). ``optimizer``, if given, replaces
+        the constructor's (a trainer that builds its optimizer later).
+        """
+        if optimizer is not None:
+            self._optimizer = unwrap_optimizer(optimizer)
+        self.disarm()
+        self._model = None
+        try:
+            found = attention_layers(getattr(model, "_orig_mod", model))  # torch.compile: the layers of the original
+        except ValueError as error:
+            warn_rank_zero(f"{self.owner} is off for this run: {error}")
+            self.selected, self.metrics = [], {}
+            return False
+        self._model = model
+        self.selected = self._select(found)
+        self._unarmed = [layer for layer in found if layer not in self.selected]  # their kernel calls stay theirs
+        num_layers = len(found)
+        groups = {
+            "walk": lambda: WalkMetrics(num_layers),
+            "transport": lambda: TransportMetrics(
+                num_layers,
+                edge_samples=self.edge_samples,
+                edge_queries=self.edge_queries,
+                edge_lanczos_steps=self.edge_lanczos_steps,
+            ),
+            "spectrum": lambda: SpectrumMetrics(num_layers, k=self.spectrum_k),
+            "drift": lambda: DriftMetrics(num_layers),
+        }
+        self.metrics = {name: groups[name]() for name in self.diagnostics}
+        self.to(_device_of(model))
+        self.clock.start()
+        self._costs, self._first_step, self._start_step = {True: [0.0, 0], False: [0.0, 0]}, None, None
+        if self.sharpness is not None and self._optimizer is not None:
+            self.sharpness.attach(self._optimizer, _device_of(model))
+            if self._pre_hook is not None:
+                self._pre_hook.remove()
+            self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if self.alerts is not None and self.alerts.backoff is not None:
+            if self._optimizer is None:
+                warn_rank_zero(f"{self.owner}: the 'backoff' action scales the optimizer's learning rate, and no "
+                               "optimizer was given (optimizer=...): no back-off in this run")  # fmt: skip
+            else:
+                self.alerts.backoff.attach([self._optimizer])
+        if self._pending_drift_state is not None and "drift" in self.metrics:
+            self.metrics["drift"].set_extra_state(self._pending_drift_state)
+            self._pending_drift_state = None
+        return True
+
+    def to(self, device: torch.device | str) -> Monitor:
+        """Move the accumulators to ``device`` (where the model lives)."""
+        for metric in self.metrics.values():
+            metric.to(device)
+        self.clock.to(device)
+        return self
+
+    def close(self) -> None:
+        """Remove every hook (the capture's, the optimizer's) and stop the cost clocks (the run is over)."""
+        self.disarm()
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        if self.sharpness is not None:
+            self.sharpness.detach()
+        if self.alerts is not None and self.alerts.backoff is not None:
+            self.alerts.backoff.detach()
+        self.clock.stop()
+
+    def cost_summary(self) -> str:
+        """What the monitor (and its ``sharpness``) cost so far, in one line.
+
+        Examples:
+            >>> import connmon
+            >>> connmon.Monitor(every_n_steps=10).cost_summary()
+            'connmon.Monitor cost nothing measurable (no sample was taken)'
+        """
+        line = summary(self.clock, self.owner)
+        if self.sharpness is not None:
+            line += "; " + summary(self.sharpness.clock, "its curvature samples")
+        return line
+
+    def state_dict(self) -> dict[str, Any]:
+        """Sampling cadence, each layer's previous sample (time drift) and the alert rules' state."""
+        drift = self.metrics.get("drift")
+        return {
+            "config": self._config(),
+            "samples": self.samples,
+            "last_sampled_step": self.last_sampled_step,
+            "drift": drift.get_extra_state() if drift is not None else self._pending_drift_state,
+            "alerts": self.alerts.state_dict() if self.alerts is not None else None,
+            "full_every_n_samples": self.full_every_n_samples,
+            "sharpness": self.sharpness.state_dict() if self.sharpness is not None else None,
+        }
+
+    def _config(self) -> dict[str, Any]:
+        """What the time-drift references depend on: a checkpoint from another configuration cannot continue them."""
+        return {"num_sequences": self.num_sequences, "max_tokens": self.max_tokens}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (before or after :meth:`attach`).
+
+        Each part is checked: one that is malformed, or time-drift references saved under another configuration
+        (``num_sequences``, ``max_tokens``: walks of another shape), is not restored, and one warning says which and
+        why.
+        """
+        if not isinstance(state_dict, Mapping):
+            warn_rank_zero(f"{self.owner}: the saved state is a {type(state_dict).__name__}, not a dict: not restored")
+            return
+        state_dict, dropped = dict(state_dict), []
+        for key, default in (("samples", 0), ("last_sampled_step", -1), ("full_every_n_samples", None)):
+            value = state_dict.get(key, default)
+            if (value is not None or default is not None) and (isinstance(value, bool) or not isinstance(value, int)):
+                dropped.append(f"{key}={value!r} (not an integer)")
+                state_dict[key] = default
+        drift_state = state_dict.get("drift")
+        if drift_state is not None and not _is_drift_state(drift_state):
+            dropped.append("the time-drift references (malformed)")
+            state_dict["drift"] = None
+        saved = state_dict.get("config")
+        if state_dict.get("drift") is not None and saved is not None and saved != self._config():
+            changed = ", ".join(
+                f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self._config().items() if saved.get(k) != v
+            )
+            dropped.append(f"the time-drift references (saved with another configuration: {changed})")
+            state_dict["drift"] = None
+        if dropped:
+            warn_rank_zero(f"{self.owner}: not restored from the checkpoint: {'; '.join(dropped)}; they start afresh")
+        self.samples = state_dict.get("samples", 0)
+        self.last_sampled_step = state_dict.get("last_sampled_step", -1)
+        if self.budget is not None and state_dict.get("full_every_n_samples") is not None:  # the budget's choice
+            self.full_every_n_samples = state_dict["full_every_n_samples"]
+        if self.sharpness is not None and state_dict.get("sharpness") is not None:
+            self.sharpness.load_state_dict(state_dict["sharpness"])
+        drift_state = state_dict.get("drift")
+        if drift_state is not None:
+            if "drift" in self.metrics:
+                self.metrics["drift"].set_extra_state(drift_state)
+            else:
+                self._pending_drift_state = drift_state
+        if self.alerts is not None and state_dict.get("alerts") is not None:
+            self.alerts.load_state_dict(state_dict["alerts"])
+
+    def reset(self) -> None:
+        """Start the cadence and the time-drift references afresh (a new run)."""
+        self.samples, self.last_sampled_step, self._pending_drift_state = 0, -1, None
+        self.should_stop = False
+        if self.sharpness is not None:
+            self.sharpness.reset()
+        if self._model is not None:
+            self.attach(self._model)  # fresh accumulators: no drift reference
+
+    def add_listener(self, listener: Callable[[int, dict[str, float]], None]) -> None:
+        """Call ``listener(step, values)`` on every process after each sample is logged (values as logged)."""
+        self._listeners.append(listener)
+
+    # --- the pieces the integrations drive ------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is sampled (a step is sampled once, however many micro-batches it has)."""
+        if self._start_step is None:
+            self._start_step = step
+        cadence = step % self.every_n_steps == 0 or step in self.extra_steps
+        return bool(self.selected) and cadence and step != self.last_sampled_step
+
+    @property
+    def is_armed(self) -> bool:
+        """Whether a capture is armed now."""
+        return self._armed is not None
+
+    def arm(self, model: nn.Module) -> None:
+        """Arm the capture on ``model`` until :meth:`disarm` (each layer is recorded once per arming)."""
+        self.disarm()
+        self._sample_began = self.clock.spent
+        drift = self.metrics.get("drift")
+        self._drift_before = drift.get_extra_state() if drift is not None else None  # for discard()
+        with self.clock.measuring():
+            stack = contextlib.ExitStack()
+            self._session = stack.enter_context(
+                armed(
+                    model,
+                    num_sequences=self.num_sequences,
+                    max_tokens=self.max_tokens,
+                    layers=self.selected,
+                    unarmed=self._unarmed,
+                    on_record=self._consume,
+                    cost_clock=self.clock,
+                )
+            )
+        self._armed = stack
+
+    def run_probe(
+        self,
+        model: nn.Module,
+        step: int,
+        rule_values: Mapping[str, float] | None = None,
+        forward: Callable[[nn.Module], Any] | None = None,
+    ) -> dict[str, float]:
+        """Record the ``probe`` batch on ``model`` now and finish the sample as step ``step``; returns what was logged.
+
+        The probe runs under ``no_grad`` in eval mode, on ``nn.MultiheadAttention``'s Python path (its output is
+        connmon's own), and every module's mode is put back as it was. A probe forward that raises is reported once
+        and the sample is discarded: the training run goes on. ``forward``, if given, runs the model instead of the
+        probe (``forward(model)``): how :meth:`step` reads a compiled model's batch beside its graph.
+        """
+        with self.clock.measuring():  # the probe's forward is connmon's cost too
+            modes = [(module, module.training) for module in model.modules()]
+            model.eval()
+            try:
+                self.arm(model)
+                with torch.no_grad(), python_attention_path():
+                    probe = _to_device(self.probe, _device_of(model))
+                    if forward is not None:
+                        forward(model)
+                    elif self.probe_fn is not None:
+                        self.probe_fn(model, probe)
+                    elif isinstance(probe, Mapping):
+                        model(**probe)
+                    elif isinstance(probe, tuple):
+                        model(*probe)
+                    else:
+                        model(probe)
+            except Exception as error:  # the user's training goes on whatever the probe hits
+                self.discard()
+                warn_rank_zero(f"{self.owner}: the probe forward raised {type(error).__name__}: {error}; no sample")
+                return {}
+            finally:
+                self.disarm()
+                for module, training in modes:
+                    module.training = training
+        return self.finish(step, rule_values)
+
+    @contextlib.contextmanager
+    def _read_beside(self, model: nn.Module, step: int, rule_values: Mapping[str, float] | None) -> Iterator[None]:
+        """For a compiled model: its first call in the block is first read by an eager forward of its original module.
+
+        No hook ever sits inside the compiled graph (a hook there splits it, and the training forward and backward
+        then differ in the last bits): a pre-hook on the compiled wrapper, which runs outside the graph, hands the
+        call's inputs to :meth:`run_probe` on the original module, so the reading is of the same batch and weights
+        the training forward sees, in eval mode and under ``no_grad``, at the cost of one more forward.
+        """
+        read = []
+
+        def before(wrapper: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not read:
+                read.append(True)
+                self.run_probe(model._orig_mod, step, rule_values, lambda original: original(*args, **kwargs))
+
+        handle = model.register_forward_pre_hook(before, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def discard(self) -> None:
+        """Disarm and forget the sample being recorded (a forward that raised): nothing of it is logged or kept.
+
+        The accumulators are reset and the time-drift references are those from before the sample was armed.
+        """
+        if self._armed is not None:
+            self._session.abandon()  # a layer the raise cut short is not reported as unreadable
+        self.disarm()
+        with torch.inference_mode(False):
+            for metric in self.metrics.values():
+                metric.reset()
+        drift = self.metrics.get("drift")
+        if drift is not None and self._drift_before is not None:
+            drift.set_extra_state(self._drift_before)
+        self._drift_before = None
+
+    def disarm(self) -> None:
+        """Remove the capture's hooks (a no-op when not armed)."""
+        if self._armed is not None:
+            stack, self._armed = self._armed, None
+            with self.clock.measuring():
+                stack.close()
+
+    def finish(self, step: int, rule_values: Mapping[str, float] | None = None) -> dict[str, float]:
+        """Sync, log and reset the sample just recorded, run the alert rules; returns the values logged.
+
+        Every process must call it on the same steps (the accumulators sync across processes). ``rule_values``
+        (the trainer's own loss, gradient norm, ...) are shown to the alert rules beside the sample's keys; they are
+        not logged here.
+        """
+        with self.clock.measuring(), torch.inference_mode(False):  # a sample under inference mode keeps normal states
+            scalars = self._finish(step, rule_values)
+        if self.budget is not None:
+            self._rebudget(step, self._is_full(self.samples - 1))
+        return scalars
+
+    def _finish(self, step: int, rule_values: Mapping[str, float] | None) -> dict[str, float]:
+        full = self._is_full()
+        values: dict[str, Tensor] = {}
+        broken: set[int] = set()
+        for metric in self._active():
+            values.update(metric.compute())  # syncs across processes
+            counts = values.pop("nonfinite_layers").reshape(-1).tolist()  # torchmetrics squeezes a (1,) state
+            broken |= {index for index, count in enumerate(counts) if count > 0}
+        broken_layers = {layer.index for layer in self.selected if layer.index in broken}
+        scalars = self._scalars(values, broken_layers)
+        if self._first_step is None:
+            self._first_step = step
+        scalars.update(overhead_values(self.clock, step - (self._start_step if self._start_step is not None else step)))
+        if self.alerts is not None:
+            alerts, stop = self.alerts.run({**(rule_values or {}), **scalars}, step, wandb=self.sink)
+            self.should_stop = self.should_stop or stop
+            scalars.update(self.alerts.counts(alerts))
+        self._emit(step, scalars, values, full, broken_layers)
+        for metric in self.metrics.values():
+            metric.reset()
+        self.last_sampled_step = step
+        self.samples += 1
+        self.last_values = scalars
+        for listener in self._listeners:
+            listener(step, scalars)
+        return scalars
+
+    # --- workers --------------------------------------------------------------------------------------------------
+
+    def _select(self, found: list[Layer]) -> list[Layer]:
+        if self.layers is None:
+            return found
+        if isinstance(self.layers, str):
+            chosen = [layer for layer in found if re.search(self.layers, layer.name)]
+        else:
+            wanted = set(self.layers)
+            chosen = [layer for layer in found if layer.name in wanted or layer.index in wanted]
+        if not chosen:
+            warn_rank_zero(
+                f"{self.owner}: layers={self.layers!r} matches none of {[layer.name for layer in found]}; "
+                "the monitor records nothing"
+            )
+        return chosen
+
+    def _is_full(self, sample: int | None = None) -> bool:
+        """Whether sample number ``sample`` (from 0; default the current one) computes the costly diagnostics too."""
+        return (self.samples if sample is None else sample) % self.full_every_n_samples == 0
+
+    def _rebudget(self, step: int, full: bool) -> None:
+        """Set ``full_every_n_samples`` from the measured costs so that the samples fit the budget (all ranks alike)."""
+        spent = self.clock.spent - self._sample_began
+        self._costs[full][0] += spent
+        self._costs[full][1] += 1
+        (full_s, full_n), (light_s, light_n) = self._costs[True], self._costs[False]
+        if not full_n or (not light_n and self.full_every_n_samples > 1):
+            return  # a full sample measured, and a light one unless every sample is full (then light counts as 0)
+        steps = max(step - (self._first_step or 0), 1)
+        full_cost, light_cost, step_time = agreed(
+            full_s / full_n,
+            light_s / light_n if light_n else 0.0,
+            self.clock.training / steps,
+            device=self.clock.device,
+        )
+        allowed = self.budget * self.every_n_steps * step_time  # seconds a sample may cost on average
+        if light_cost >= allowed:
+            stride = 10**6  # not even the light samples fit: no more full ones (warned below)
+        else:
+            stride = max(1, math.ceil((full_cost - light_cost) / (allowed - light_cost) - 1e-9))
+        if stride != self.full_every_n_samples:
+            self.full_every_n_samples = stride
+            fits = (
+                f"a full sample every {stride} samples"
+                if stride < 10**6
+                else f"no full samples (light ones alone cost {100 * light_cost / allowed * self.budget:.2g}%: raise "
+                "every_n_steps)"
+            )
+            warn_rank_zero(
+                f"{self.owner}: budget {100 * self.budget:g}%: a full sample costs {full_cost:.3g} s, a light one "
+                f"{light_cost:.3g} s and a training step {step_time:.3g} s, so {fits}"
+            )
+
+    def _active(self) -> list[LayerwiseMean]:
+        full = self._is_full()
+        if "transport" in self.metrics:
+            self.metrics["transport"].measure_edges = full
+        return [metric for name, metric in self.metrics.items() if full or name != "spectrum"]
+
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.publish_curvature(self._step_now, self.sharpness.before_step(self._step_now))
+
+    def publish_curvature(self, step: int, values: dict[str, float] | None) -> None:
+        """Log a curvature sample and show it to the alert rules (every process; logged on rank zero).
+
+        An entry point that drives a :class:`~connmon.integrations.sharpness.SharpnessSampler` itself (the Hugging
+        Face callback) hands its values here; a stop request sets :attr:`should_stop`.
+        """
+        if values is None:
+            return
+        values = dict(values)
+        if self.alerts is not None:
+            alerts, stop = self.alerts.run(values, step, wandb=self.sink)
+            self.should_stop = self.should_stop or stop
+            values.update(self.alerts.counts(alerts))
+            if self.sharpness is not None:
+                self.sharpness.hold_for(self.alerts.rules)
+        if is_rank_zero() or self.log_on_every_rank:
+            try:
+                if self.log is not None:
+                    self.log(dict(values), step=step)
+                elif self.sink is not None:
+                    self.sink.scalars(step, values)
+            except Exception as error:  # a logger must not end the training run
+                warn_rank_zero(f"connmon: log(values, step={step}) raised {type(error).__name__}: {error}")
+
+    def _consume(self, record: AttentionRecord) -> None:
+        with torch.inference_mode(False):  # states stay normal tensors under a caller's inference mode
+            for metric in self._active():
+                metric.update(record)
+
+    def _scalars(self, values: dict[str, Tensor], broken_layers: set[int]) -> dict[str, float]:
+        """The values to log: finite ones, and NaN where a layer's forward went non-finite (never a missing value)."""
+        scalars = {}
+        for name, value in values.items():
+            if name.endswith("/all"):
+                scalars[f"connmon/{name}"] = value.item()
+                continue
+            per_layer = value.reshape(-1).tolist()  # one host copy per metric; a one-layer model's value is 0-dim
+            for layer in self.selected:
+                if math.isfinite(per_layer[layer.index]) or layer.index in broken_layers:
+                    scalars[f"connmon/{name}/L{layer.index:02d}"] = per_layer[layer.index]
+        return {k: v for k, v in scalars.items() if math.isfinite(v) or broken_layers}
+
+    def _emit(
+        self, step: int, scalars: dict[str, float], values: dict[str, Tensor], full: bool, broken_layers: set[int]
+    ) -> None:
+        rank_zero = is_rank_zero()
+        if broken_layers and rank_zero:
+            names = sorted(layer.name for layer in self.selected if layer.index in broken_layers)
+            warn_rank_zero(
+                f"{self.owner}: step {step}: non-finite attention, input or output in {', '.join(names)}; their "
+                "values and every connmon/<metric>/all are logged as NaN (W&B, CSV and TensorBoard keep NaN; a logger "
+                "that rejects NaN drops them)"
+            )
+        if self.log is not None and (rank_zero or self.log_on_every_rank):
+            try:
+                self.log(dict(scalars), step=step)
+            except Exception as error:  # a logger must not end the training run
+                warn_rank_zero(f"connmon: log(values, step={step}) raised {type(error).__name__}: {error}")
+        if self.sink is not None and rank_zero:
+            if self.log is None:
+                self.sink.scalars(step, scalars)
+            self._write_wandb(step, values, full)
+
+    def _write_wandb(self, step: int, values: dict[str, Tensor], full: bool) -> None:
+        from connmon.loggers.figures import depth_figure, spectra_figure
+
+        transport = self.metrics.get("transport")
+        spectrum = self.metrics.get("spectrum") if full else None  # its spectra are from an earlier sample
+        if self.log_histograms:
+            histograms = {}
+            for index, gaps in getattr(transport, "last_head_gaps", {}).items():
+                histograms[f"connmon/head_isometry_gap_hist/L{index:02d}"] = gaps
+            for index, eigenvalues in getattr(spectrum, "last_spectra", {}).items():
+                histograms[f"connmon/spectrum_modulus_hist/L{index:02d}"] = eigenvalues.abs()
+            if histograms:
+                self.sink.histograms(step, histograms)
+        if self.figures_every_n_samples is not None and self.samples % self.figures_every_n_samples == 0:
+            figures = {}
+            if spectrum is not None and spectrum.last_spectra:
+                figures["connmon/figures/spectra"] = spectra_figure(
+                    spectrum.last_spectra, f"walk part of the connection spectra, step {step}"
+                )
+            depth = {k: v for k, v in values.items() if k.endswith("isometry_gap") and not k.endswith("/all")}
+            if depth:
+                figures["connmon/figures/gaps_by_depth"] = depth_figure(depth, f"gaps across depth, step {step}")
+            if figures:
+                self.sink.figures(step, figures)
+
+
+def _is_drift_state(state: object) -> bool:
+    """Whether ``state`` is what :meth:`DriftMetrics.get_extra_state` returns: layer index -> tensor, twice."""
+    if not isinstance(state, Mapping):
+        return False
+    parts = [state.get("walks", {}), state.get("transports", {})]
+    return all(
+        isinstance(part, Mapping) and all(isinstance(k, int) and isinstance(v, Tensor) for k, v in part.items())
+        for part in parts
+    )
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, Tensor):
+        return batch.to(device)
+    if isinstance(batch, Mapping):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    return batch
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.remove(path)
