@@ -27,6 +27,7 @@ from collections.abc import Iterator
 
 import torch
 
+from connmon import keys
 from connmon._copying import CopiesDetached
 
 
@@ -171,7 +172,7 @@ def overhead_values(clock: CostClock, steps_trained: int | None = None) -> dict[
     """
     if steps_trained is not None and steps_trained < 1:
         return {}
-    values = {"connmon/overhead": total_fraction(clock), f"connmon/overhead/{clock.part}": clock.fraction}
+    values = {keys.OVERHEAD: total_fraction(clock), keys.overhead_key(clock.part): clock.fraction}
     return {key: value for key, value in values.items() if math.isfinite(value)}
 
 

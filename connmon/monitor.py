@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from connmon import keys
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, agreed, check_budget, overhead_values, summary
 from connmon._optimizer import unwrap_optimizer
@@ -792,12 +793,12 @@ class Monitor(CopiesDetached):
         scalars = {}
         for name, value in values.items():
             if name.endswith("/all"):
-                scalars[f"connmon/{name}"] = value.item()
+                scalars[f"{keys.PREFIX}{name}"] = value.item()
                 continue
             per_layer = value.reshape(-1).tolist()  # one host copy per metric; a one-layer model's value is 0-dim
             for layer in self.selected:
                 if math.isfinite(per_layer[layer.index]) or layer.index in broken_layers:
-                    scalars[f"connmon/{name}/L{layer.index:02d}"] = per_layer[layer.index]
+                    scalars[keys.metric_key(name, layer.index)] = per_layer[layer.index]
         return {k: v for k, v in scalars.items() if math.isfinite(v) or broken_layers}
 
     def _emit(
@@ -829,20 +830,20 @@ class Monitor(CopiesDetached):
         if self.log_histograms:
             histograms = {}
             for index, gaps in getattr(transport, "last_head_gaps", {}).items():
-                histograms[f"connmon/head_isometry_gap_hist/L{index:02d}"] = gaps
+                histograms[f"{keys.HEAD_ISOMETRY_GAP_HIST}/L{index:02d}"] = gaps
             for index, eigenvalues in getattr(spectrum, "last_spectra", {}).items():
-                histograms[f"connmon/spectrum_modulus_hist/L{index:02d}"] = eigenvalues.abs()
+                histograms[f"{keys.SPECTRUM_MODULUS_HIST}/L{index:02d}"] = eigenvalues.abs()
             if histograms:
                 self.sink.histograms(step, histograms)
         if self.figures_every_n_samples is not None and self.samples % self.figures_every_n_samples == 0:
             figures = {}
             if spectrum is not None and spectrum.last_spectra:
-                figures["connmon/figures/spectra"] = spectra_figure(
+                figures[f"{keys.FIGURES}/spectra"] = spectra_figure(
                     spectrum.last_spectra, f"walk part of the connection spectra, step {step}"
                 )
             depth = {k: v for k, v in values.items() if k.endswith("isometry_gap") and not k.endswith("/all")}
             if depth:
-                figures["connmon/figures/gaps_by_depth"] = depth_figure(depth, f"gaps across depth, step {step}")
+                figures[f"{keys.FIGURES}/gaps_by_depth"] = depth_figure(depth, f"gaps across depth, step {step}")
             if figures:
                 self.sink.figures(step, figures)
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from connmon import keys
 from connmon._copying import CopiesDetached
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_number
@@ -77,9 +78,7 @@ class LearningRateBackoff(CopiesDetached):
 
     _not_copied = (("_handles", list), ("_optimizers", list), ("_saved", dict))  # a copy is attached to nothing
 
-    def __init__(
-        self, factor: float = 0.5, cooldown: int = 100, rules: Sequence[str] = ("past the edge of stability",)
-    ) -> None:
+    def __init__(self, factor: float = 0.5, cooldown: int = 100, rules: Sequence[str] = (keys.EDGE_RULE,)) -> None:
         check_number("factor", factor, low=0, high=1, low_open=True, high_open=True)
         check_number("cooldown", cooldown, low=0, integer=True)
         if isinstance(rules, str) or not all(isinstance(rule, str) for rule in rules):

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from connmon import keys
 from connmon._options import check_choice, check_items, check_number
 from connmon.alerts.detectors import Detector, EWMAZScore, Growth, NonFinite, Threshold
 
@@ -391,7 +392,7 @@ def default_rules() -> list[Rule]:
         >>> [rule.name for rule in default_rules()]
         ['non-finite attention', 'attention logits growing early', 'past the edge of stability']
     """
-    logits = "connmon/max_attention_logit/L*"
+    logits = keys.every_layer("max_attention_logit")
     return [
         Rule("non-finite attention", logits, NonFinite(), level="ERROR", cooldown=0),
         Rule("attention logits growing early", logits, Growth(3.0), until=50, cooldown=1000),
@@ -425,8 +426,8 @@ def attention_collapse_rules(level: Level = "WARN") -> list[Rule]:
     entropy = EWMAZScore(4.0, "fall", log=True, min_std=0.02)
     surge = EWMAZScore(4.0, "rise", alpha=0.05, log=True, min_std=0.2)
     return [
-        Rule("attention entropy collapsing", "connmon/attention_entropy/L*", entropy, level),
-        Rule("attention logits surging", "connmon/max_attention_logit/L*", surge, level, cooldown=500),
+        Rule("attention entropy collapsing", keys.every_layer("attention_entropy"), entropy, level),
+        Rule("attention logits surging", keys.every_layer("max_attention_logit"), surge, level, cooldown=500),
     ]
 
 
@@ -459,7 +460,7 @@ def edge_of_stability_rule(
         [[], [], [], [200]]
     """
     detector = Threshold(bound, consecutive=consecutive)
-    return Rule("past the edge of stability", "connmon/sharpness_ratio", detector, level, cooldown, since=since)
+    return Rule(keys.EDGE_RULE, keys.SHARPNESS_RATIO, detector, level, cooldown, since=since)
 
 
 def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int = 500) -> Rule:
@@ -475,8 +476,8 @@ def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int =
         >>> [a.value for a in rules.update({"connmon/max_attention_logit/L03": 61.0}, step=7)]
         [61.0]
     """
-    keys = "connmon/max_attention_logit/L*"
-    return Rule(f"attention logits above {bound:g}", keys, Threshold(bound), level, cooldown)
+    return Rule(f"attention logits above {bound:g}", keys.every_layer("max_attention_logit"), Threshold(bound), level,
+                cooldown)  # fmt: skip
 
 
 def _check_text(name: str, value: object) -> None:

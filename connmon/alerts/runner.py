@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
+from connmon import keys
 from connmon._options import check_callable, check_choice, check_items, check_number
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.backoff import LearningRateBackoff
@@ -131,9 +132,9 @@ class AlertRunner:
 
     def counts(self, alerts: Sequence[Alert]) -> dict[str, float]:
         """The alert counts to log beside a sample (``connmon/alerts/count``, ``/total``; ``connmon/lr_scale``)."""
-        counts = {"connmon/alerts/count": float(len(alerts)), "connmon/alerts/total": float(self.total)}
+        counts = {keys.ALERT_COUNT: float(len(alerts)), keys.ALERT_TOTAL: float(self.total)}
         if self.backoff is not None:
-            counts["connmon/lr_scale"] = self.backoff.scale
+            counts[keys.LR_SCALE] = self.backoff.scale
         return counts
 
     def state_dict(self) -> dict[str, Any]:

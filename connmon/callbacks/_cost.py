@@ -6,6 +6,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
+from connmon import keys
 from connmon._cost import CostClock, summary
 
 
@@ -19,6 +20,6 @@ def say_cost(trainer: Trainer, clock: CostClock, owner: str) -> None:
         for logger in trainer.loggers:
             if isinstance(logger, WandbLogger):
                 try:
-                    logger.experiment.summary[f"connmon/overhead/{clock.part}"] = clock.fraction
+                    logger.experiment.summary[keys.overhead_key(clock.part)] = clock.fraction
                 except Exception:  # a W&B error must not end the run
                     pass

@@ -51,6 +51,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from connmon import keys
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, agreed, check_budget, overhead_values, stride_for
 from connmon._optimizer import unwrap_optimizer
@@ -64,12 +65,12 @@ Estimator = Literal["gradient_difference", "lanczos", "difference", "secant"]
 ESTIMATORS: tuple[Estimator, ...] = ("gradient_difference", "lanczos", "difference", "secant")
 Cadence = Literal["adaptive", "fixed"]
 CADENCES: tuple[Cadence, ...] = ("adaptive", "fixed")
-RATIO_KEY = "connmon/sharpness_ratio"
-EIGENVALUE_KEY = "connmon/sharpness_eigenvalue"
-UPDATE_RATIO_KEY = "connmon/update_sharpness_ratio"
-UPDATE_EIGENVALUE_KEY = "connmon/update_sharpness_eigenvalue"
-INTERVAL_KEY = "connmon/curvature_interval"
-GRADIENTS_KEY = "connmon/overhead/curvature_gradients"
+RATIO_KEY = keys.SHARPNESS_RATIO
+EIGENVALUE_KEY = keys.SHARPNESS_EIGENVALUE
+UPDATE_RATIO_KEY = keys.UPDATE_SHARPNESS_RATIO
+UPDATE_EIGENVALUE_KEY = keys.UPDATE_SHARPNESS_EIGENVALUE
+INTERVAL_KEY = keys.CURVATURE_INTERVAL
+GRADIENTS_KEY = keys.CURVATURE_GRADIENTS
 # The adaptive cadence: (ratio from which, times every_n_steps), densest first. benchmarks/README.md
 # (bench_sharpness.py: the suite's runs replayed under candidate ladders) has how this one was chosen.
 LADDER: tuple[tuple[float, int], ...] = ((0.5, 1), (0.25, 3), (0.0, 8))

@@ -173,8 +173,9 @@ class ConnectionMonitorCallback(TrainerCallback):
         device = next(model.parameters(), torch.empty(0)).device  # drift references live beside the model
         saved_state = torch.load(saved, map_location=device, weights_only=True)
         self.monitor.load_state_dict(saved_state)
-        if self.sharpness is not None and saved_state.get("curvature") is not None:
-            self.sharpness.load_state_dict(saved_state["curvature"])
+        sampler_state = saved_state.get("sharpness") or saved_state.get("curvature")  # "curvature": 0.1.0 checkpoints
+        if self.sharpness is not None and sampler_state is not None:
+            self.sharpness.load_state_dict(sampler_state)
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
@@ -263,7 +264,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
         if is_rank_zero() and folder.is_dir():
             state = self.monitor.state_dict()
-            state["curvature"] = self.sharpness.state_dict() if self.sharpness is not None else None
+            state["sharpness"] = self.sharpness.state_dict() if self.sharpness is not None else None  # as Monitor's
             torch.save(state, folder / STATE_FILE)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):

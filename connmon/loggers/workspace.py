@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
+from connmon import keys
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
 Trainer = Literal["lightning", "transformers", "plain"]
@@ -27,10 +28,10 @@ LAYOUTS: dict[str, tuple[str, str]] = {
 GROUPS = {"walk": WalkMetrics, "transport": TransportMetrics, "spectrum": SpectrumMetrics, "drift": DriftMetrics}
 HISTOGRAMS = ("head_isometry_gap_hist", "spectrum_modulus_hist")
 FIGURES = ("spectra", "gaps_by_depth")
-ALERTS = ("connmon/alerts/total", "connmon/alerts/count")
-OVERHEAD = ("connmon/overhead", "connmon/overhead/attention", "connmon/overhead/curvature")  # every monitor's
-CURVATURE_INTERVAL = "connmon/curvature_interval"  # the adaptive cadence's choice (connmon.integrations.sharpness)
-CURVATURE_GRADIENTS = "connmon/overhead/curvature_gradients"  # its cost in gradients of a step's batch per step
+ALERTS = (keys.ALERT_TOTAL, keys.ALERT_COUNT)
+OVERHEAD = (keys.OVERHEAD, keys.overhead_key("attention"), keys.overhead_key("curvature"))  # every monitor's
+CURVATURE_INTERVAL = keys.CURVATURE_INTERVAL  # the adaptive cadence's choice (connmon.integrations.sharpness)
+CURVATURE_GRADIENTS = keys.CURVATURE_GRADIENTS  # its cost in gradients of a step's batch per step
 
 
 def metric_regex(metric: str, prefix: str = "") -> str:

@@ -1,0 +1,53 @@
+"""Every key connmon logs and every name that one module hands another, defined once.
+
+Per-layer diagnostics are logged as ``connmon/<metric>/L<ll>`` (the layer's index, two digits, in module order) and
+their mean over layers as ``connmon/<metric>/all`` (:func:`metric_key`); model-wide values as ``connmon/<name>``.
+
+Examples:
+    >>> from connmon import keys
+    >>> keys.metric_key("attention_entropy", 3), keys.metric_key("attention_entropy")
+    ('connmon/attention_entropy/L03', 'connmon/attention_entropy/all')
+    >>> keys.overhead_key("curvature")
+    'connmon/overhead/curvature'
+"""
+
+from __future__ import annotations
+
+PREFIX = "connmon/"
+
+# the curvature (the sampler logs them; the edge rule and the workspace read them)
+SHARPNESS_RATIO = "connmon/sharpness_ratio"
+SHARPNESS_EIGENVALUE = "connmon/sharpness_eigenvalue"
+UPDATE_SHARPNESS_RATIO = "connmon/update_sharpness_ratio"
+UPDATE_SHARPNESS_EIGENVALUE = "connmon/update_sharpness_eigenvalue"
+CURVATURE_INTERVAL = "connmon/curvature_interval"
+CURVATURE_GRADIENTS = "connmon/overhead/curvature_gradients"
+
+# what the monitors cost
+OVERHEAD = "connmon/overhead"
+
+# the alerts and their actions
+ALERT_COUNT = "connmon/alerts/count"
+ALERT_TOTAL = "connmon/alerts/total"
+LR_SCALE = "connmon/lr_scale"
+EDGE_RULE = "past the edge of stability"  # the rule the back-off acts on by default
+
+# W&B histograms and figures
+HEAD_ISOMETRY_GAP_HIST = "connmon/head_isometry_gap_hist"
+SPECTRUM_MODULUS_HIST = "connmon/spectrum_modulus_hist"
+FIGURES = "connmon/figures"
+
+
+def metric_key(metric: str, index: int | None = None) -> str:
+    """``connmon/<metric>/L<ll>`` for layer ``index``, or ``connmon/<metric>/all`` for the mean over layers."""
+    return f"{PREFIX}{metric}/{'all' if index is None else f'L{index:02d}'}"
+
+
+def every_layer(metric: str) -> str:
+    """``connmon/<metric>/L*``: the glob over every layer's key of a metric (what a per-layer rule watches)."""
+    return f"{PREFIX}{metric}/L*"
+
+
+def overhead_key(part: str) -> str:
+    """``connmon/overhead/<part>``: one monitor's share of the training time (``attention``, ``curvature``)."""
+    return f"{OVERHEAD}/{part}"
