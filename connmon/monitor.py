@@ -15,44 +15,27 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from connmon import keys
 from connmon._copying import CopiesDetached
-from connmon._cost import CostClock, agreed, check_budget, overhead_values, summary
+from connmon._cost import CostClock, agreed, overhead_values, summary
 from connmon._optimizer import unwrap_optimizer
-from connmon._options import check_int
 from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers, python_attention_path
 from connmon.capture.session import CaptureSession, Layer
 from connmon.integrations.sharpness import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
+from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingOptions
 
-Diagnostic = Literal["walk", "transport", "spectrum", "drift"]
-DIAGNOSTICS: tuple[Diagnostic, ...] = ("walk", "transport", "spectrum", "drift")
+__all__ = ["DIAGNOSTICS", "SAMPLING_OPTIONS", "Diagnostic", "LogFn", "Monitor", "SamplingOptions"]
+
 LogFn = Callable[..., Any]  # called as log(values, step=step)
-# the sampling options every entry point takes with the same names and defaults (the adapters forward them)
-SAMPLING_OPTIONS = (
-    "every_n_steps",
-    "num_sequences",
-    "max_tokens",
-    "layers",
-    "diagnostics",
-    "spectrum_k",
-    "probe",
-    "probe_fn",
-    "log_histograms",
-    "figures_every_n_samples",
-    "edge_samples",
-    "edge_queries",
-    "full_every_n_samples",
-    "edge_lanczos_steps",
-    "budget",
-)
+SAMPLING_OPTIONS = OPTION_NAMES  # the sampling options every entry point takes with the same names and defaults
 
 
 class Monitor(CopiesDetached):
@@ -76,28 +59,12 @@ class Monitor(CopiesDetached):
 
     Args:
         model: the model whose attention is read (None: call :meth:`attach` later).
-        every_n_steps: sample every this many steps.
-        num_sequences: sequences recorded per sampled step (per process).
-        max_tokens: tokens recorded per sequence (see :func:`connmon.capture`); None for all.
-        layers: which attention layers: None for all, a regex on module names, or a list of names or indices.
-        diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
-        spectrum_k: eigenvalues of ``M / s`` per layer (histograms, figures, spectral radius).
-        probe: None to record the training forward of sampled steps; or a fixed batch, recorded instead on sampled
-            steps (at the start of :meth:`step`, so on the model after ``step`` optimizer steps) under ``no_grad`` in
-            eval mode, every module's own mode restored afterwards, so that time drift compares like with like and
-            dropout does not make the records inexact.
-        probe_fn: how to run the probe, ``probe_fn(model, probe)``; default ``model(probe)`` (``model(*probe)`` for
-            a tuple, ``model(**probe)`` for a dict).
-        log_histograms: write W&B histograms (with ``wandb``).
-        figures_every_n_samples: write W&B figures every this many samples (with ``wandb``); None for never.
-        edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
-        edge_queries: query rows for ``edge_isometry_gap`` (None: every row).
-        full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample.
-        edge_lanczos_steps: Lanczos steps per sampled edge (None: one ``d x d`` decomposition per edge).
-        budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample the
-            monitor sets ``full_every_n_samples`` from the measured costs of its light and full samples and the
-            training step's time (the largest figures across processes, so the same everywhere; saved in
-            :meth:`state_dict`; said once per change).
+        every_n_steps, num_sequences, max_tokens, layers, diagnostics, spectrum_k, probe, probe_fn, log_histograms,
+            figures_every_n_samples, edge_samples, edge_queries, full_every_n_samples, edge_lanczos_steps, budget:
+            the sampling options, documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
+            ``probe`` is recorded at the start of :meth:`step`, on the model after ``step`` optimizer steps).
+        options: a :class:`~connmon.sampling.SamplingOptions` instead of the keywords above (an entry point builds
+            one from its own keywords).
         log: called as ``log(values, step=step)`` with a dict of floats on rank zero after each sample, e.g.
             ``wandb.log`` or ``accelerator.log``; None to log the scalars to ``wandb`` (or nowhere).
         wandb: a W&B run (``wandb.init(...)``) for histograms, figures and alerts, logged with ``step=step``.
@@ -114,6 +81,9 @@ class Monitor(CopiesDetached):
         loss_fn: ``loss_fn(model, batch)``, the batch's scalar loss, for a ``sharpness`` estimator that reads one
             (all but ``"secant"``); pass the batch as ``monitor.step(step, batch=batch)``. It runs inside
             ``optimizer.step()``, outside the training's autocast: wrap it in the same autocast to read in bf16.
+        owner: the entry point named in warnings and in the cost line.
+        log_on_every_rank: call ``log`` on every process (for a logger that picks rank zero itself), not only rank
+            zero.
 
     Every sample's values include what the monitor costs, ``connmon/overhead/attention`` (its time over the
     training time since :meth:`attach`) and ``connmon/overhead`` (all connmon monitors running);
@@ -165,23 +135,22 @@ class Monitor(CopiesDetached):
         optimizer: torch.optim.Optimizer | None = None,
         sharpness: SharpnessSampler | None = None,
         loss_fn: Callable[[nn.Module, Any], Tensor] | None = None,
+        options: SamplingOptions | None = None,
+        owner: str = "connmon.Monitor",
+        log_on_every_rank: bool = False,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}: {model!r:.60}")
-        check_int("every_n_steps", every_n_steps)
-        check_int("num_sequences", num_sequences)
-        check_int("max_tokens", max_tokens, optional=True)
-        check_int("spectrum_k", spectrum_k)
-        check_int("figures_every_n_samples", figures_every_n_samples, optional=True)
-        check_int("edge_samples", edge_samples, optional=True)
-        check_int("edge_queries", edge_queries, optional=True)
-        check_int("edge_lanczos_steps", edge_lanczos_steps, optional=True)
-        check_int("full_every_n_samples", full_every_n_samples)
-        check_budget(budget)
-        if probe_fn is not None and not callable(probe_fn):
-            raise ValueError(f"probe_fn must be callable as probe_fn(model, probe), got probe_fn={probe_fn!r}")
-        if probe_fn is not None and probe is None:
-            raise ValueError("probe_fn needs a probe batch: pass probe=... too")
+        if options is None:
+            options = SamplingOptions(
+                every_n_steps=every_n_steps, num_sequences=num_sequences, max_tokens=max_tokens, layers=layers,
+                diagnostics=diagnostics, spectrum_k=spectrum_k, probe=probe, probe_fn=probe_fn,
+                log_histograms=log_histograms, figures_every_n_samples=figures_every_n_samples,
+                edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
+                edge_lanczos_steps=edge_lanczos_steps, budget=budget,
+            )  # fmt: skip
+        elif not isinstance(options, SamplingOptions):
+            raise ValueError(f"options must be a connmon.sampling.SamplingOptions, got {type(options).__name__}")
         if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
             raise ValueError(
                 "sharpness must be a connmon.integrations.sharpness.SharpnessSampler or None, got "
@@ -196,52 +165,22 @@ class Monitor(CopiesDetached):
             )
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable as loss_fn(model, batch), got loss_fn={loss_fn!r}")
-        diagnostics = (diagnostics,) if isinstance(diagnostics, str) else diagnostics
-        if not isinstance(diagnostics, Sequence) or not diagnostics or any(d not in DIAGNOSTICS for d in diagnostics):
-            raise ValueError(
-                f"diagnostics must be a non-empty subset of {DIAGNOSTICS}, got diagnostics={diagnostics!r}"
-            )
-        if isinstance(layers, str):
-            try:
-                re.compile(layers)
-            except re.error as error:
-                raise ValueError(f"layers={layers!r} is not a valid regular expression: {error}") from None
-        elif layers is not None and (
-            not isinstance(layers, Sequence)
-            or not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in layers)
-        ):
-            raise ValueError(
-                "layers must be None (all), a regular expression on module names, or a list of names and indices, "
-                f"got layers={layers!r}"
-            )
-        if not isinstance(log_histograms, bool):
-            raise ValueError(f"log_histograms must be True or False, got log_histograms={log_histograms!r}")
         if log is not None and not callable(log):
             raise ValueError(f"log must be callable as log(values, step=step), got log={log!r}")
         if alerts is not None and not isinstance(alerts, AlertRunner):
             raise ValueError(f"alerts must be a connmon.alerts.AlertRunner or None, got {type(alerts).__name__}")
-        self.every_n_steps = every_n_steps
-        self.num_sequences = num_sequences
-        self.max_tokens = max_tokens
-        self.layers = layers if layers is None or isinstance(layers, str) else list(layers)
-        self.diagnostics = tuple(diagnostics)
-        self.spectrum_k = spectrum_k
-        self.probe = probe
-        self.probe_fn = probe_fn
-        self.log_histograms = log_histograms
-        self.figures_every_n_samples = figures_every_n_samples
-        self.edge_samples = edge_samples
-        self.edge_queries = edge_queries
-        self.edge_lanczos_steps = edge_lanczos_steps
-        self.full_every_n_samples = full_every_n_samples
-        self.budget = budget
+        self.options = options
+        for name in OPTION_NAMES:  # read as the monitor's own attributes; full_every_n_samples moves with the budget
+            setattr(self, name, getattr(options, name))
+        if isinstance(self.layers, tuple):
+            self.layers = list(self.layers)
         self.clock = CostClock("attention")
         self.log = log
         self.alerts = alerts
         # sampled besides the cadence: what the alert rules that watch only a run's first steps need to compare
         self.extra_steps = alerts.rules.regime_steps(every_n_steps) if alerts is not None else frozenset()
-        self.log_on_every_rank = False  # an integration whose logger filters ranks itself sets this
-        self.owner = "connmon.Monitor"  # the entry point named in warnings
+        self.log_on_every_rank = log_on_every_rank
+        self.owner = owner
         self.sink: Any = None  # connmon.loggers.wandb.WandbSink for histograms, figures and W&B alerts
         if wandb is not None:
             from connmon.loggers.wandb import WandbSink

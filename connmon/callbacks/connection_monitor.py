@@ -11,7 +11,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from connmon._copying import CopiesDetached
 from connmon.callbacks._cost import say_cost
-from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
+from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor, SamplingOptions
 
 
 class ConnectionMonitor(CopiesDetached, Callback):
@@ -28,31 +28,12 @@ class ConnectionMonitor(CopiesDetached, Callback):
     end the run: a layer it cannot read is skipped with one warning.
 
     Args:
-        every_n_steps: sample every this many optimizer steps (with gradient accumulation, once per optimizer step,
-            on its first micro-batch).
-        num_sequences: sequences recorded per sampled step (per process).
-        max_tokens: tokens recorded per sequence (see :func:`connmon.capture`); None for all.
-        layers: which attention layers: None for all, a regex on module names, or a list of names or indices.
-        diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
-        spectrum_k: eigenvalues of ``M / s`` per layer (histograms, figures, spectral radius).
-        probe: None to record the training forward of sampled steps; or a fixed batch, run under ``no_grad`` in eval
-            mode on every process at sampled steps (every module's own mode restored), so that time drift compares like
-            with like.
-        probe_fn: how to run the probe, ``probe_fn(pl_module, probe)``; default ``pl_module(probe)``
-            (``pl_module(*probe)`` for a tuple, ``pl_module(**probe)`` for a dict).
-        log_histograms: log W&B histograms (with a ``WandbLogger``).
-        figures_every_n_samples: log W&B figures every this many samples; None for never.
-        edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
-        edge_queries: query rows for ``edge_isometry_gap`` (None: every row; both None and
-            ``edge_lanczos_steps=None``: exact, costly).
-        edge_lanczos_steps: Lanczos steps per sampled edge for its gap (None: one ``d x d`` decomposition per edge);
-            see :func:`connmon.functional.edge_isometry_gap`.
-        full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample
-            (1: on every sample). With the defaults they are logged every 2500 steps, the rest every 100: a full sample
+        every_n_steps, num_sequences, max_tokens, layers, diagnostics, spectrum_k, probe, probe_fn, log_histograms,
+            figures_every_n_samples, edge_samples, edge_queries, full_every_n_samples, edge_lanczos_steps, budget:
+            the sampling options, documented and checked once in :class:`connmon.sampling.SamplingOptions` (on a
+            gradient-accumulation step, the first micro-batch is sampled; ``probe_fn`` gets the LightningModule).
+            With the defaults the full diagnostics are logged every 2500 steps, the rest every 100: a full sample
             costs about 9x a light one (benchmarks/README.md).
-        budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample the
-            monitor sets ``full_every_n_samples`` from the measured costs of its light and full samples against the
-            training step's time (the same on every process, saved in checkpoints, said once per change).
 
     Every sample also logs what the monitor costs: ``connmon/overhead/attention`` (its time, synchronized on
     accelerators, over the training time) and ``connmon/overhead`` (every connmon monitor of the run); the end of
@@ -88,9 +69,14 @@ class ConnectionMonitor(CopiesDetached, Callback):
         edge_lanczos_steps: int | None = 32,
         budget: float | None = None,
     ) -> None:
-        arguments = locals()
-        self.monitor = Monitor(**{name: arguments[name] for name in SAMPLING_OPTIONS})
-        self.monitor.owner = "ConnectionMonitor"
+        options = SamplingOptions(
+            every_n_steps=every_n_steps, num_sequences=num_sequences, max_tokens=max_tokens, layers=layers,
+            diagnostics=diagnostics, spectrum_k=spectrum_k, probe=probe, probe_fn=probe_fn,
+            log_histograms=log_histograms, figures_every_n_samples=figures_every_n_samples,
+            edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
+            edge_lanczos_steps=edge_lanczos_steps, budget=budget,
+        )  # fmt: skip
+        self.monitor = Monitor(options=options, owner="ConnectionMonitor", log=self._log_to_loggers)
         self.monitor.add_listener(self._notify)
         self._trainer: Trainer | None = None
         self._sample_step = -1
@@ -127,7 +113,6 @@ class ConnectionMonitor(CopiesDetached, Callback):
         self._restored = False
         self._first_micro_batch = True
         self._trainer = trainer
-        self.monitor.log = self._log_to_loggers
         self.monitor.sink = self._wandb_sink(trainer)
         if not self.monitor.attach(pl_module):
             return

@@ -19,7 +19,7 @@ from connmon._cost import overhead_values, summary
 from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.integrations.sharpness import SharpnessSampler
-from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor
+from connmon.monitor import DIAGNOSTICS, Diagnostic, Monitor, SamplingOptions
 
 _LOG = logging.getLogger(__name__)
 
@@ -51,25 +51,11 @@ class ConnectionMonitorCallback(TrainerCallback):
 
     Args:
         trainer: the Trainer whose ``log`` carries the values (the callback is added with ``trainer.add_callback``).
-        every_n_steps: sample every this many optimizer steps.
-        num_sequences: sequences recorded per sampled step (per process).
-        max_tokens: tokens recorded per sequence; None for all.
-        layers: which attention layers: None for all, a regex on module names, or a list of names or indices.
-        diagnostics: groups to compute: ``"walk"``, ``"transport"``, ``"spectrum"``, ``"drift"``.
-        spectrum_k: eigenvalues of ``M / s`` per layer.
-        probe: None to record the training forward of sampled steps; or a fixed batch (a dict of the model's inputs,
-            e.g. a tokenizer's output) recorded instead after the sampled optimizer steps, under ``no_grad`` in eval
-            mode (every module's own mode restored): exact records even with dropout, and time drift compares like
-            with like.
-        probe_fn: how to run the probe, ``probe_fn(model, probe)``; default ``model(**probe)`` for a dict.
-        log_histograms: write W&B histograms (with W&B in ``report_to``).
-        figures_every_n_samples: write W&B figures every this many samples; None for never.
-        edge_samples: keys per query for ``edge_isometry_gap`` (None: every key).
-        edge_queries: query rows for ``edge_isometry_gap`` (None: every row).
-        full_every_n_samples: compute the spectrum group and ``edge_isometry_gap`` on every this-many-th sample.
-        edge_lanczos_steps: Lanczos steps per sampled edge (None: one ``d x d`` decomposition per edge).
-        budget: None, or the fraction of training time the samples may take: sets ``full_every_n_samples`` from
-            the measured costs (see :class:`connmon.Monitor`).
+        every_n_steps, num_sequences, max_tokens, layers, diagnostics, spectrum_k, probe, probe_fn, log_histograms,
+            figures_every_n_samples, edge_samples, edge_queries, full_every_n_samples, edge_lanczos_steps, budget:
+            the sampling options, documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
+            ``probe`` is a dict of the model's inputs, e.g. a tokenizer's output, recorded after the sampled
+            optimizer steps; ``probe_fn`` defaults to ``model(**probe)``).
         alerts: an :class:`connmon.alerts.AlertRunner` (e.g. ``AlertRunner()`` for the default rules), or None.
         sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
             optimizer's edge of stability on its own cadence, logged through ``trainer.log`` and shown to ``alerts``
@@ -131,8 +117,17 @@ class ConnectionMonitorCallback(TrainerCallback):
         if loss_fn is not None and not callable(loss_fn):
             raise ValueError(f"loss_fn must be callable as loss_fn(model, inputs), got loss_fn={loss_fn!r}")
         self.trainer = trainer
-        arguments = locals()
-        self.monitor = Monitor(**{name: arguments[name] for name in SAMPLING_OPTIONS}, alerts=alerts)
+        options = SamplingOptions(
+            every_n_steps=every_n_steps, num_sequences=num_sequences, max_tokens=max_tokens, layers=layers,
+            diagnostics=diagnostics, spectrum_k=spectrum_k, probe=probe, probe_fn=probe_fn,
+            log_histograms=log_histograms, figures_every_n_samples=figures_every_n_samples,
+            edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
+            edge_lanczos_steps=edge_lanczos_steps, budget=budget,
+        )  # fmt: skip
+        # Trainer.log runs on every process, and its reporters pick rank zero
+        self.monitor = Monitor(
+            options=options, alerts=alerts, owner="ConnectionMonitorCallback", log=self._log, log_on_every_rank=True
+        )
         self.sharpness = sharpness
         self.loss_fn = loss_fn or _model_loss
         self._reading = False  # the curvature's own forwards are running: the capture's guard ignores them
@@ -140,9 +135,6 @@ class ConnectionMonitorCallback(TrainerCallback):
         self._curvature_step: int | None = None  # the step whose forwards the batch hook keeps
         if sharpness is not None:
             sharpness.owner = "ConnectionMonitorCallback (sharpness)"
-        self.monitor.owner = "ConnectionMonitorCallback"
-        self.monitor.log = self._log
-        self.monitor.log_on_every_rank = True  # Trainer.log runs on every process; its reporters pick rank zero
         self._pending = -1  # the step whose forward is armed
         self._guard: Any = None  # the model's forward hook that disarms
 

@@ -298,20 +298,26 @@ def test_rules_see_the_loops_own_values():
 
 
 def test_every_entry_point_takes_the_sampling_options_with_the_same_defaults():
+    """The keyword signatures, kept for IDE help, are those of the one definition: SamplingOptions."""
+    import dataclasses
     import inspect
 
     from connmon.callbacks import ConnectionMonitor
     from connmon.integrations.transformers import ConnectionMonitorCallback
-    from connmon.monitor import SAMPLING_OPTIONS
+    from connmon.sampling import SamplingOptions
+
+    declared = {field.name: field.default for field in dataclasses.fields(SamplingOptions)}
 
     def defaults(cls):
-        return {name: p.default for name, p in inspect.signature(cls).parameters.items() if name in SAMPLING_OPTIONS}
+        return {name: p.default for name, p in inspect.signature(cls).parameters.items() if name in declared}
 
-    sinks = ("model", "log", "wandb", "alerts", "optimizer", "sharpness", "loss_fn")  # the rest: the curvature
+    sinks = ("model", "log", "wandb", "alerts", "optimizer", "sharpness", "loss_fn", "options", "owner")
     monitor_options = {name for name in inspect.signature(connmon.Monitor).parameters if name not in sinks}
-    assert monitor_options == set(SAMPLING_OPTIONS)
-    assert defaults(ConnectionMonitor) == defaults(ConnectionMonitorCallback) == defaults(connmon.Monitor)
-    assert len(defaults(ConnectionMonitor)) == len(SAMPLING_OPTIONS)
+    assert monitor_options == set(declared) | {"log_on_every_rank"}
+    for entry_point in (ConnectionMonitor, ConnectionMonitorCallback, connmon.Monitor):
+        assert defaults(entry_point) == declared, entry_point
+    with pytest.raises(ValueError, match="spectrum_k must be"):
+        ConnectionMonitor(spectrum_k=0)  # checked by SamplingOptions, whichever entry point builds it
     callback = ConnectionMonitor(every_n_steps=7, edge_queries=None, layers=[1])
     assert (callback.monitor.every_n_steps, callback.monitor.edge_queries, callback.monitor.layers) == (7, None, [1])
 
