@@ -59,9 +59,10 @@ class Monitor(CopiesDetached):
 
     Args:
         model: the model whose attention is read (None: call :meth:`attach` later).
-        every_n_steps, num_sequences, max_tokens, layers, diagnostics, spectrum_k, probe, probe_fn, log_histograms,
-            figures_every_n_samples, edge_samples, edge_queries, full_every_n_samples, edge_lanczos_steps, budget:
-            the sampling options, documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
+        every_n_steps: with ``num_sequences``, ``max_tokens``, ``layers``, ``diagnostics``, ``spectrum_k``,
+            ``probe``, ``probe_fn``, ``log_histograms``, ``figures_every_n_samples``, ``edge_samples``,
+            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps`` and ``budget``: the sampling options,
+            documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
             ``probe`` is recorded at the start of :meth:`step`, on the model after ``step`` optimizer steps).
         options: a :class:`~connmon.sampling.SamplingOptions` instead of the keywords above (an entry point builds
             one from its own keywords).

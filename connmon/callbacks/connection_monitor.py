@@ -28,9 +28,10 @@ class ConnectionMonitor(CopiesDetached, Callback):
     end the run: a layer it cannot read is skipped with one warning.
 
     Args:
-        every_n_steps, num_sequences, max_tokens, layers, diagnostics, spectrum_k, probe, probe_fn, log_histograms,
-            figures_every_n_samples, edge_samples, edge_queries, full_every_n_samples, edge_lanczos_steps, budget:
-            the sampling options, documented and checked once in :class:`connmon.sampling.SamplingOptions` (on a
+        every_n_steps: with ``num_sequences``, ``max_tokens``, ``layers``, ``diagnostics``, ``spectrum_k``,
+            ``probe``, ``probe_fn``, ``log_histograms``, ``figures_every_n_samples``, ``edge_samples``,
+            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps`` and ``budget``: the sampling options,
+            documented and checked once in :class:`connmon.sampling.SamplingOptions` (on a
             gradient-accumulation step, the first micro-batch is sampled; ``probe_fn`` gets the LightningModule).
             With the defaults the full diagnostics are logged every 2500 steps, the rest every 100: a full sample
             costs about 9x a light one (benchmarks/README.md).

@@ -51,9 +51,10 @@ class ConnectionMonitorCallback(TrainerCallback):
 
     Args:
         trainer: the Trainer whose ``log`` carries the values (the callback is added with ``trainer.add_callback``).
-        every_n_steps, num_sequences, max_tokens, layers, diagnostics, spectrum_k, probe, probe_fn, log_histograms,
-            figures_every_n_samples, edge_samples, edge_queries, full_every_n_samples, edge_lanczos_steps, budget:
-            the sampling options, documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
+        every_n_steps: with ``num_sequences``, ``max_tokens``, ``layers``, ``diagnostics``, ``spectrum_k``,
+            ``probe``, ``probe_fn``, ``log_histograms``, ``figures_every_n_samples``, ``edge_samples``,
+            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps`` and ``budget``: the sampling options,
+            documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
             ``probe`` is a dict of the model's inputs, e.g. a tokenizer's output, recorded after the sampled
             optimizer steps; ``probe_fn`` defaults to ``model(**probe)``).
         alerts: an :class:`connmon.alerts.AlertRunner` (e.g. ``AlertRunner()`` for the default rules), or None.
