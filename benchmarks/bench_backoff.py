@@ -47,7 +47,7 @@ from bench_sharpness import SETS, build, gpt_loss, train_step
 import connmon
 from connmon.alerts import AlertRunner, edge_of_stability_rule
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
-from connmon.integrations.sharpness import SharpnessSampler
+from connmon.curvature.sampler import SharpnessSampler
 
 SUITE = [run for name in ("main", "phase", "more", "sgd") for run in SETS[name]]
 # SGD with momentum 0.9, warmed up over 100 steps to 2.5 (build() scales SGD rates x100), then constant: it learns

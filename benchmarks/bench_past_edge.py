@@ -28,7 +28,7 @@ from bench_sharpness import build, gpt_loss
 
 import connmon
 from connmon.alerts import AlertRunner, edge_of_stability_rule
-from connmon.integrations.sharpness import SharpnessSampler
+from connmon.curvature.sampler import SharpnessSampler
 
 
 def run(arm: str, steps: int, lr: float) -> dict:

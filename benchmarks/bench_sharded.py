@@ -34,9 +34,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import connmon
-from connmon._shards import Shards
 from connmon.curvature import step_geometry
-from connmon.integrations.sharpness import SharpnessSampler
+from connmon.curvature.sampler import SharpnessSampler
+from connmon.curvature.shards import Shards
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.capture.models import TinyGPT

@@ -44,7 +44,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from connmon.alerts import EWMAZScore, Rule, RuleSet, Threshold
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
 from connmon.curvature import NOISE_CHECK_FROM, UpdateProbe, sharpness_ratio
-from connmon.integrations.sharpness import LADDER, adaptive_interval
+from connmon.curvature.sampler import LADDER, adaptive_interval
 
 BETA1 = 0.9
 THRESHOLD = (2 + 2 * BETA1) / (1 - BETA1)  # 38: lr * lambda_max(P^-1 H) at the edge of stability
@@ -339,8 +339,8 @@ def probe_study(seed: int = 0, window: tuple[int, int, int] = PROBE_WINDOW, warm
     (its converged value, and its 8-step reading) and ``warm_steps`` steps from the previous sample's top Ritz
     vector. Exact products (double backward, float64 vectors).
     """
-    from connmon._hessian import DoubleBackwardProducts
     from connmon.curvature import _root, step_geometry
+    from connmon.curvature.products import DoubleBackwardProducts
 
     config, data, model, optimizer, gen = base_ramp(seed)
     probe_rows = data[torch.randint(0, len(data), (16,), generator=torch.Generator().manual_seed(10_000 + seed))]

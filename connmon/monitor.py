@@ -28,7 +28,7 @@ from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers, python_attention_path
 from connmon.capture.session import CaptureSession, Layer
-from connmon.integrations.sharpness import SharpnessSampler
+from connmon.curvature.sampler import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
 from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingOptions
 
@@ -73,7 +73,7 @@ class Monitor(CopiesDetached):
             :attr:`should_stop`; with its ``"checkpoint"`` action, the restore point an alert asks for is saved at the
             start of the next :meth:`step` (:meth:`save_restore_point`).
         optimizer: the training's optimizer, for ``sharpness`` and for ``alerts`` with the ``"backoff"`` action.
-        sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
+        sharpness: a :class:`connmon.curvature.sampler.SharpnessSampler`: the curvature against the
             optimizer's edge of stability on its own cadence, logged and shown to ``alerts`` like the attention
             values (``connmon/sharpness_ratio`` with the Lanczos estimators, ``connmon/update_sharpness_ratio`` with
             an update estimator). It watches ``optimizer.step()`` through the optimizer's hooks: the Lanczos
@@ -154,7 +154,7 @@ class Monitor(CopiesDetached):
             raise ValueError(f"options must be a connmon.sampling.SamplingOptions, got {type(options).__name__}")
         if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
             raise ValueError(
-                "sharpness must be a connmon.integrations.sharpness.SharpnessSampler or None, got "
+                "sharpness must be a connmon.curvature.sampler.SharpnessSampler or None, got "
                 f"{type(sharpness).__name__}"
             )
         if sharpness is not None and optimizer is None:
@@ -702,7 +702,7 @@ class Monitor(CopiesDetached):
     def publish_curvature(self, step: int, values: dict[str, float] | None) -> None:
         """Log a curvature sample and show it to the alert rules (every process; logged on rank zero).
 
-        An entry point that drives a :class:`~connmon.integrations.sharpness.SharpnessSampler` itself (the Hugging
+        An entry point that drives a :class:`~connmon.curvature.sampler.SharpnessSampler` itself (the Hugging
         Face callback) hands its values here; a stop request sets :attr:`should_stop`.
         """
         if values is None:

@@ -38,3 +38,15 @@ def test_the_engine_moved_to_connmon_monitor_and_its_old_paths_warn_with_the_new
         for name in ("Monitor", "DIAGNOSTICS"):
             with pytest.warns(DeprecationWarning, match=rf"moved to connmon\.monitor\.{name}"):
                 assert getattr(module, name) is getattr(connmon.monitor, name)
+
+
+def test_the_curvature_is_one_package_and_the_samplers_old_paths_warn_with_the_new_one():
+    import connmon.curvature.sampler
+
+    for old in ("connmon.integrations.sharpness", "connmon.integrations"):
+        module = importlib.import_module(old)
+        with pytest.warns(DeprecationWarning, match=r"moved to connmon\.curvature\.sampler\.SharpnessSampler"):
+            assert module.SharpnessSampler is connmon.curvature.sampler.SharpnessSampler
+    from connmon.curvature import sharpness_ratio  # the public path of the public API, unchanged
+
+    assert callable(sharpness_ratio)

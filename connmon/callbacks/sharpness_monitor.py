@@ -11,7 +11,7 @@ from torch import Tensor
 
 from connmon.callbacks._cost import say_cost
 from connmon.curvature import Storage
-from connmon.integrations.sharpness import EIGENVALUE_KEY, RATIO_KEY, Cadence, Estimator, SharpnessSampler, keys_of
+from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Cadence, Estimator, SharpnessSampler, keys_of
 
 __all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
 
@@ -19,7 +19,7 @@ __all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
 class SharpnessMonitor(Callback):
     """Logs how close the optimizer's step is to its edge of stability, on a cadence that follows it.
 
-    The estimate is :class:`connmon.integrations.sharpness.SharpnessSampler`'s (the same in every entry point):
+    The estimate is :class:`connmon.curvature.sampler.SharpnessSampler`'s (the same in every entry point):
 
     * ``estimator="gradient_difference"`` (the default): the top of the preconditioned Hessian's spectrum
       (:func:`connmon.curvature.sharpness_ratio`) by ``lanczos_steps`` Lanczos steps whose Hessian products are
@@ -39,7 +39,7 @@ class SharpnessMonitor(Callback):
 
     With ``cadence="adaptive"`` (the default) ``every_n_steps`` is the densest interval, kept while the ratio is at
     least 0.5; from 0.25 the next sample comes ``3 every_n_steps`` later, below it ``8 every_n_steps`` later
-    (:func:`connmon.integrations.sharpness.adaptive_interval`); ``cadence="fixed"`` samples every ``every_n_steps``.
+    (:func:`connmon.curvature.sampler.adaptive_interval`); ``cadence="fixed"`` samples every ``every_n_steps``.
     Every sample logs the interval it chose (``connmon/curvature_interval``), what the samples cost in gradients of
     a step's batch per training step (``connmon/overhead/curvature_gradients``) and in time
     (``connmon/overhead/curvature``, synchronized on accelerators, and ``connmon/overhead`` for every connmon monitor

@@ -1,34 +1,33 @@
 """Entry points for trainers other than Lightning, adapters over the engine :class:`connmon.Monitor`.
 
-* :class:`connmon.integrations.transformers.ConnectionMonitorCallback`: the Hugging Face ``Trainer``.
-* :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the edge of stability, which
-  Lightning's ``SharpnessMonitor``, the Trainer callback and ``connmon.Monitor`` (``sharpness=``) all drive.
+* :class:`connmon.integrations.transformers.ConnectionMonitorCallback`: the Hugging Face ``Trainer`` (the
+  ``transformers`` extra).
 
-``connmon.integrations.Monitor`` is deprecated (``connmon.Monitor``, :mod:`connmon.monitor`).
-
-Examples:
-    >>> from connmon.integrations import SharpnessSampler
-    >>> SharpnessSampler(every_n_steps=10).every_n_steps
-    10
+``connmon.integrations.Monitor`` and ``connmon.integrations.SharpnessSampler`` are deprecated: the engine is
+:mod:`connmon.monitor` (``connmon.Monitor``), the curvature sampler :mod:`connmon.curvature.sampler`.
 """
 
 from typing import Any
 
-from connmon.integrations.sharpness import ESTIMATORS, Estimator, SharpnessSampler
-
-__all__ = ["ESTIMATORS", "Estimator", "SharpnessSampler"]
+_MOVED = {
+    "DIAGNOSTICS": "connmon.monitor",
+    "Diagnostic": "connmon.monitor",
+    "Monitor": "connmon.monitor",
+    "ESTIMATORS": "connmon.curvature.sampler",
+    "Estimator": "connmon.curvature.sampler",
+    "SharpnessSampler": "connmon.curvature.sampler",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("DIAGNOSTICS", "Diagnostic", "Monitor"):
-        import warnings
+    if name not in _MOVED:
+        raise AttributeError(f"module 'connmon.integrations' has no attribute {name!r}")
+    import importlib
+    import warnings
 
-        import connmon.monitor
-
-        warnings.warn(
-            f"connmon.integrations.{name} moved to connmon.monitor.{name}; the old path goes in the next release",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(connmon.monitor, name)
-    raise AttributeError(f"module 'connmon.integrations' has no attribute {name!r}")
+    warnings.warn(
+        f"connmon.integrations.{name} moved to {_MOVED[name]}.{name}; the old path goes in the next release",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(_MOVED[name]), name)

@@ -18,7 +18,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from connmon._cost import overhead_values, summary
 from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
-from connmon.integrations.sharpness import SharpnessSampler
+from connmon.curvature.sampler import SharpnessSampler
 from connmon.monitor import DIAGNOSTICS, Diagnostic, Monitor, SamplingOptions
 
 _LOG = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             ``probe`` is a dict of the model's inputs, e.g. a tokenizer's output, recorded after the sampled
             optimizer steps; ``probe_fn`` defaults to ``model(**probe)``).
         alerts: an :class:`connmon.alerts.AlertRunner` (e.g. ``AlertRunner()`` for the default rules), or None.
-        sharpness: a :class:`connmon.integrations.sharpness.SharpnessSampler`: the curvature against the
+        sharpness: a :class:`connmon.curvature.sampler.SharpnessSampler`: the curvature against the
             optimizer's edge of stability on its own cadence, logged through ``trainer.log`` and shown to ``alerts``
             on its steps. ``"gradient_difference"`` and ``"lanczos"`` read ``loss_fn`` on every micro-batch of the
             sampled step (the inputs taken from the model's forwards before they run), after the backward and before

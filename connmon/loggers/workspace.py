@@ -30,7 +30,7 @@ HISTOGRAMS = ("head_isometry_gap_hist", "spectrum_modulus_hist")
 FIGURES = ("spectra", "gaps_by_depth")
 ALERTS = (keys.ALERT_TOTAL, keys.ALERT_COUNT)
 OVERHEAD = (keys.OVERHEAD, keys.overhead_key("attention"), keys.overhead_key("curvature"))  # every monitor's
-CURVATURE_INTERVAL = keys.CURVATURE_INTERVAL  # the adaptive cadence's choice (connmon.integrations.sharpness)
+CURVATURE_INTERVAL = keys.CURVATURE_INTERVAL  # the adaptive cadence's choice (connmon.curvature.sampler)
 CURVATURE_GRADIENTS = keys.CURVATURE_GRADIENTS  # its cost in gradients of a step's batch per step
 
 

@@ -137,7 +137,7 @@ def secant_run(out: Path, mode: str, estimator: str = "secant") -> None:
     import json
 
     from connmon.callbacks import SharpnessMonitor
-    from connmon.integrations.sharpness import keys_of
+    from connmon.curvature.sampler import keys_of
 
     synced = {}
     loss_fn = next_token_loss if estimator != "secant" else None

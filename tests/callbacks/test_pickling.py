@@ -15,7 +15,7 @@ import torch
 import connmon
 from connmon.alerts import AlertRunner, RestorePoints
 from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
-from connmon.integrations.sharpness import SharpnessSampler
+from connmon.curvature.sampler import SharpnessSampler
 from tests.callbacks.ddp_run import next_token_loss
 from tests.callbacks.lightning_models import LitGPT, loader
 from tests.capture.models import TinyGPT

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
 from connmon.curvature import sharpness_ratio
-from connmon.integrations.sharpness import adaptive_interval
+from connmon.curvature.sampler import adaptive_interval
 from tests.callbacks.lightning_models import LitGPT, loader
 from tests.callbacks.test_connection_monitor import read_csv
 

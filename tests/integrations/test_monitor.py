@@ -189,7 +189,7 @@ def test_accelerates_prepared_optimizer_is_read_and_hooked_and_training_is_uncha
     """
     accelerate = pytest.importorskip("accelerate")
     from connmon.alerts import RestorePoints, edge_of_stability_rule
-    from connmon.integrations.sharpness import SharpnessSampler
+    from connmon.curvature.sampler import SharpnessSampler
 
     def run(watched: bool, tmp: str) -> tuple[list[float], dict]:
         accelerator = accelerate.Accelerator(cpu=True)

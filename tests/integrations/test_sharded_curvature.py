@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import connmon
-from connmon.integrations.sharpness import SharpnessSampler
+from connmon.curvature.sampler import SharpnessSampler
 from tests.capture.models import TinyGPT
 from tests.gloo import free_port, leave
 
@@ -151,7 +151,7 @@ def failing_at(call: int, where: str, model, ids):
 
 def state_of(model, optimizer) -> list[torch.Tensor]:
     """Everything a sample must leave bitwise: parameters (local parts), gradients, optimizer state, random stream."""
-    from connmon._shards import local
+    from connmon.curvature.shards import local
 
     tensors = [local(p).detach().clone() for p in model.parameters()]
     tensors += [local(p.grad).clone() for p in model.parameters() if p.grad is not None]

@@ -12,7 +12,7 @@ import torch
 import connmon
 from connmon.alerts import AlertRunner, edge_of_stability_rule
 from connmon.callbacks import SharpnessMonitor
-from connmon.integrations.sharpness import SharpnessSampler, keys_of
+from connmon.curvature.sampler import SharpnessSampler, keys_of
 from tests.callbacks.lightning_models import LitGPT, loader
 
 RATIO = "connmon/sharpness_ratio"

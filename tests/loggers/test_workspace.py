@@ -10,7 +10,7 @@ import torch
 
 import connmon
 from connmon.cli import main
-from connmon.integrations.sharpness import SharpnessSampler
+from connmon.curvature.sampler import SharpnessSampler
 from connmon.loggers.workspace import build_workspace, workspace_spec
 from tests.capture.models import TinyGPT
 from tests.integrations.wandb_read import read_run

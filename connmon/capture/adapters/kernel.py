@@ -38,10 +38,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from connmon._copying import CopiesDetached
-from connmon._shards import local
 from connmon.capture.adapters import flex, handwritten
 from connmon.capture.adapters.base import Adapter, transport_maps
 from connmon.capture.session import CaptureSession, assembled, busy, warn_once
+from connmon.curvature.shards import local
 
 _KERNEL_NAMES = frozenset(
     {"scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "flex_attention"}

@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from connmon._shards import Shards, local
+from connmon.curvature.shards import Shards, local
 
 Products = Literal["gradient_difference", "double_backward"]
 PRODUCTS: tuple[Products, ...] = ("gradient_difference", "double_backward")
@@ -67,7 +67,7 @@ def step_weights(loss_fns: Sequence[object], weights: Sequence[float] | None) ->
         ValueError: if ``weights`` does not give one finite number per loss.
 
     Examples:
-        >>> from connmon._hessian import step_weights
+        >>> from connmon.curvature.products import step_weights
         >>> step_weights([None] * 4, None), step_weights([None] * 2, [1.0, 1.0])
         ([0.25, 0.25, 0.25, 0.25], [1.0, 1.0])
     """
@@ -100,7 +100,7 @@ class GradientDifferenceProducts:
         initial_step: where the rule's search starts, ``||h w|| / ||theta||`` (a previous solve's :attr:`step`;
             None: :data:`FIRST_STEP`).
         storage: the device of the flat vectors (the parameters' own by default; ``"cpu"`` to keep them off it).
-        shards: the parameters' layout across processes (:class:`connmon._shards.Shards`; None: found here).
+        shards: the parameters' layout across processes (:class:`connmon.curvature.shards.Shards`; None: found here).
         leaves: every other tensor whose ``.grad`` a backward may touch (the model's other trainable parameters):
             with sharded parameters the gradients are taken by the model's own backward (FSDP2 reduces them there),
             and each of these ``.grad`` is put back as it was, with the parameters'.

@@ -40,7 +40,7 @@ class Shards:
 
     Examples:
         >>> import torch
-        >>> from connmon._shards import Shards
+        >>> from connmon.curvature.shards import Shards
         >>> params = [torch.nn.Parameter(torch.ones(2, 3)), torch.nn.Parameter(torch.ones(4))]
         >>> shards = Shards(params)
         >>> shards.sizes, shards.dot(torch.ones(10), torch.full((10,), 2.0))

@@ -24,7 +24,7 @@ rate the next step applies: a :class:`connmon.alerts.LearningRateBackoff`'s scal
 ``lambda_max`` is the algebraically largest eigenvalue (a negative curvature does not destabilize the step), the top
 Ritz value of ``steps`` Lanczos steps with Hessian-vector products: a lower bound that converges from below. Each
 product is by default a difference of two first-order gradients (one gradient of the batch's loss per step, through
-the model's own kernels); the exact double-backward product is the reference (:mod:`connmon._hessian`).
+the model's own kernels); the exact double-backward product is the reference (:mod:`connmon.curvature.products`).
 
 Examples:
     >>> import torch
@@ -50,7 +50,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from connmon._hessian import (
+from connmon._optimizer import unwrap_optimizer
+from connmon._options import check_int
+from connmon.alerts.backoff import pending_lr_scale
+from connmon.curvature.products import (
     GRADIENT_CHANGE,
     PRODUCTS,
     DoubleBackwardProducts,
@@ -59,10 +62,7 @@ from connmon._hessian import (
     scalar_loss,
     step_weights,
 )
-from connmon._optimizer import unwrap_optimizer
-from connmon._options import check_int
-from connmon._shards import Shards
-from connmon.alerts.backoff import pending_lr_scale
+from connmon.curvature.shards import Shards
 from connmon.functional._lanczos import largest_eigenvalue
 
 __all__ = [
@@ -249,14 +249,16 @@ def sharpness_ratio(
 ) -> Sharpness:
     """``lambda_max(U^1/2 H U^1/2) / c`` on the loss ``loss_fn()``: 1 is the optimizer's edge of stability.
 
-    ``steps`` Lanczos steps, each one Hessian-vector product (:mod:`connmon._hessian` has both ways of taking it):
+    ``steps`` Lanczos steps, each one Hessian-vector product (:mod:`connmon.curvature.products` has both ways of
+    taking it):
 
     * ``products="gradient_difference"`` (the default): ``H w ~= (g(theta + h w) - g(theta)) / h`` from first-order
       gradients, through the model's own kernels (fused or flash SDPA, compiled graphs): ``steps + 1`` gradient
       evaluations of the loss (and one per product retaken with a corrected step). The parameters are written from
       a saved copy for each product and copied back after it, bitwise. By default ``h`` is set so that the gradient
-      changes by a measured fraction of its norm (``1e-3`` in float32; :data:`connmon._hessian.GRADIENT_CHANGE`);
-      with ``relative_step``, so that ``||h w|| = relative_step ||theta||``.
+      changes by a measured fraction of its norm (``1e-3`` in float32;
+      :data:`connmon.curvature.products.GRADIENT_CHANGE`); with ``relative_step``, so that
+      ``||h w|| = relative_step ||theta||``.
     * ``products="double_backward"``: the exact products by double backward through one graph, SDPA held to its math
       kernel (the fused kernels have no double backward): the reference.
 

@@ -1,0 +1,486 @@
+"""SharpnessSampler: the curvature against the edge of stability on a cadence that follows it, for every entry point.
+
+Lightning's :class:`connmon.callbacks.SharpnessMonitor`, the Hugging Face
+:class:`connmon.integrations.transformers.ConnectionMonitorCallback` (``sharpness=``) and :class:`connmon.Monitor`
+(``sharpness=``) drive one :class:`SharpnessSampler` from their hooks, so the estimator, its cadence, the budget and
+what is logged are defined here once. The estimators (:mod:`connmon.curvature` has the derivations):
+
+* ``"gradient_difference"`` (the default): :func:`connmon.curvature.sharpness_ratio`, the top of the preconditioned
+  Hessian's spectrum against the edge (1), by Lanczos with Hessian products from differences of first-order
+  gradients, through the model's own kernels (fused and flash SDPA, compiled graphs): ``lanczos_steps + 1``
+  gradients of the sampled step's whole batch (every micro-batch of an accumulated step) per sample. Logged as
+  ``connmon/sharpness_ratio`` and ``connmon/sharpness_eigenvalue``, what :func:`connmon.alerts.edge_of_stability_rule`
+  watches.
+* ``"lanczos"``: the same quantity with exact products by double backward through SDPA's math kernel (the
+  reference; about ``2 lanczos_steps + 1`` gradients' time and a double-backward graph's memory; no fused kernels,
+  no compiled graphs).
+* ``"difference"``: the curvature along the optimizer's own update ``u`` (:class:`connmon.curvature.UpdateProbe`)
+  from three forwards of ``loss_fn`` at ``theta - u``, ``theta``, ``theta + u`` on the sampled step's (first) batch.
+* ``"secant"``: the same from ``u . (g_{t+1} - g_t)``, the gradients of the step before a sampled one and of the
+  sampled one: no forward, no loss function, a few dot products and one copy of the parameters for one step.
+
+The update readings are a lower bound of the Lanczos ratio (a Rayleigh quotient of the same matrix). On the
+instability suite they read 2-30% of it and never reached the edge before a divergence (benchmarks/README.md),
+so they are logged under their own keys, ``connmon/update_sharpness_ratio`` and
+``connmon/update_sharpness_eigenvalue``, which no default rule watches.
+
+The cadence (``cadence="adaptive"``, the default) follows the risk: ``every_n_steps`` is the densest interval,
+taken while the latest ratio is at least 0.5 (on the suite it passes 0.5 some 220-300 steps before a divergence);
+from 0.25 the next sample comes ``3 every_n_steps`` later, below 0.25 ``8 every_n_steps`` later (:data:`LADDER`,
+:func:`adaptive_interval`).
+``cadence="fixed"`` samples every ``every_n_steps``. Every sample logs the interval it chose,
+``connmon/curvature_interval``, what the curvature has cost in gradients of the step's batch per training step,
+``connmon/overhead/curvature_gradients``, and its time, ``connmon/overhead`` and ``connmon/overhead/curvature``
+(see :mod:`connmon._cost`).
+
+The events, with ``step`` the number of optimizer steps taken so far:
+
+* :meth:`SharpnessSampler.before_forward` before every forward of a step (it keeps the batch's loss on a sampled
+  step; the ``"difference"`` reading runs here);
+* :meth:`SharpnessSampler.before_step` after the backward and before ``optimizer.step()`` (the gradient-difference,
+  Lanczos and secant readings run here, on every micro-batch kept);
+* ``optimizer.step()`` itself is watched through the optimizer's step post-hook (registered by :meth:`attach`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from connmon import keys
+from connmon._copying import CopiesDetached
+from connmon._cost import CostClock, agreed, check_budget, overhead_values, stride_for
+from connmon._optimizer import unwrap_optimizer
+from connmon._options import check_int
+from connmon._ranks import warn_rank_zero
+from connmon.alerts.rules import RuleSet
+from connmon.capture import paused
+from connmon.curvature import STORAGES, Storage, UpdateProbe, check_optimizer, sharpness_ratio
+
+Estimator = Literal["gradient_difference", "lanczos", "difference", "secant"]
+ESTIMATORS: tuple[Estimator, ...] = ("gradient_difference", "lanczos", "difference", "secant")
+Cadence = Literal["adaptive", "fixed"]
+CADENCES: tuple[Cadence, ...] = ("adaptive", "fixed")
+RATIO_KEY = keys.SHARPNESS_RATIO
+EIGENVALUE_KEY = keys.SHARPNESS_EIGENVALUE
+UPDATE_RATIO_KEY = keys.UPDATE_SHARPNESS_RATIO
+UPDATE_EIGENVALUE_KEY = keys.UPDATE_SHARPNESS_EIGENVALUE
+INTERVAL_KEY = keys.CURVATURE_INTERVAL
+GRADIENTS_KEY = keys.CURVATURE_GRADIENTS
+# The adaptive cadence: (ratio from which, times every_n_steps), densest first. benchmarks/README.md
+# (bench_sharpness.py: the suite's runs replayed under candidate ladders) has how this one was chosen.
+LADDER: tuple[tuple[float, int], ...] = ((0.5, 1), (0.25, 3), (0.0, 8))
+_MAX_MICRO_BATCHES = 1024  # losses kept for one sampled step (a loop that never steps must not grow a list)
+
+
+def keys_of(estimator: Estimator) -> tuple[str, str]:
+    """The ratio and eigenvalue keys an estimator logs.
+
+    Examples:
+        >>> from connmon.curvature.sampler import keys_of
+        >>> keys_of("secant")
+        ('connmon/update_sharpness_ratio', 'connmon/update_sharpness_eigenvalue')
+    """
+    if estimator in ("gradient_difference", "lanczos"):
+        return RATIO_KEY, EIGENVALUE_KEY
+    return UPDATE_RATIO_KEY, UPDATE_EIGENVALUE_KEY
+
+
+def adaptive_interval(ratio: float, every_n_steps: int, ladder: tuple[tuple[float, int], ...] = LADDER) -> int:
+    """Steps to the next sample after ``ratio``: ``every_n_steps`` times the first rung of ``ladder`` it reaches.
+
+    A ratio that is not finite (or not above any rung) samples at the densest interval.
+
+    Examples:
+        >>> from connmon.curvature.sampler import adaptive_interval
+        >>> [adaptive_interval(r, 20) for r in (1.3, 0.5, 0.3, 0.01, float("nan"))]
+        [20, 20, 60, 160, 20]
+    """
+    if math.isfinite(ratio):
+        for bound, factor in ladder:
+            if ratio >= bound:
+                return every_n_steps * factor
+    return every_n_steps * ladder[0][1]
+
+
+class SharpnessSampler(CopiesDetached):
+    """Reads the curvature against the optimizer's edge of stability on a cadence of optimizer steps.
+
+    Nothing of the training run changes: parameters (written from a saved copy for each product and copied back,
+    bitwise), gradients, optimizer state, random streams (forked) and buffers (restored) are as they were. Anything
+    it cannot measure (an unsupported optimizer, an error, running out of memory) turns it off for the run with one
+    warning, on every process alike; the training run goes on. Under ``torch.distributed`` every process reads its
+    own batch and the mean is logged (one all-reduce per sample; every process must drive the sampler on the same
+    steps).
+
+    Args:
+        every_n_steps: the densest interval: with ``cadence="fixed"``, sample at optimizer steps ``every_n_steps``,
+            ``2 every_n_steps``, ...; with ``"adaptive"``, the first sample is at ``every_n_steps`` and each sample
+            sets the next one's distance from its ratio (:func:`adaptive_interval`).
+        estimator: ``"gradient_difference"``, ``"lanczos"``, ``"difference"`` or ``"secant"`` (see the module
+            docstring).
+        lanczos_steps: Hessian-vector products per sample with ``"gradient_difference"`` and ``"lanczos"``.
+        budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample, the
+            sampler stretches every interval by ``k``, the smallest stride whose measured mean cost fits at the
+            densest interval (decided from the largest figures across processes, so identical everywhere, and saved
+            in :meth:`state_dict`). Said once per change.
+        cadence: ``"adaptive"`` or ``"fixed"``.
+        storage: ``"device"``, or ``"cpu"`` to keep a gradient-difference solve's six parameter-sized vectors in host
+            memory (see :func:`connmon.curvature.sharpness_ratio`).
+        owner: the entry point named in warnings.
+
+    Raises:
+        ValueError: for an invalid option (the message names the valid ones).
+
+    Examples:
+        >>> import torch
+        >>> from connmon.curvature.sampler import SharpnessSampler
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = torch.nn.Linear(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> sampler = SharpnessSampler(every_n_steps=2)
+        >>> sampler.attach(optimizer)
+        >>> x, y = torch.randn(64, 4), torch.randn(64, 1)
+        >>> loss_fn = lambda: torch.nn.functional.mse_loss(model(x), y)
+        >>> for step in range(4):
+        ...     _ = sampler.before_forward(step, loss_fn, model)
+        ...     optimizer.zero_grad()
+        ...     loss_fn().backward()
+        ...     values = sampler.before_step(step)
+        ...     optimizer.step()
+        >>> sampler.samples, round(sampler.last_values["connmon/sharpness_ratio"], 2)  # lr * lambda_max(H) / 2
+        (1, 0.15)
+        >>> sampler.last_values["connmon/curvature_interval"]  # far below the edge: 8 every_n_steps
+        16
+        >>> sampler.detach()
+    """
+
+    _not_copied = (("_hook", lambda: None),)  # a copy watches no optimizer until attached
+
+    def __init__(
+        self,
+        every_n_steps: int = 20,
+        estimator: Estimator = "gradient_difference",
+        lanczos_steps: int = 8,
+        budget: float | None = None,
+        cadence: Cadence = "adaptive",
+        storage: Storage = "device",
+        owner: str = "SharpnessSampler",
+    ) -> None:
+        check_int("every_n_steps", every_n_steps)
+        check_int("lanczos_steps", lanczos_steps)
+        check_budget(budget)
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got estimator={estimator!r}")
+        if cadence not in CADENCES:
+            raise ValueError(f"cadence must be one of {CADENCES}, got cadence={cadence!r}")
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {STORAGES}, got storage={storage!r}")
+        self.every_n_steps = every_n_steps
+        self.estimator = estimator
+        self.lanczos_steps = lanczos_steps
+        self.budget = budget
+        self.cadence = cadence
+        self.storage = storage
+        self.owner = owner
+        self.clock = CostClock("curvature")
+        self.off: str | None = None  # why the sampler is off for this run, if it is
+        self.samples = 0
+        self.stride = 1  # with a budget: every interval times stride
+        self.gradients = 0  # gradients of a step's batch the samples took (the cost in units of a training step's)
+        self.next_step: int | None = None  # adaptive: the next sampled step (None: the first, at every_n_steps)
+        self.held_until = 0  # no sample before this step: the rules watching the ratio are in their cooldown
+        self.last_values: dict[str, float] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._device = torch.device("cpu")
+        self._hook: Any = None
+        self._probe: UpdateProbe | None = None
+        self._probe_step = -1  # the step the probe's update leads to (read at that step)
+        self._stepped = False  # the probe's optimizer step happened
+        self._losses: list[Callable[[], Tensor]] = []  # the sampled step's micro-batches, read before its step
+        self._weights: list[float | None] = []  # each one's factor in the step's loss (None: 1 / k)
+        self._loss_step = -1  # the step they belong to
+        self._model: nn.Module | None = None
+        self._last_step: int | None = None  # the step last measured (once, however many micro-batches)
+        self._start_step: int | None = None  # the first step seen since attach (the clock's start)
+        self._failure: str | None = None  # why the pending probe could not be used
+        self._step_length = math.nan  # the gradient differences' last ||h w|| / ||theta||
+
+    @property
+    def reads_lanczos(self) -> bool:
+        """Whether the estimator is one of the Lanczos ones (the whole step's batch, read before its step)."""
+        return self.estimator in ("gradient_difference", "lanczos")
+
+    # --- life cycle -----------------------------------------------------------------------------------------------
+
+    def attach(self, optimizer: torch.optim.Optimizer, device: torch.device | str | None = None) -> None:
+        """Watch ``optimizer``'s steps (a step post-hook) and start the cost clock (:meth:`reset` starts a new run).
+
+        More than one optimizer, or an optimizer without a known edge of stability, turns the sampler off with one
+        warning.
+        """
+        self.detach()
+        self.off, self.last_values, self._last_step, self._start_step = None, {}, None, None
+        self.optimizer = optimizer = unwrap_optimizer(optimizer)
+        self._device = torch.device(device) if device is not None else _device_of(optimizer)
+        self.clock.to(self._device).start()
+        try:
+            check_optimizer(optimizer)
+        except ValueError as error:
+            self.turn_off(str(error))
+            return
+        self._hook = optimizer.register_step_post_hook(self._after_step)
+
+    def reset(self) -> None:
+        """A new run: no sample taken, the budget's stride back to 1, the cadence from its start."""
+        self.samples, self.stride, self.gradients, self.next_step, self.last_values = 0, 1, 0, None, {}
+        self.held_until = 0
+
+    def detach(self) -> None:
+        """Remove the optimizer hook and drop any pending probe (its parameter copy) and kept losses."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._probe = None
+        self._drop_losses()
+        self.clock.stop()
+
+    # --- the cadence ------------------------------------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (steps taken so far) is sampled."""
+        if self.off is not None or step <= 0 or step < self.held_until:
+            return False
+        if self.cadence == "fixed":
+            return step % (self.every_n_steps * self.stride) == 0
+        first = self.every_n_steps * self.stride
+        return step >= (self.next_step if self.next_step is not None else first)
+
+    def hold_for(self, rules: RuleSet) -> None:
+        """After its values went to ``rules``: no sample while none of its values could raise an alert.
+
+        Once the edge-of-stability rule has fired, it stays quiet for its ``cooldown`` (100 steps by default);
+        dense samples past the edge then buy nothing, and cost the most (a run past its edge is sampled at the
+        densest interval, with the noise check's second solve). So the next sample comes when a rule watching the
+        ratio can fire again (:meth:`connmon.alerts.RuleSet.ready_step`): that is also when a back-off is seen to
+        have worked or not. The approach to the edge, where the lead comes from, is sampled as before.
+        """
+        ready = rules.ready_step(keys_of(self.estimator)[0], self.every_n_steps * self.stride)
+        if ready is not None and ready > self.held_until:
+            self.held_until = ready
+
+    # --- events -----------------------------------------------------------------------------------------------------
+
+    def before_step(self, step: int) -> dict[str, float] | None:
+        """After the backward of the step that follows ``step`` steps, before ``optimizer.step()``.
+
+        A sampled step is read here with ``"gradient_difference"``, ``"lanczos"`` (on every micro-batch
+        :meth:`before_forward` kept) and ``"secant"`` (the values returned, as logged; None otherwise); with an
+        update estimator, the parameters are copied here when the next step is sampled.
+        """
+        if self.off is not None or self.optimizer is None:
+            return None
+        if self._start_step is None:
+            self._start_step = step
+        values = None
+        if self.reads_lanczos:
+            if self._losses and self._loss_step == step:
+                losses, weights, model = list(self._losses), _weights(self._weights), self._model
+                self._drop_losses()
+                values = self._read(step, lambda _: self._lanczos(losses, weights, model, step), needs_probe=False)
+            return values
+        if self.estimator == "secant" and self._probe is not None and self._probe_step == step:
+            values = self._read(step, lambda probe: probe.secant())
+        if self.due(step + 1) and self.off is None:
+            with self.clock.measuring():
+                try:
+                    self._probe, self._probe_step, self._stepped = UpdateProbe(self.optimizer), step + 1, False
+                except torch.OutOfMemoryError:
+                    self._probe = None
+                    self.turn_off("it ran out of memory copying the parameters (it holds one copy for one step)")
+        return values
+
+    def reads_forward(self, step: int) -> bool:
+        """Whether :meth:`before_forward` wants the loss at ``step`` (an entry point fetches the batch only then)."""
+        if self.off is not None or self.optimizer is None or self.estimator == "secant" or step == self._last_step:
+            return False
+        if self.estimator == "difference":
+            return self._probe is not None and self._probe_step == step
+        return self.due(step)
+
+    def before_forward(
+        self,
+        step: int,
+        loss_fn: Callable[[], Tensor] | None,
+        model: nn.Module | None = None,
+        weight: float | None = None,
+    ) -> dict[str, float] | None:
+        """Before a forward after ``step`` steps: keep the micro-batch's loss on a sampled step, or read "difference".
+
+        With the Lanczos estimators every micro-batch of a sampled step is kept (a closure over its batch) and read
+        together in :meth:`before_step`; ``"difference"`` reads the step's first batch here (the values returned).
+        ``weight`` is the factor the training step puts on this micro-batch's loss before its backward: None for a
+        per-micro-batch mean that the trainer divides by the number of micro-batches (Lightning, a plain loop that
+        divides by ``k``), ``1`` for a loss already normalised over the whole step (the Hugging Face ``Trainer``
+        with ``num_items_in_batch``), so the reading is of the loss the step trains on.
+        """
+        if not self.reads_forward(step):
+            return None
+        if loss_fn is None:
+            self.turn_off(f"estimator={self.estimator!r} needs a loss function (or use estimator='secant')")
+            return None
+        if self.estimator == "difference":
+            return self._read(step, lambda probe: probe.difference(loss_fn, model=model, seed=step))
+        if self._loss_step != step:
+            self._drop_losses()
+            self._loss_step = step
+        if len(self._losses) < _MAX_MICRO_BATCHES:
+            self._losses.append(loss_fn)
+            self._weights.append(weight)
+            self._model = model
+        return None
+
+    # --- state ------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Samples taken, the budget's stride, the gradients spent and the next sampled step."""
+        return {
+            "samples": self.samples,
+            "stride": self.stride,
+            "gradients": self.gradients,
+            "next_step": self.next_step,
+            "held_until": self.held_until,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.samples = int(state_dict.get("samples", 0))
+        self.stride = int(state_dict.get("stride", 1))
+        self.gradients = int(state_dict.get("gradients", 0))
+        next_step = state_dict.get("next_step")
+        self.next_step = int(next_step) if next_step is not None else None
+        self.held_until = int(state_dict.get("held_until", 0))
+
+    # --- workers ----------------------------------------------------------------------------------------------------
+
+    def _lanczos(
+        self, losses: list[Callable[[], Tensor]], weights: list[float] | None, model: nn.Module | None, step: int
+    ) -> Any:
+        products = "double_backward" if self.estimator == "lanczos" else "gradient_difference"
+        initial = self._step_length if 0 < self._step_length < 0.1 else None
+        result = sharpness_ratio(
+            losses, self.optimizer, steps=self.lanczos_steps, model=model, seed=step, products=products,
+            storage=self.storage, initial_step=initial, weights=weights,
+        )  # fmt: skip
+        if math.isfinite(result.step):
+            self._step_length = result.step  # the next sample's search starts here: fewer retaken products
+        return result
+
+    def _drop_losses(self) -> None:
+        self._losses, self._weights, self._loss_step, self._model = [], [], -1, None
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._probe is None or self._stepped or self.off is not None:
+            return
+        with self.clock.measuring():
+            try:
+                self._probe.stepped()
+                self._stepped = True
+            except Exception as error:  # never end the training run; _read reports it on every process
+                self._probe, self._failure = None, f"{type(error).__name__}: {error}"
+
+    def _read(self, step: int, read: Callable[[Any], Any], needs_probe: bool = True) -> dict[str, float] | None:
+        with self.clock.measuring():
+            self._last_step = step
+            if self._start_step is None:
+                self._start_step = step - 1
+            failure = self._failure
+            ratio, constant, gradients = math.nan, math.nan, 0
+            if failure is None and needs_probe and not self._stepped:
+                failure = "the optimizer did not step after its parameters were copied"
+            if failure is None:
+                try:
+                    with paused():
+                        result = read(self._probe)
+                    ratio, constant = result.ratio, result.constant
+                    gradients = getattr(result, "gradient_evaluations", 0)
+                except torch.OutOfMemoryError:
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    failure = "it ran out of memory"
+                except Exception as error:  # never end the training run
+                    failure = f"{type(error).__name__}: {error}"
+            self._probe, self._failure = None, None
+            measured = failure is None
+            total = torch.tensor([ratio if measured else 0.0, float(measured), float(not measured)],
+                                 dtype=torch.float64, device=self._device)  # fmt: skip
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                torch.distributed.all_reduce(total)  # every process takes part in exactly one reduction per sample
+            summed, count, failed = total.tolist()
+            if failed:
+                self.turn_off(failure or "it failed on another process (that process's warning says why)")
+                return None
+            ratio = summed / count
+            self.samples += 1
+            self.gradients += gradients
+        if self.budget is not None:
+            self._rebudget(step)
+        interval = self._schedule(step, ratio)
+        ratio_key, eigenvalue_key = keys_of(self.estimator)
+        values = {
+            ratio_key: ratio,
+            eigenvalue_key: ratio * constant,
+            INTERVAL_KEY: interval,
+            **overhead_values(self.clock, step - (self._start_step or 0)),
+        }
+        if self.reads_lanczos:  # the run's gradients (a resumed run's restored) over its optimizer steps so far
+            values[GRADIENTS_KEY] = self.gradients / max(step, 1)
+        self.last_values = values
+        return values
+
+    def _schedule(self, step: int, ratio: float) -> int:
+        """The steps to the next sample (the same on every process: ``ratio`` is their mean)."""
+        if self.cadence == "fixed":
+            return self.every_n_steps * self.stride
+        interval = adaptive_interval(ratio, self.every_n_steps) * self.stride
+        self.next_step = step + interval
+        return interval
+
+    def _rebudget(self, step: int) -> None:
+        """Choose the stride whose mean cost per sample fits the budget (the same on every process)."""
+        steps = max(step - (self._start_step or 0), 1)
+        cost, training = agreed(self.clock.spent / self.samples, self.clock.training / steps, device=self._device)
+        stride = stride_for(self.budget, cost, training * self.every_n_steps)
+        if stride != self.stride:
+            self.stride = stride
+            warn_rank_zero(
+                f"{self.owner}: budget {100 * self.budget:g}%: a curvature sample costs {cost:.3g} s and a training "
+                f"step {training:.3g} s, so its intervals are {stride} times longer (every_n_steps="
+                f"{self.every_n_steps} x {stride} at the densest)"
+            )
+
+    def turn_off(self, why: str) -> None:
+        """Stop sampling for the rest of this run (dropping any parameter copy), with one warning that says why."""
+        self.off = why
+        self._probe = None
+        self._drop_losses()
+        warn_rank_zero(f"{self.owner} is off for the rest of this run: {why}")
+
+
+def _weights(kept: list[float | None]) -> list[float] | None:
+    """The micro-batches' factors in the step's loss: None (their mean) unless one was given; a missing one is 1/k."""
+    if all(weight is None for weight in kept):
+        return None
+    return [1 / len(kept) if weight is None else weight for weight in kept]
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            return p.device
+    return torch.device("cpu")
