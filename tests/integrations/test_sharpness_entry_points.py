@@ -97,7 +97,7 @@ def test_plain_loop_options_are_checked():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="estimator='difference' reads a loss: pass loss_fn"):
         connmon.Monitor(optimizer=optimizer, sharpness=SharpnessSampler(estimator="difference"))
-    with pytest.raises(ValueError, match=r"sharpness must be a connmon\.integrations\.sharpness\.SharpnessSampler"):
+    with pytest.raises(ValueError, match=r"sharpness must be a connmon\.curvature\.sampler\.SharpnessSampler"):
         connmon.Monitor(optimizer=optimizer, sharpness="secant")
 
 
