@@ -354,7 +354,8 @@ class Monitor(CopiesDetached):
         self.clock.start()
         self._costs, self._first_step, self._start_step = {True: [0.0, 0], False: [0.0, 0]}, None, None
         if self.sharpness is not None and self._optimizer is not None:
-            self.sharpness.attach(self._optimizer, _device_of(model))
+            backoff = self.alerts.backoff if self.alerts is not None else None
+            self.sharpness.attach(self._optimizer, _device_of(model), backoff=backoff)
             if self._pre_hook is not None:
                 self._pre_hook.remove()
             self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)

@@ -40,11 +40,8 @@ def pending_lr_scale(optimizer: Any) -> float:
         >>> pending_lr_scale(optimizer), backoff.fire(step=0), pending_lr_scale(optimizer)
         (1.0, True, 0.5)
     """
-    optimizer = unwrap_optimizer(optimizer)
-    backoff = _ATTACHED.get(optimizer)
-    if backoff is None or id(optimizer) in backoff._saved:
-        return 1.0
-    return backoff.scale
+    backoff = _ATTACHED.get(unwrap_optimizer(optimizer))
+    return 1.0 if backoff is None else backoff.pending_scale(optimizer)
 
 
 class LearningRateBackoff(CopiesDetached):
@@ -108,6 +105,27 @@ class LearningRateBackoff(CopiesDetached):
             if _ATTACHED.get(optimizer) is self:
                 del _ATTACHED[optimizer]
         self._handles, self._optimizers = [], []
+
+    def pending_scale(self, optimizer: Any) -> float:
+        """The factor this back-off applies to ``optimizer``'s rates at its next step (1.0: none, or not attached).
+
+        Inside the step, where the groups already hold the scaled rate, it is 1.0: ``group["lr"] * pending_scale`` is
+        the rate the step applies, before, during and after it. The curvature is read at that rate
+        (``connmon.curvature.sharpness_ratio(..., lr_scale=...)``).
+
+        Examples:
+            >>> import torch
+            >>> from connmon.alerts import LearningRateBackoff
+            >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+            >>> backoff = LearningRateBackoff(factor=0.5)
+            >>> backoff.attach([optimizer])
+            >>> backoff.pending_scale(optimizer), backoff.fire(step=0), backoff.pending_scale(optimizer)
+            (1.0, True, 0.5)
+        """
+        optimizer = unwrap_optimizer(optimizer)
+        if not any(optimizer is attached for attached in self._optimizers) or id(optimizer) in self._saved:
+            return 1.0
+        return self.scale
 
     def fire(self, step: int) -> bool:
         """Back off at ``step`` unless within the cooldown of the last back-off; whether it did."""

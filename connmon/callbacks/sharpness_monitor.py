@@ -155,7 +155,8 @@ class SharpnessMonitor(Callback):
         if len(trainer.optimizers) != 1:
             self.sampler.turn_off(f"it needs exactly one optimizer, and the run has {len(trainer.optimizers)}")
             return
-        self.sampler.attach(trainer.optimizers[0], pl_module.device)
+        backoffs = [getattr(getattr(cb, "runner", None), "backoff", None) for cb in trainer.callbacks]  # DriftAlert's
+        self.sampler.attach(trainer.optimizers[0], pl_module.device, next((b for b in backoffs if b is not None), None))
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Before each forward of a sampled step: its batch kept (Lanczos), or the ``"difference"`` reading."""

@@ -11,7 +11,7 @@ the edge of stability*). For Adam, with one learning rate, the ratio is ``lr * l
 (1 - beta1))``, Cohen et al.'s preconditioned sharpness against its threshold.
 
 What ``U`` and ``c`` are, per optimizer (the state read is the optimizer's own, after its latest step; ``lr`` is the
-rate the next step applies: a :class:`connmon.alerts.LearningRateBackoff`'s scale is included):
+rate the step applies, times ``lr_scale`` where something scales it inside the step, as a learning-rate back-off does):
 
 * ``torch.optim.SGD``: ``U = lr (1 - dampening)`` with momentum (``lr`` without), ``c`` as above. ``weight_decay``
   adds ``weight_decay * I`` to ``H`` (it is part of the gradient).
@@ -52,7 +52,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
-from connmon.alerts.backoff import pending_lr_scale
 from connmon.curvature.products import (
     GRADIENT_CHANGE,
     PRODUCTS,
@@ -124,7 +123,7 @@ class StepGeometry:
     constant: float
 
 
-def step_geometry(optimizer: torch.optim.Optimizer) -> StepGeometry:
+def step_geometry(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0) -> StepGeometry:
     """The step sizes ``U``, coupled weight decay and stability constant ``c`` of ``optimizer`` after its latest step.
 
     Raises:
@@ -140,7 +139,7 @@ def step_geometry(optimizer: torch.optim.Optimizer) -> StepGeometry:
         ([0.1], 1.3571)
     """
     optimizer = unwrap_optimizer(optimizer)
-    sizes, constant = _step_sizes(optimizer)
+    sizes, constant = _step_sizes(optimizer, lr_scale)
     params, step_sizes, decay = [], [], []
     for p, size, wd in sizes:
         params.append(p)
@@ -163,8 +162,8 @@ def _sgd_constant(optimizer: torch.optim.SGD) -> float:
     return 2 * (1 + beta) / (1 + 2 * beta) if nesterov else 2 * (1 + beta)
 
 
-def _sgd_sizes(optimizer: torch.optim.SGD) -> Iterator[tuple[Tensor, float, float]]:
-    beta, scale = float(_one(optimizer.param_groups, "momentum")), pending_lr_scale(optimizer)
+def _sgd_sizes(optimizer: torch.optim.SGD, scale: float) -> Iterator[tuple[Tensor, float, float]]:
+    beta = float(_one(optimizer.param_groups, "momentum"))
     for group in optimizer.param_groups:
         dampening = group["dampening"] if beta else 0.0
         for p in group["params"]:
@@ -176,11 +175,12 @@ def _adam_constant(optimizer: torch.optim.Adam | torch.optim.AdamW) -> float:
     return 2 * (1 + float(_one(optimizer.param_groups, "betas")[0]))
 
 
-def _adam_sizes(optimizer: torch.optim.Adam | torch.optim.AdamW) -> Iterator[tuple[Tensor, Tensor, float]]:
+def _adam_sizes(
+    optimizer: torch.optim.Adam | torch.optim.AdamW, scale: float
+) -> Iterator[tuple[Tensor, Tensor, float]]:
     groups = optimizer.param_groups
     beta1, beta2 = (float(b) for b in _one(groups, "betas"))
     coupled = not isinstance(optimizer, torch.optim.AdamW) and not any(g.get("decoupled_weight_decay") for g in groups)
-    scale = pending_lr_scale(optimizer)  # a connmon back-off's, if one is attached: the rate the step applies
     for group in groups:
         for p in group["params"]:
             state = optimizer.state.get(p, {})
@@ -224,12 +224,17 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
     )
 
 
-def _step_sizes(optimizer: torch.optim.Optimizer) -> tuple[Iterator[tuple[Tensor, Tensor | float, float]], float]:
-    """``(parameter, U, coupled weight decay)`` one parameter at a time (no list of ``U``), and ``c``."""
+def _step_sizes(
+    optimizer: torch.optim.Optimizer, lr_scale: float = 1.0
+) -> tuple[Iterator[tuple[Tensor, Tensor | float, float]], float]:
+    """``(parameter, U, coupled weight decay)`` one parameter at a time (no list of ``U``), and ``c``.
+
+    ``lr_scale`` multiplies every group's ``lr``: the rate the step applies where a back-off scales it.
+    """
     optimizer = unwrap_optimizer(optimizer)
     if _kind(optimizer) == "sgd":
-        return _sgd_sizes(optimizer), _sgd_constant(optimizer)
-    return _adam_sizes(optimizer), _adam_constant(optimizer)
+        return _sgd_sizes(optimizer, lr_scale), _sgd_constant(optimizer)
+    return _adam_sizes(optimizer, lr_scale), _adam_constant(optimizer)
 
 
 def sharpness_ratio(
@@ -246,6 +251,7 @@ def sharpness_ratio(
     storage: Storage = "device",
     noise_check: bool = True,
     weights: Sequence[float] | None = None,
+    lr_scale: float = 1.0,
 ) -> Sharpness:
     """``lambda_max(U^1/2 H U^1/2) / c`` on the loss ``loss_fn()``: 1 is the optimizer's edge of stability.
 
@@ -291,6 +297,9 @@ def sharpness_ratio(
             change (up to twice); where it falls by more than 10% the first was round-off, and the lower reading
             stands (:data:`NOISE_CHECK_FROM`). It costs one more solve on such samples.
         weights: each micro-batch loss's factor in the step's loss (None: ``1 / len(loss_fn)``, their mean).
+        lr_scale: the factor on every group's ``lr`` that the next step applies beyond it (a
+            :class:`connmon.alerts.LearningRateBackoff`'s ``pending_scale(optimizer)``), so that the ratio is of the
+            rate the step applies.
 
     Raises:
         ValueError: for an unsupported optimizer (see :func:`step_geometry`), ``steps < 1``, a loss that is not a
@@ -326,7 +335,7 @@ def sharpness_ratio(
     if not loss_fns or not all(callable(f) for f in loss_fns):
         raise ValueError("loss_fn must be a callable or a non-empty sequence of callables, each returning the loss")
     step_weights(loss_fns, weights)  # checked before any gradient is taken
-    geometry = step_geometry(optimizer)
+    geometry = step_geometry(optimizer, lr_scale)
     params = geometry.params
     shards = Shards(params)  # an unsupported layout is refused here, before any forward
     if shards.sharded and model is None:
@@ -473,10 +482,11 @@ class UpdateProbe:
         1.0
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_scale: float = 1.0) -> None:
         optimizer = unwrap_optimizer(optimizer)
         _kind(optimizer)
         self.optimizer = optimizer
+        self._lr_scale = lr_scale  # the factor the step about to be taken applies beyond every group's lr
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         with torch.no_grad():
             self._before = [p.detach().clone() for p in self.params]
@@ -493,7 +503,7 @@ class UpdateProbe:
         Raises:
             ValueError: if the update is zero (a learning rate of 0, or every gradient None).
         """
-        sizes, self._constant = _step_sizes(self.optimizer)
+        sizes, self._constant = _step_sizes(self.optimizer, self._lr_scale)
         index = {id(p): i for i, p in enumerate(self.params)}
         sums = _Sums(4)  # u^T U^-1 u, u^T u wd, g_t . u, |g_t|^2 (clipped, if it was)
         with torch.no_grad():

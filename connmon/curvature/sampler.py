@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -57,9 +57,11 @@ from connmon._cost import CostClock, agreed, check_budget, overhead_values, stri
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon._ranks import warn_rank_zero
-from connmon.alerts.rules import RuleSet
 from connmon.capture import paused
 from connmon.curvature import STORAGES, Storage, UpdateProbe, check_optimizer, sharpness_ratio
+
+if TYPE_CHECKING:  # the rules are handed in by the entry points: the curvature imports nothing from alerts/
+    from connmon.alerts.rules import RuleSet
 
 Estimator = Literal["gradient_difference", "lanczos", "difference", "secant"]
 ESTIMATORS: tuple[Estimator, ...] = ("gradient_difference", "lanczos", "difference", "secant")
@@ -197,6 +199,7 @@ class SharpnessSampler(CopiesDetached):
         self.held_until = 0  # no sample before this step: the rules watching the ratio are in their cooldown
         self.last_values: dict[str, float] = {}
         self.optimizer: torch.optim.Optimizer | None = None
+        self.backoff: Any = None  # a LearningRateBackoff scaling the optimizer's rate inside its steps
         self._device = torch.device("cpu")
         self._hook: Any = None
         self._probe: UpdateProbe | None = None
@@ -218,13 +221,17 @@ class SharpnessSampler(CopiesDetached):
 
     # --- life cycle -----------------------------------------------------------------------------------------------
 
-    def attach(self, optimizer: torch.optim.Optimizer, device: torch.device | str | None = None) -> None:
+    def attach(
+        self, optimizer: torch.optim.Optimizer, device: torch.device | str | None = None, backoff: Any = None
+    ) -> None:
         """Watch ``optimizer``'s steps (a step post-hook) and start the cost clock (:meth:`reset` starts a new run).
 
         More than one optimizer, or an optimizer without a known edge of stability, turns the sampler off with one
-        warning.
+        warning. ``backoff``, a :class:`connmon.alerts.LearningRateBackoff` that scales this optimizer's rate inside
+        its steps: the readings are of the rate the step applies (its ``pending_scale``).
         """
         self.detach()
+        self.backoff = backoff
         self.off, self.last_values, self._last_step, self._start_step = None, {}, None, None
         self.optimizer = optimizer = unwrap_optimizer(optimizer)
         self._device = torch.device(device) if device is not None else _device_of(optimizer)
@@ -299,7 +306,8 @@ class SharpnessSampler(CopiesDetached):
         if self.due(step + 1) and self.off is None:
             with self.clock.measuring():
                 try:
-                    self._probe, self._probe_step, self._stepped = UpdateProbe(self.optimizer), step + 1, False
+                    probe = UpdateProbe(self.optimizer, self._lr_scale())
+                    self._probe, self._probe_step, self._stepped = probe, step + 1, False
                 except torch.OutOfMemoryError:
                     self._probe = None
                     self.turn_off("it ran out of memory copying the parameters (it holds one copy for one step)")
@@ -375,11 +383,15 @@ class SharpnessSampler(CopiesDetached):
         initial = self._step_length if 0 < self._step_length < 0.1 else None
         result = sharpness_ratio(
             losses, self.optimizer, steps=self.lanczos_steps, model=model, seed=step, products=products,
-            storage=self.storage, initial_step=initial, weights=weights,
+            storage=self.storage, initial_step=initial, weights=weights, lr_scale=self._lr_scale(),
         )  # fmt: skip
         if math.isfinite(result.step):
             self._step_length = result.step  # the next sample's search starts here: fewer retaken products
         return result
+
+    def _lr_scale(self) -> float:
+        """The factor the attached back-off applies beyond the groups' rates at the next step (1.0: none)."""
+        return self.backoff.pending_scale(self.optimizer) if self.backoff is not None else 1.0
 
     def _drop_losses(self) -> None:
         self._losses, self._weights, self._loss_step, self._model = [], [], -1, None

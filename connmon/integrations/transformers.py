@@ -150,7 +150,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         optimizer = kwargs.get("optimizer") or self.trainer.optimizer
         if self.sharpness is not None:
             self.sharpness.reset()
-            self.sharpness.attach(optimizer)
+            self.sharpness.attach(optimizer, backoff=self.monitor.alerts.backoff if self.monitor.alerts else None)
         if model is None or not self.monitor.attach(model, optimizer):  # the optimizer: for the alerts' "backoff"
             return
         self.monitor.sink = _wandb_sink(args)

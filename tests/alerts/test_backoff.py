@@ -116,8 +116,9 @@ def test_the_edge_ratio_reads_the_rate_the_backed_off_step_applies():
     loss_fn = lambda: 0.5 * w @ hessian @ w  # noqa: E731
     exact = 0.1 * torch.linalg.eigvalsh(hessian)[-1].item() / (2 * 1.9)
 
-    def ratio() -> float:
-        return sharpness_ratio(loss_fn, optimizer, steps=6, products="double_backward").ratio
+    def ratio() -> float:  # the rate is passed in, as the sampler does: the math reads no back-off itself
+        scale = backoff.pending_scale(optimizer)
+        return sharpness_ratio(loss_fn, optimizer, steps=6, products="double_backward", lr_scale=scale).ratio
 
     backoff = LearningRateBackoff(factor=0.5)
     backoff.attach([optimizer])
@@ -132,3 +133,35 @@ def test_the_edge_ratio_reads_the_rate_the_backed_off_step_applies():
     assert optimizer.param_groups[0]["lr"] == 0.1 and ratio() == pytest.approx(0.5 * exact, rel=1e-9)
     backoff.detach()
     assert pending_lr_scale(optimizer) == 1.0 and ratio() == pytest.approx(exact, rel=1e-9)
+
+
+def test_every_entry_point_hands_its_back_off_to_the_curvature_sampler():
+    """The rate a back-off applies is passed in: the sampler reads its pending scale, never a global registry."""
+    import lightning as L
+
+    import connmon
+    from connmon.alerts import AlertRunner, edge_of_stability_rule
+    from connmon.callbacks import DriftAlert, SharpnessMonitor
+    from connmon.curvature.sampler import SharpnessSampler
+    from tests.callbacks.ddp_run import next_token_loss
+    from tests.callbacks.lightning_models import LitGPT, loader
+    from tests.capture.models import TinyGPT
+
+    model = TinyGPT()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    runner = AlertRunner([edge_of_stability_rule()], actions=("backoff",))
+    monitor = connmon.Monitor(model, optimizer=optimizer, sharpness=SharpnessSampler(), alerts=runner,
+                              loss_fn=lambda m, b: m(b).mean())  # fmt: skip
+    assert monitor.sharpness.backoff is runner.backoff and monitor.sharpness._lr_scale() == 1.0
+    runner.backoff.fire(step=0)
+    assert monitor.sharpness._lr_scale() == 0.5  # the scale the next step applies
+    monitor.close()
+
+    drift = DriftAlert(actions=("backoff",))
+    sharpness = SharpnessMonitor(next_token_loss, every_n_steps=2)
+    trainer = L.Trainer(
+        max_steps=2, callbacks=[sharpness, drift], logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
+    )  # fmt: skip
+    trainer.fit(LitGPT(), loader())
+    assert sharpness.sampler.backoff is drift.runner.backoff
