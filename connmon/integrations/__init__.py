@@ -9,6 +9,8 @@
 
 from typing import Any
 
+from connmon._moved import moved
+
 _MOVED = {
     "DIAGNOSTICS": "connmon.monitor",
     "Diagnostic": "connmon.monitor",
@@ -22,12 +24,4 @@ _MOVED = {
 def __getattr__(name: str) -> Any:
     if name not in _MOVED:
         raise AttributeError(f"module 'connmon.integrations' has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    warnings.warn(
-        f"connmon.integrations.{name} moved to {_MOVED[name]}.{name}; the old path goes in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(_MOVED[name]), name)
+    return moved("connmon.integrations", name, _MOVED[name])

@@ -5,20 +5,12 @@ These names keep working for one release, each with a ``DeprecationWarning`` tha
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
-_MOVED = ("DIAGNOSTICS", "SAMPLING_OPTIONS", "Diagnostic", "LogFn", "Monitor")
+from connmon._moved import moved
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _MOVED:
+    if name not in ("DIAGNOSTICS", "SAMPLING_OPTIONS", "Diagnostic", "LogFn", "Monitor"):
         raise AttributeError(f"module 'connmon.integrations.monitor' has no attribute {name!r}")
-    warnings.warn(
-        f"connmon.integrations.monitor.{name} moved to connmon.monitor.{name}; the old path goes in the next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    import connmon.monitor
-
-    return getattr(connmon.monitor, name)
+    return moved("connmon.integrations.monitor", name, "connmon.monitor")

@@ -5,8 +5,9 @@ These names keep working for one release, each with a ``DeprecationWarning`` tha
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
+
+from connmon._moved import moved
 
 
 def __getattr__(name: str) -> Any:
@@ -14,10 +15,4 @@ def __getattr__(name: str) -> Any:
 
     if name.startswith("_") or not hasattr(connmon.curvature.sampler, name):
         raise AttributeError(f"module 'connmon.integrations.sharpness' has no attribute {name!r}")
-    warnings.warn(
-        f"connmon.integrations.sharpness.{name} moved to connmon.curvature.sampler.{name}; the old path goes in the "
-        "next release",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(connmon.curvature.sampler, name)
+    return moved("connmon.integrations.sharpness", name, "connmon.curvature.sampler")
