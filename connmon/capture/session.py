@@ -192,12 +192,12 @@ class CaptureSession:
         if not self.wants(module):
             return
         pending = self.pending(module)
-        if heads_over is not None and pending.probs is not None:
-            pending.probs = torch.cat(_gathered(heads_over, pending.probs), dim=1)  # (B_s, H, m, m), head order
-            maxima = _gathered(heads_over, pending.max_logit)
-            pending.max_logit = torch.stack(maxima).amax(dim=0)
-            pending.key_mask = torch.stack(_gathered(heads_over, pending.key_mask.to(torch.uint8))).any(dim=0)
         with self.guarded(module):
+            if heads_over is not None and pending.probs is not None:
+                pending.probs = torch.cat(_gathered(heads_over, pending.probs), dim=1)  # (B_s, H, m, m), head order
+                maxima = _gathered(heads_over, pending.max_logit)
+                pending.max_logit = torch.stack(maxima).amax(dim=0)
+                pending.key_mask = torch.stack(_gathered(heads_over, pending.key_mask.to(torch.uint8))).any(dim=0)
             if x is not None:
                 pending.x = self.take(x)
             if output is not None:
