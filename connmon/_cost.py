@@ -24,6 +24,7 @@ import math
 import time
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -190,6 +191,25 @@ def summary(clock: CostClock, owner: str) -> str:
         f"{owner} cost {100 * clock.fraction:.2f}% of training time ({clock.spent:.2f} s in connmon against "
         f"{clock.training:.1f} s of training)"
     )
+
+
+def cost_line(owner: str, clock: CostClock, sharpness: Any = None) -> str:
+    """What an entry point says its monitors cost at the end of a run, in one line (every entry point says this).
+
+    Args:
+        owner: the entry point.
+        clock: its attention monitor's clock.
+        sharpness: its curvature sampler (anything with a ``.clock``), or None.
+
+    Examples:
+        >>> from connmon._cost import CostClock, cost_line
+        >>> cost_line("connmon.Monitor", CostClock("attention"))
+        'connmon.Monitor cost nothing measurable (no sample was taken)'
+    """
+    line = summary(clock, owner)
+    if sharpness is not None:
+        line += "; " + summary(sharpness.clock, "its curvature samples")
+    return line
 
 
 def stride_for(budget: float, cost: float, interval: float) -> int:

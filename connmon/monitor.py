@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from connmon import keys
 from connmon._copying import CopiesDetached
-from connmon._cost import CostClock, agreed, overhead_values, summary
+from connmon._cost import CostClock, agreed, cost_line, overhead_values
 from connmon._optimizer import unwrap_optimizer
 from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
@@ -292,8 +292,8 @@ class Monitor(CopiesDetached):
         points = self.alerts.restore_points if self.alerts is not None else None
         if points is None or points.due is None:
             return None
-        due, path = points.due, rank_zeros(points.path(step))
-        try:
+
+        def write(path: str) -> None:
             if points.save is not None:
                 points.save(path, step)
             elif is_rank_zero():
@@ -305,17 +305,8 @@ class Monitor(CopiesDetached):
                     "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
                     "connmon": self.state_dict(),
                 }, path)  # fmt: skip
-        except Exception as error:  # a full disk or a failing hook must not end the training run
-            points.due = None
-            warn_rank_zero(f"{self.owner} could not save the restore point {path}: {type(error).__name__}: {error}")
-            return None
-        for old in points.saved(path):
-            if is_rank_zero() and os.path.isdir(old):
-                shutil.rmtree(old, ignore_errors=True)
-            elif is_rank_zero():
-                _remove(old)
-        warn_rank_zero(f"{self.owner} saved a restore point after step {step} (alert at step {due}): {path}")
-        return path
+
+        return points.save_due(step, rank_zeros(points.path(step)), write, _remove, owner=self.owner)
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Find ``model``'s attention layers and build the accumulators on its device; False (and one warning) if none.
@@ -359,12 +350,8 @@ class Monitor(CopiesDetached):
             if self._pre_hook is not None:
                 self._pre_hook.remove()
             self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
-        if self.alerts is not None and self.alerts.backoff is not None:
-            if self._optimizer is None:
-                warn_rank_zero(f"{self.owner}: the 'backoff' action scales the optimizer's learning rate, and no "
-                               "optimizer was given (optimizer=...): no back-off in this run")  # fmt: skip
-            else:
-                self.alerts.backoff.attach([self._optimizer])
+        if self.alerts is not None:
+            self.alerts.attach([self._optimizer] if self._optimizer is not None else [], self.owner)
         if self._pending_drift_state is not None and "drift" in self.metrics:
             self.metrics["drift"].set_extra_state(self._pending_drift_state)
             self._pending_drift_state = None
@@ -385,8 +372,8 @@ class Monitor(CopiesDetached):
             self._pre_hook = None
         if self.sharpness is not None:
             self.sharpness.detach()
-        if self.alerts is not None and self.alerts.backoff is not None:
-            self.alerts.backoff.detach()
+        if self.alerts is not None:
+            self.alerts.detach()
         self.clock.stop()
 
     def cost_summary(self) -> str:
@@ -397,10 +384,7 @@ class Monitor(CopiesDetached):
             >>> connmon.Monitor(every_n_steps=10).cost_summary()
             'connmon.Monitor cost nothing measurable (no sample was taken)'
         """
-        line = summary(self.clock, self.owner)
-        if self.sharpness is not None:
-            line += "; " + summary(self.sharpness.clock, "its curvature samples")
-        return line
+        return cost_line(self.owner, self.clock, self.sharpness)
 
     def state_dict(self) -> dict[str, Any]:
         """Sampling cadence, each layer's previous sample (time drift) and the alert rules' state."""
@@ -817,5 +801,10 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _remove(path: str) -> None:
+    """Rank zero removes a restore point (a file, or a folder that a ``save`` hook wrote)."""
+    if not is_rank_zero():
+        return
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.remove(path)

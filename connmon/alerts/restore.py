@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from connmon._options import check_callable, check_choice, check_number
-from connmon._ranks import warn_rank_zero
+from connmon._ranks import rank_zeros, warn_rank_zero
 from connmon.alerts.rules import LEVELS, Alert, Level
 
 
@@ -109,6 +109,57 @@ class RestorePoints:
     def foreign(self, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` exists and is not a restore point this run wrote (not to be written over or removed)."""
         return os.path.exists(path) and os.fspath(path) not in self.paths
+
+    def save_due(
+        self,
+        step: int,
+        path: str,
+        write: Callable[[str], Any],
+        remove: Callable[[str], Any] | None = None,
+        *,
+        owner: str,
+        saves: str = "saved",
+    ) -> str | None:
+        """The ``"checkpoint"`` action, for every entry point: save the restore point asked for, rotate, say where.
+
+        Every process calls it at the same step (the request comes from synced values) with the same ``path`` (rank
+        zero's name). A ``path`` holding what this run did not write is left alone (nothing saved, one warning);
+        else ``write(path)`` saves it (the entry point's own way: ``trainer.save_checkpoint``, the Hugging Face
+        ``Trainer``'s saving, ``torch.save``), ``remove(old)`` removes each restore point beyond ``keep``, and one
+        line says where. A ``write`` that raises is reported and the run goes on. Returns the path, or None.
+
+        Examples:
+            >>> import warnings
+            >>> from connmon.alerts import RestorePoints
+            >>> points, written = RestorePoints(keep=1, dirpath="/tmp/run"), []
+            >>> points.due = 7
+            >>> with warnings.catch_warnings(record=True) as said:
+            ...     points.save_due(8, "/tmp/run/step=8.ckpt", written.append, owner="my loop")
+            '/tmp/run/step=8.ckpt'
+            >>> written, points.due, str(said[0].message)
+            (['/tmp/run/step=8.ckpt'], None, 'my loop saved a restore point after step 8 (alert at step 7): /tmp/run/step=8.ckpt')
+        """  # noqa: E501
+        if self.due is None:
+            return None
+        due = self.due
+        if rank_zeros(self.foreign(path)):
+            self.due = None
+            warn_rank_zero(
+                f"{owner}: no restore point after step {step} (alert at step {due}): {path} holds a checkpoint this "
+                "run did not write, and it is not written over; give each run its own output folder"
+            )
+            return None
+        try:
+            write(path)
+        except Exception as error:  # a full disk or a failing hook must not end the training run
+            self.due = None
+            warn_rank_zero(f"{owner} could not save the restore point {path}: {type(error).__name__}: {error}")
+            return None
+        for old in self.saved(path):
+            if remove is not None:
+                remove(old)
+        warn_rank_zero(f"{owner} {saves} a restore point after step {step} (alert at step {due}): {path}")
+        return path
 
     def saved(self, path: str) -> list[str]:
         """Record that ``path`` was saved (the request is met); returns the older paths to remove beyond ``keep``."""

@@ -130,6 +130,37 @@ class AlertRunner:
         stop = "stop" in self.actions and any(LEVELS.index(a.level) >= threshold for a in alerts)
         return alerts, stop
 
+    def attach(self, optimizers: Sequence[Any], owner: str) -> None:
+        """The ``"backoff"`` action, for every entry point: its hooks on ``optimizers`` (one warning if there are none).
+
+        Examples:
+            >>> import torch
+            >>> from connmon.alerts import AlertRunner
+            >>> optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+            >>> runner = AlertRunner([], actions=("backoff",))
+            >>> runner.attach([optimizer], owner="my loop")
+            >>> len(optimizer._optimizer_step_pre_hooks), runner.detach(), len(optimizer._optimizer_step_pre_hooks)
+            (1, None, 0)
+        """
+        if self.backoff is None:
+            return
+        if not optimizers:
+            warn_rank_zero(
+                f"{owner}: the 'backoff' action scales the optimizer's learning rate, and no optimizer was given "
+                "(optimizer=...): no back-off in this run"
+            )
+            return
+        self.backoff.attach(list(optimizers))
+
+    def detach(self) -> None:
+        """Remove the back-off's optimizer hooks (the run is over)."""
+        if self.backoff is not None:
+            self.backoff.detach()
+
+    def say_stop(self, owner: str, step: int) -> None:
+        """The ``"stop"`` action's one line, said by the entry point that stops its trainer (rank zero)."""
+        warn_rank_zero(f"{owner} stops the run at step {step} (an alert at level >= {self.stop_level})")
+
     def counts(self, alerts: Sequence[Alert]) -> dict[str, float]:
         """The alert counts to log beside a sample (``connmon/alerts/count``, ``/total``; ``connmon/lr_scale``)."""
         counts = {keys.ALERT_COUNT: float(len(alerts)), keys.ALERT_TOTAL: float(self.total)}

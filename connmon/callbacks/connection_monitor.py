@@ -6,11 +6,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import WandbLogger  # imports wandb only when a run starts
 from lightning.pytorch.utilities import rank_zero_warn
 
 from connmon._copying import CopiesDetached
 from connmon.callbacks._cost import say_cost
+from connmon.loggers.wandb import find_sink
 from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor, SamplingOptions
 
 
@@ -114,7 +114,7 @@ class ConnectionMonitor(CopiesDetached, Callback):
         self._restored = False
         self._first_micro_batch = True
         self._trainer = trainer
-        self.monitor.sink = self._wandb_sink(trainer)
+        self.monitor.sink = find_sink(trainer.loggers)
         if not self.monitor.attach(pl_module):
             return
         if not trainer.loggers:
@@ -193,15 +193,6 @@ class ConnectionMonitor(CopiesDetached, Callback):
     def _log_to_loggers(self, values: dict[str, float], step: int) -> None:
         for logger in self._trainer.loggers if self._trainer is not None else ():
             logger.log_metrics(values, step=step)
-
-    @staticmethod
-    def _wandb_sink(trainer: Trainer) -> Any:
-        for logger in trainer.loggers:
-            if isinstance(logger, WandbLogger):
-                from connmon.loggers.wandb import WandbSink
-
-                return WandbSink(logger)
-        return None
 
 
 _DELEGATED = frozenset((*SAMPLING_OPTIONS, "samples", "last_sampled_step"))

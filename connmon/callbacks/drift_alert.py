@@ -8,7 +8,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
@@ -26,6 +25,7 @@ from connmon.alerts import (
 )
 from connmon.callbacks.connection_monitor import ConnectionMonitor
 from connmon.callbacks.sharpness_monitor import SharpnessMonitor
+from connmon.loggers.wandb import find_sink
 
 
 class DriftAlert(Callback):
@@ -136,19 +136,11 @@ class DriftAlert(Callback):
             self._listening_curvature = curvature[0]
         if self.runner.restore_points is not None:
             self._restore_root = trainer.strategy.broadcast(_restore_root(trainer))
-        self._wandb = None
-        if "wandb" in self.runner.actions:
-            for logger in trainer.loggers:
-                if isinstance(logger, WandbLogger):
-                    from connmon.loggers.wandb import WandbSink
-
-                    self._wandb = WandbSink(logger)
-                    break
+        self._wandb = find_sink(trainer.loggers) if "wandb" in self.runner.actions else None
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """With ``"backoff"``: scale the learning rate inside the optimizers' steps once a back-off fired."""
-        if self.runner.backoff is not None:
-            self.runner.backoff.attach(trainer.optimizers)
+        self.runner.attach(trainer.optimizers, "DriftAlert")
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Note the step, to save a restore point only once the optimizer has stepped (after a whole batch)."""
@@ -162,8 +154,7 @@ class DriftAlert(Callback):
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove the back-off's optimizer hooks."""
-        if self.runner.backoff is not None:
-            self.runner.backoff.detach()
+        self.runner.detach()
 
     def state_dict(self) -> dict[str, Any]:
         """The rules' state, the alert count and the back-off's scale."""
@@ -192,7 +183,7 @@ class DriftAlert(Callback):
             points.due = step if points.due is None else points.due
         if "stop" in self.runner.actions and trainer.strategy.reduce_boolean_decision(stop, all=False):
             trainer.should_stop = True
-            rank_zero_warn(f"DriftAlert stops the run at step {step} (an alert at level >= {self.runner.stop_level})")
+            self.runner.say_stop("DriftAlert", step)
 
     def _save_restore_point(self, trainer: Trainer) -> None:
         points = self.runner.restore_points
@@ -200,17 +191,9 @@ class DriftAlert(Callback):
             return  # nothing asked, or inside a step (its first micro-batches): after the optimizer steps
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        due, step = points.due, trainer.global_step
+        step = trainer.global_step
         path = trainer.strategy.broadcast(points.path(step, root=self._restore_root))  # rank zero's name everywhere
-        try:
-            trainer.save_checkpoint(path)
-        except Exception as error:  # a full disk must not end the training run
-            points.due = None
-            rank_zero_warn(f"DriftAlert could not save the restore point {path}: {type(error).__name__}: {error}")
-            return
-        for old in points.saved(path):
-            trainer.strategy.remove_checkpoint(old)
-        rank_zero_warn(f"DriftAlert saved a restore point after step {step} (alert at step {due}): {path}")
+        points.save_due(step, path, trainer.save_checkpoint, trainer.strategy.remove_checkpoint, owner="DriftAlert")
 
 
 def _restore_root(trainer: Trainer) -> str:

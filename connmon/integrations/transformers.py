@@ -15,10 +15,11 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from connmon._cost import overhead_values, summary
-from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
+from connmon._cost import cost_line, overhead_values
+from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.curvature.sampler import SharpnessSampler
+from connmon.loggers.wandb import find_sink
 from connmon.monitor import DIAGNOSTICS, Diagnostic, Monitor, SamplingOptions
 
 _LOG = logging.getLogger(__name__)
@@ -231,25 +232,16 @@ class ConnectionMonitorCallback(TrainerCallback):
         points = self.monitor.alerts.restore_points if self.monitor.alerts is not None else None
         if points is not None and points.due is not None:  # "checkpoint": the Trainer saves at the end of this step
             folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            if rank_zeros(points.foreign(folder)):  # the Trainer would write over another run's checkpoint folder
-                points.due = None
-                warn_rank_zero(
-                    f"ConnectionMonitorCallback: no restore point after step {state.global_step} (an alert): {folder} "
-                    "holds a checkpoint this run did not write, and the Trainer would save over it; give each run "
-                    "its own output_dir"
-                )
-            else:
-                control.should_save = True
-                points.saved(str(folder))  # the Trainer rotates its checkpoints itself (save_total_limit)
-                warn_rank_zero(
-                    f"ConnectionMonitorCallback: the Trainer saves a restore point after step {state.global_step} "
-                    f"(an alert): {folder}"
-                )
+            points.save_due(
+                state.global_step,
+                str(folder),
+                lambda path: setattr(control, "should_save", True),
+                owner="ConnectionMonitorCallback: the Trainer",
+                saves="saves",
+            )  # fmt: skip (the Trainer rotates its checkpoints itself, by save_total_limit)
         if self.monitor.should_stop and not control.should_training_stop:
             control.should_training_stop = True
-            warn_rank_zero(
-                f"ConnectionMonitorCallback stops training at step {state.global_step} (an alert at its stop level)"
-            )
+            self.monitor.alerts.say_stop("ConnectionMonitorCallback", state.global_step)
         return control
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
@@ -264,14 +256,12 @@ class ConnectionMonitorCallback(TrainerCallback):
         """Remove every hook; log and say what connmon cost."""
         self._forward_done()
         self._drop_batch_hook()
-        if self.monitor.alerts is not None and self.monitor.alerts.backoff is not None:
-            self.monitor.alerts.backoff.detach()
+        if self.monitor.alerts is not None:
+            self.monitor.alerts.detach()
         clocks = [self.monitor.clock] + ([self.sharpness.clock] if self.sharpness is not None else [])
         if any(clock.sections for clock in clocks):
             self._log({k: v for clock in clocks for k, v in overhead_values(clock).items()}, state.global_step)
-        line = self.monitor.cost_summary()
-        if self.sharpness is not None:
-            line += "; " + summary(self.sharpness.clock, "its curvature samples")
+        line = cost_line(self.monitor.owner, self.monitor.clock, self.sharpness)
         _LOG.info("connmon: %s", line)
         for clock in clocks:
             clock.stop()
@@ -360,14 +350,12 @@ def _latest_logged(state: TrainerState) -> dict[str, float]:
 
 
 def _wandb_sink(args: TrainingArguments) -> Any:
-    """A sink for histograms and figures on the run the Trainer's W&B integration opened, if any."""
+    """The run the Trainer's W&B integration opened, if any."""
     if "wandb" not in (args.report_to or []):
         return None
     import wandb
 
-    from connmon.loggers.wandb import WandbSink
-
-    return WandbSink(wandb.run, step_key=STEP_KEY, prefix=PREFIX) if wandb.run is not None else None
+    return find_sink(wandb.run, step_key=STEP_KEY, prefix=PREFIX)
 
 
 __all__ = ["DIAGNOSTICS", "ConnectionMonitorCallback"]

@@ -94,6 +94,28 @@ class WandbSink:
         self._guard("an alert", send)
 
 
+def find_sink(source: Any, step_key: str | None = STEP, prefix: str = "") -> WandbSink | None:
+    """The W&B sink of an entry point, or None: every entry point finds its run here.
+
+    Args:
+        source: a sequence of Lightning loggers (its first ``WandbLogger``, read lazily: the run opens when the
+            logger does), or a ``wandb`` run, or None.
+        step_key: as :class:`WandbSink`'s.
+        prefix: as :class:`WandbSink`'s.
+
+    Examples:
+        >>> from lightning.pytorch.loggers import CSVLogger
+        >>> from connmon.loggers.wandb import find_sink
+        >>> find_sink([CSVLogger("/tmp/logs")]) is None
+        True
+    """
+    if isinstance(source, (list, tuple)):
+        from lightning.pytorch.loggers import WandbLogger
+
+        source = next((logger for logger in source if isinstance(logger, WandbLogger)), None)
+    return None if source is None else WandbSink(source, step_key=step_key, prefix=prefix)
+
+
 def _numbers(values: Tensor | list[float]) -> list[float]:
     if isinstance(values, Tensor):
         values = values.detach().cpu().double().reshape(-1)
