@@ -21,14 +21,17 @@ import torch
 from torch import Tensor, nn
 
 from connmon import keys
+from connmon._budget import FullSampleBudget
 from connmon._copying import CopiesDetached
-from connmon._cost import CostClock, agreed, cost_line, overhead_values
+from connmon._cost import CostClock, cost_line, overhead_values
 from connmon._optimizer import unwrap_optimizer
+from connmon._probe import device_of, probing, read_beside, run_forward
 from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
-from connmon.capture import AttentionRecord, armed, attention_layers, python_attention_path
+from connmon.capture import AttentionRecord, armed, attention_layers
 from connmon.capture.session import CaptureSession, Layer
 from connmon.curvature.sampler import SharpnessSampler
+from connmon.loggers.panels import write_panels
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
 from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingOptions
 
@@ -200,9 +203,9 @@ class Monitor(CopiesDetached):
         self._pending_drift_state: dict | None = None
         self._drift_before: dict | None = None  # the time-drift references before the armed sample
         self._listeners: list[Callable[[int, dict[str, float]], None]] = []
-        self._costs = {True: [0.0, 0], False: [0.0, 0]}  # full?: [seconds, samples] this run
+        budget = options.budget
+        self._budget = None if budget is None else FullSampleBudget(budget, options.every_n_steps, owner)
         self._sample_began = 0.0  # the clock's spent seconds when the current sample was armed
-        self._first_step: int | None = None
         self._start_step: int | None = None  # the first step asked about since attach: where training time starts
         self.sharpness = sharpness
         self.loss_fn = loss_fn
@@ -254,7 +257,7 @@ class Monitor(CopiesDetached):
             yield False
             return
         if hasattr(model, "_orig_mod"):  # torch.compile'd: its graph stays as compiled, the batch is read beside it
-            with self._read_beside(model, step, rule_values):
+            with read_beside(model, lambda original, forward: self.run_probe(original, step, rule_values, forward)):
                 yield True
             return
         self.arm(model)
@@ -341,12 +344,14 @@ class Monitor(CopiesDetached):
             "drift": lambda: DriftMetrics(num_layers),
         }
         self.metrics = {name: groups[name]() for name in self.diagnostics}
-        self.to(_device_of(model))
+        self.to(device_of(model))
         self.clock.start()
-        self._costs, self._first_step, self._start_step = {True: [0.0, 0], False: [0.0, 0]}, None, None
+        self._start_step = None
+        if self._budget is not None:
+            self._budget.reset()
         if self.sharpness is not None and self._optimizer is not None:
             backoff = self.alerts.backoff if self.alerts is not None else None
-            self.sharpness.attach(self._optimizer, _device_of(model), backoff=backoff)
+            self.sharpness.attach(self._optimizer, device_of(model), backoff=backoff)
             if self._pre_hook is not None:
                 self._pre_hook.remove()
             self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -510,53 +515,20 @@ class Monitor(CopiesDetached):
         probe (``forward(model)``): how :meth:`step` reads a compiled model's batch beside its graph.
         """
         with self.clock.measuring():  # the probe's forward is connmon's cost too
-            modes = [(module, module.training) for module in model.modules()]
-            model.eval()
             try:
-                self.arm(model)
-                with torch.no_grad(), python_attention_path():
-                    probe = _to_device(self.probe, _device_of(model))
+                with probing(model):
+                    self.arm(model)
                     if forward is not None:
                         forward(model)
-                    elif self.probe_fn is not None:
-                        self.probe_fn(model, probe)
-                    elif isinstance(probe, Mapping):
-                        model(**probe)
-                    elif isinstance(probe, tuple):
-                        model(*probe)
                     else:
-                        model(probe)
+                        run_forward(model, self.probe, self.probe_fn)
             except Exception as error:  # the user's training goes on whatever the probe hits
                 self.discard()
                 warn_rank_zero(f"{self.owner}: the probe forward raised {type(error).__name__}: {error}; no sample")
                 return {}
             finally:
                 self.disarm()
-                for module, training in modes:
-                    module.training = training
         return self.finish(step, rule_values)
-
-    @contextlib.contextmanager
-    def _read_beside(self, model: nn.Module, step: int, rule_values: Mapping[str, float] | None) -> Iterator[None]:
-        """For a compiled model: its first call in the block is first read by an eager forward of its original module.
-
-        No hook ever sits inside the compiled graph (a hook there splits it, and the training forward and backward
-        then differ in the last bits): a pre-hook on the compiled wrapper, which runs outside the graph, hands the
-        call's inputs to :meth:`run_probe` on the original module, so the reading is of the same batch and weights
-        the training forward sees, in eval mode and under ``no_grad``, at the cost of one more forward.
-        """
-        read = []
-
-        def before(wrapper: nn.Module, args: tuple, kwargs: dict) -> None:
-            if not read:
-                read.append(True)
-                self.run_probe(model._orig_mod, step, rule_values, lambda original: original(*args, **kwargs))
-
-        handle = model.register_forward_pre_hook(before, with_kwargs=True)
-        try:
-            yield
-        finally:
-            handle.remove()
 
     def discard(self) -> None:
         """Disarm and forget the sample being recorded (a forward that raised): nothing of it is logged or kept.
@@ -590,8 +562,9 @@ class Monitor(CopiesDetached):
         """
         with self.clock.measuring(), torch.inference_mode(False):  # a sample under inference mode keeps normal states
             scalars = self._finish(step, rule_values)
-        if self.budget is not None:
-            self._rebudget(step, self._is_full(self.samples - 1))
+        if self._budget is not None:
+            full, stride, began = self._is_full(self.samples - 1), self.full_every_n_samples, self._sample_began
+            self.full_every_n_samples = self._budget.record(self.clock, step, full, began, stride) or stride
         return scalars
 
     def _finish(self, step: int, rule_values: Mapping[str, float] | None) -> dict[str, float]:
@@ -604,8 +577,6 @@ class Monitor(CopiesDetached):
             broken |= {index for index, count in enumerate(counts) if count > 0}
         broken_layers = {layer.index for layer in self.selected if layer.index in broken}
         scalars = self._scalars(values, broken_layers)
-        if self._first_step is None:
-            self._first_step = step
         scalars.update(overhead_values(self.clock, step - (self._start_step if self._start_step is not None else step)))
         if self.alerts is not None:
             alerts, stop = self.alerts.run({**(rule_values or {}), **scalars}, step, wandb=self.sink)
@@ -641,39 +612,6 @@ class Monitor(CopiesDetached):
     def _is_full(self, sample: int | None = None) -> bool:
         """Whether sample number ``sample`` (from 0; default the current one) computes the costly diagnostics too."""
         return (self.samples if sample is None else sample) % self.full_every_n_samples == 0
-
-    def _rebudget(self, step: int, full: bool) -> None:
-        """Set ``full_every_n_samples`` from the measured costs so that the samples fit the budget (all ranks alike)."""
-        spent = self.clock.spent - self._sample_began
-        self._costs[full][0] += spent
-        self._costs[full][1] += 1
-        (full_s, full_n), (light_s, light_n) = self._costs[True], self._costs[False]
-        if not full_n or (not light_n and self.full_every_n_samples > 1):
-            return  # a full sample measured, and a light one unless every sample is full (then light counts as 0)
-        steps = max(step - (self._first_step or 0), 1)
-        full_cost, light_cost, step_time = agreed(
-            full_s / full_n,
-            light_s / light_n if light_n else 0.0,
-            self.clock.training / steps,
-            device=self.clock.device,
-        )
-        allowed = self.budget * self.every_n_steps * step_time  # seconds a sample may cost on average
-        if light_cost >= allowed:
-            stride = 10**6  # not even the light samples fit: no more full ones (warned below)
-        else:
-            stride = max(1, math.ceil((full_cost - light_cost) / (allowed - light_cost) - 1e-9))
-        if stride != self.full_every_n_samples:
-            self.full_every_n_samples = stride
-            fits = (
-                f"a full sample every {stride} samples"
-                if stride < 10**6
-                else f"no full samples (light ones alone cost {100 * light_cost / allowed * self.budget:.2g}%: raise "
-                "every_n_steps)"
-            )
-            warn_rank_zero(
-                f"{self.owner}: budget {100 * self.budget:g}%: a full sample costs {full_cost:.3g} s, a light one "
-                f"{light_cost:.3g} s and a training step {step_time:.3g} s, so {fits}"
-            )
 
     def _active(self) -> list[LayerwiseMean]:
         full = self._is_full()
@@ -745,32 +683,9 @@ class Monitor(CopiesDetached):
         if self.sink is not None and rank_zero:
             if self.log is None:
                 self.sink.scalars(step, scalars)
-            self._write_wandb(step, values, full)
-
-    def _write_wandb(self, step: int, values: dict[str, Tensor], full: bool) -> None:
-        from connmon.loggers.figures import depth_figure, spectra_figure
-
-        transport = self.metrics.get("transport")
-        spectrum = self.metrics.get("spectrum") if full else None  # its spectra are from an earlier sample
-        if self.log_histograms:
-            histograms = {}
-            for index, gaps in getattr(transport, "last_head_gaps", {}).items():
-                histograms[f"{keys.HEAD_ISOMETRY_GAP_HIST}/L{index:02d}"] = gaps
-            for index, eigenvalues in getattr(spectrum, "last_spectra", {}).items():
-                histograms[f"{keys.SPECTRUM_MODULUS_HIST}/L{index:02d}"] = eigenvalues.abs()
-            if histograms:
-                self.sink.histograms(step, histograms)
-        if self.figures_every_n_samples is not None and self.samples % self.figures_every_n_samples == 0:
-            figures = {}
-            if spectrum is not None and spectrum.last_spectra:
-                figures[f"{keys.FIGURES}/spectra"] = spectra_figure(
-                    spectrum.last_spectra, f"walk part of the connection spectra, step {step}"
-                )
-            depth = {k: v for k, v in values.items() if k.endswith("isometry_gap") and not k.endswith("/all")}
-            if depth:
-                figures[f"{keys.FIGURES}/gaps_by_depth"] = depth_figure(depth, f"gaps across depth, step {step}")
-            if figures:
-                self.sink.figures(step, figures)
+            write_panels(self.sink, step, self.metrics, values, full=full, histograms=self.log_histograms,
+                         figures=self.figures_every_n_samples is not None
+                         and self.samples % self.figures_every_n_samples == 0)  # fmt: skip
 
 
 def _is_drift_state(state: object) -> bool:
@@ -782,22 +697,6 @@ def _is_drift_state(state: object) -> bool:
         isinstance(part, Mapping) and all(isinstance(k, int) and isinstance(v, Tensor) for k, v in part.items())
         for part in parts
     )
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device)
-    if isinstance(batch, Mapping):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device) for v in batch)
-    return batch
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    return torch.device("cpu")
 
 
 def _remove(path: str) -> None:
