@@ -50,3 +50,27 @@ def test_the_curvature_is_one_package_and_the_samplers_old_paths_warn_with_the_n
     from connmon.curvature import sharpness_ratio  # the public path of the public API, unchanged
 
     assert callable(sharpness_ratio)
+
+
+def test_the_operator_moved_out_of_spectrum_and_its_old_paths_warn_with_the_new_one():
+    import connmon.functional as F
+    import connmon.functional.spectrum
+
+    for name in ("connection_matvec", "walk_basis"):
+        with pytest.warns(DeprecationWarning, match=rf"moved to connmon\.functional\.operator\.{name}"):
+            assert getattr(connmon.functional.spectrum, name) is getattr(F, name)
+
+
+def test_no_private_name_is_imported_across_modules_of_the_package():
+    """A module's ``_name`` is its own: what another module needs is public (in a private module if need be)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent / "connmon"
+    crossings = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("connmon"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                crossings += [f"{path.relative_to(root.parent)}: {node.module}.{name}" for name in private]
+    assert crossings == []

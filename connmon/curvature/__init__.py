@@ -62,7 +62,7 @@ from connmon.curvature.products import (
     step_weights,
 )
 from connmon.curvature.shards import Shards
-from connmon.functional._lanczos import largest_eigenvalue
+from connmon.functional._linalg.lanczos import largest_eigenvalue
 
 __all__ = [
     "READINGS",

@@ -18,18 +18,16 @@ Examples:
 
 from connmon.functional.drift import depth_drift, time_drift, transport_drift
 from connmon.functional.laplacian import connection_laplacian_distance, edge_compatibility_gap
+from connmon.functional.operator import connection_matvec, connection_operator, walk_basis
 from connmon.functional.spectrum import (
     Spectra,
     SpectrumResult,
     connection_laplacian_gap,
-    connection_matvec,
-    connection_operator,
     connection_operator_norm,
     connection_spectra,
     connection_spectral_radius,
     connection_spectrum,
     ov_spectral_radius,
-    walk_basis,
 )
 from connmon.functional.transport import (
     edge_isometry_gap,

@@ -21,7 +21,8 @@ from torch import Tensor
 
 from connmon.functional._checks import as_float, check_layer, promote
 from connmon.functional._linalg import gram_svdvals, safe_divide
-from connmon.functional.transport import _concat_heads, transport_scale
+from connmon.functional._linalg.heads import concat_heads
+from connmon.functional.transport import transport_scale
 
 __all__ = ["connection_laplacian_distance", "edge_compatibility_gap"]
 
@@ -153,7 +154,7 @@ def connection_laplacian_distance(
     walk = attn.to(wide).sum(dim=-3) / heads
     squares = (walk**2).sum(dim=(-2, -1))
 
-    v_cat, o_cat = _concat_heads(w_v, w_o)  # s C_ij = left diag(P_ij A_ij, P_ji A_ji) right^T
+    v_cat, o_cat = concat_heads(w_v, w_o)  # s C_ij = left diag(P_ij A_ij, P_ji A_ji) right^T
     r_left = torch.linalg.qr(torch.cat([o_cat, v_cat.mT], dim=-1), mode="r").R  # (*w, r, 2Hd_h)
     r_right = torch.linalg.qr(torch.cat([v_cat.mT, o_cat], dim=-1), mode="r").R
     lead = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])

@@ -30,7 +30,7 @@ except the matvec synchronize the GPU (eigenvalue solvers). Non-finite input giv
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from typing import Literal, NamedTuple
 
@@ -38,24 +38,25 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from connmon.functional._checks import as_float, check_layer, promote, shape
-from connmon.functional._krylov import Which, certified, default_tol, krylov_schur
-from connmon.functional._lanczos import largest_eigenvalue
-from connmon.functional._linalg import eigvals, eigvalsh, spectral_norm
-from connmon.functional.transport import _concat_heads, transport_scale, transport_singular_values
+from connmon._moved import moved
+from connmon.functional._causal import causal_first, complex_dtype, first_by
+from connmon.functional._checks import as_float, promote, shape
+from connmon.functional._linalg import eigvals, spectral_norm
+from connmon.functional._linalg.heads import concat_heads
+from connmon.functional._linalg.krylov import Which, certified, default_tol, krylov_schur
+from connmon.functional._linalg.lanczos import largest_eigenvalue
+from connmon.functional.operator import checked_layer, connection_operator, each_layer, matvec, rmatvec, walk_part
+from connmon.functional.transport import transport_scale
 
 __all__ = [
     "Spectra",
     "SpectrumResult",
     "connection_laplacian_gap",
-    "connection_matvec",
-    "connection_operator",
     "connection_operator_norm",
     "connection_spectra",
     "connection_spectral_radius",
     "connection_spectrum",
     "ov_spectral_radius",
-    "walk_basis",
 ]
 
 Method = Literal["auto", "dense", "kron", "causal", "krylov"]
@@ -63,10 +64,6 @@ DENSE_MAX_DIM = 512  # n * d up to which "auto" takes the dense eigensolver
 _SECOND_SEED = 7919  # the second Krylov start of a certified spectrum
 _GUARD = 4  # values solved for beyond the k wanted, so that one near the k-th is not skipped by both solves
 _NORM_LANCZOS_STEPS = 24  # batched Lanczos steps for the operator norm before the restarted solver
-_CHUNK_ELEMENTS = 2**24  # bound on the causal path's block tensor (64 MiB in float32)
-_SQUARINGS = 5  # the causal path's power bound ||B^32||_F^(1/32) (see _power_radius_bounds)
-_POWER_MARGIN = 1e-3  # relative slack on that bound for the round-off of its five GEMMs
-_SHIFTED_SQUARINGS = 7  # the rightmost request's bound rho(B + cI)^(1/128) - c (see _real_part_bounds)
 
 
 class SpectrumResult(NamedTuple):
@@ -86,44 +83,6 @@ class SpectrumResult(NamedTuple):
     converged: Tensor
     num_matvecs: Tensor
     method: str
-
-
-def _layer(attn: Tensor, w_v: Tensor, w_o: Tensor) -> tuple[Tensor, Tensor, Tensor, tuple[int, int, int, int]]:
-    attn, w_v, w_o = promote(as_float(attn, "attn"), as_float(w_v, "w_v"), as_float(w_o, "w_o"))
-    return attn, w_v, w_o, check_layer(attn, w_v, w_o)
-
-
-def walk_basis(attn: Tensor) -> Tensor:
-    """An orthonormal basis ``U (*, n, n - 1)`` of the mean-zero fields on the valid tokens (Helmert vectors).
-
-    A token is valid when some query of some head attends it (a nonzero column); with ``m`` valid tokens the first
-    ``m - 1`` columns span ``{x : x_j = 0 off the valid tokens, sum_j x_j = 0}`` and the rest are 0. ``U^T A U`` is
-    the walk on the quotient by constant fields. No host synchronization.
-
-    Args:
-        attn: ``(*, H, n, n)``.
-
-    Returns:
-        ``(*, n, n - 1)`` in ``attn``'s dtype.
-
-    Examples:
-        >>> import torch
-        >>> from connmon.functional import walk_basis
-        >>> U = walk_basis(torch.full((1, 4, 4), 0.25))
-        >>> orthonormal = torch.allclose(U.mT @ U, torch.eye(3), atol=1e-6)  # float32 round-off off the diagonal
-        >>> orthonormal, bool(torch.allclose(U.sum(0), torch.zeros(3), atol=1e-6))
-        (True, True)
-    """
-    n = attn.shape[-1]
-    valid = (attn != 0).any(dim=-2).any(dim=-2)  # (*, n): a column some query of some head reads
-    rank = valid.cumsum(dim=-1) - 1  # position of each valid token among the valid ones
-    count = valid.sum(dim=-1, keepdim=True)  # (*, 1)
-    c = torch.arange(1, n, device=attn.device)  # column c - 1 averages the first c valid tokens against the next
-    norm = 1 / torch.sqrt((c * (c + 1)).to(attn.dtype))
-    used = valid.unsqueeze(-1) & (c < count).unsqueeze(-2)  # (*, n, n - 1)
-    r, c = rank.unsqueeze(-1), c.to(rank.dtype)
-    basis = torch.where(r < c, norm, torch.where(r == c, -c.to(attn.dtype) * norm, torch.zeros_like(norm)))
-    return torch.where(used, basis, torch.zeros_like(basis))
 
 
 def _padded(attn: Tensor) -> Tensor | None:
@@ -154,363 +113,15 @@ def _nan_padded(values: Tensor, k: int) -> Tensor:
     return torch.cat([values, missing], dim=-1)
 
 
-def _walk_part(attn: Tensor) -> Tensor:
-    """``U^T A^h U``: ``(*, H, n - 1, n - 1)``, the attention of the walk on the quotient by constant fields."""
-    basis = walk_basis(attn).unsqueeze(-3)  # (*, 1, n, n - 1)
-    return basis.mT @ attn @ basis
-
-
-def _matvec(attn: Tensor, v_cat: Tensor, o_cat: Tensor, x: Tensor) -> Tensor:
-    """``M(X) = sum_h A^h X V_h^T O_h^T`` with the heads stacked: ``x (*, n, d) -> (*, n, d)``."""
-    heads = attn.shape[-3]
-    y = (x @ v_cat.mT).unflatten(-1, (heads, -1)).transpose(-3, -2)  # (*, H, n, d_h)
-    z = (attn @ y).transpose(-3, -2).flatten(-2)  # (*, n, H*d_h)
-    return z @ o_cat.mT
-
-
-def _rmatvec(attn: Tensor, v_cat: Tensor, o_cat: Tensor, y: Tensor) -> Tensor:
-    """``M^T(Y) = sum_h (A^h)^T Y O_h V_h``: ``y (*, n, d) -> (*, n, d)``."""
-    heads = attn.shape[-3]
-    u = (y @ o_cat).unflatten(-1, (heads, -1)).transpose(-3, -2)  # (*, H, n, d_h)
-    z = (attn.mT @ u).transpose(-3, -2).flatten(-2)  # (*, n, H*d_h)
-    return z @ v_cat
-
-
-def connection_matvec(attn: Tensor, w_v: Tensor, w_o: Tensor, x: Tensor) -> Tensor:
-    """Apply the connection walk to a vector field: ``M(X)_i = sum_h sum_j A^h_ij T_h x_j``.
-
-    Two GEMMs of the stacked heads and one batched attention GEMM, ``O(n d H d_h + H n^2 d_h)``: the cost of an
-    attention forward. ``module_output = M(X) + c`` for the layer's input ``X`` (docs/diagnostics.md: reconstruction).
-
-    Args:
-        attn: ``(*, H, n, n)``.
-        w_v: ``(*, H, d_h, d)``.
-        w_o: ``(*, H, d, d_h)``.
-        x: ``(*, n, d)``.
-
-    Returns:
-        ``(*, n, d)``.
-
-    Raises:
-        ValueError: if the shapes do not match.
-
-    Examples:
-        >>> import torch
-        >>> from connmon.functional import connection_matvec, connection_operator
-        >>> _ = torch.manual_seed(0)
-        >>> attn = torch.randn(2, 3, 3).softmax(-1)  # H=2, n=3
-        >>> w_v, w_o, x = torch.randn(2, 2, 4), torch.randn(2, 4, 2), torch.randn(3, 4)  # d_h=2, d=4
-        >>> dense = (connection_operator(attn, w_v, w_o) @ x.flatten()).view(3, 4)
-        >>> bool(torch.allclose(connection_matvec(attn, w_v, w_o, x), dense, atol=1e-5))
-        True
-    """
-    attn, w_v, w_o, (_, n, _, d) = _layer(attn, w_v, w_o)
-    x = as_float(x, "x").to(attn.dtype)
-    if x.ndim < 2 or tuple(x.shape[-2:]) != (n, d):
-        raise ValueError(f"x must have shape (*, n, d) = (*, {n}, {d}) to match attn and w_v, got x{shape(x)}")
-    return _matvec(attn, *_concat_heads(w_v, w_o), x)
-
-
-def connection_operator(attn: Tensor, w_v: Tensor, w_o: Tensor, max_dim: int = 4096) -> Tensor:
-    """Dense connection operator ``M = sum_h kron(A^h, T_h)``, token-major; for small layers and tests.
-
-    Args:
-        attn: ``(*, H, n, n)``.
-        w_v: ``(*, H, d_h, d)``.
-        w_o: ``(*, H, d, d_h)``.
-        max_dim: refuse ``n * d`` above this (memory grows as ``(n d)^2``).
-
-    Returns:
-        ``(*, n*d, n*d)``.
-
-    Raises:
-        ValueError: if the shapes do not match or ``n * d > max_dim``.
-
-    Examples:
-        >>> import torch
-        >>> from connmon.functional import connection_operator
-        >>> attn, t = torch.tensor([[[0.5, 0.5], [0.0, 1.0]]]), torch.tensor([[2.0]])  # H=1, n=2, d=1
-        >>> connection_operator(attn, t[None], torch.ones(1, 1, 1))
-        tensor([[1., 1.],
-                [0., 2.]])
-    """
-    attn, w_v, w_o, (_, n, _, d) = _layer(attn, w_v, w_o)
-    if n * d > max_dim:
-        raise ValueError(
-            f"the dense operator has n*d = {n}*{d} = {n * d} rows, above max_dim={max_dim}; "
-            "use connection_matvec, or raise max_dim if (n*d)^2 numbers fit in memory"
-        )
-    t = w_o @ w_v  # (*, H, d, d)
-    blocks = torch.einsum("...hij,...hab->...iajb", attn, t)  # (*, n, d, n, d)
-    return blocks.reshape(*blocks.shape[:-4], n * d, n * d)
-
-
 def _inverse_scale(w_v: Tensor, w_o: Tensor, scale: Tensor | None = None) -> Tensor:
     scale = transport_scale(w_v, w_o) if scale is None else scale
     return torch.where(scale == 0, torch.zeros_like(scale), 1 / scale)
-
-
-def _complex(real: Tensor) -> torch.dtype:
-    return torch.complex64 if real.dtype == torch.float32 else torch.complex128
-
-
-def _key(values: Tensor, which: Which) -> Tensor:
-    return values.abs() if which == "LM" else values.real
-
-
-def _first_by(values: Tensor, k: int, which: Which) -> Tensor:
-    """The ``k`` first of ``values (*, N)`` by descending modulus or real part; ties by descending imaginary part."""
-    values = values.gather(-1, values.imag.argsort(dim=-1, descending=True, stable=True))
-    return values.gather(-1, _key(values, which).argsort(dim=-1, descending=True, stable=True)[..., :k])
 
 
 def _kron_eigenvalues(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
     lam = eigvals(attn[..., 0, :, :])  # (*, n)
     mu = eigvals(w_o[..., 0, :, :] @ w_v[..., 0, :, :])  # (*, d)
     return (lam.unsqueeze(-1) * mu.unsqueeze(-2)).flatten(-2)
-
-
-def _layers(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Iterator[tuple[tuple[int, ...], Tensor, Tensor, Tensor]]:
-    """Yield ``(index, attn, V, O)`` for each layer of the broadcast batch, as views (shared weights are not copied).
-
-    ``V (H*d_h, d)`` and ``O (d, H*d_h)`` are the stacked heads (``O @ V = T_bar``).
-    """
-    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
-    v_cat, o_cat = _concat_heads(w_v, w_o)
-    attn = attn.expand(*batch, *attn.shape[-3:])
-    v_cat = v_cat.expand(*batch, *v_cat.shape[-2:])
-    o_cat = o_cat.expand(*batch, *o_cat.shape[-2:])
-    for index in np.ndindex(*batch):
-        yield index, attn[index], v_cat[index], o_cat[index]
-
-
-def _causal_first(
-    attn: Tensor, w_v: Tensor, w_o: Tensor, requests: dict[Which, int], deflate: bool = False
-) -> dict[Which, Tensor]:
-    """For each request ``{which: k}``, the first ``k`` of the union over tokens of ``eig(D_i)``: ``(*, k)``.
-
-    With ``deflate`` the first valid token is left out: it attends only itself, its block is ``T_bar`` (the
-    constant fields), and the union over the other tokens is the walk part.
-
-    ``D_i = sum_h A^h_ii T_h = O diag(a_i) V``, whose nonzero eigenvalues are those of ``diag(a_i) P`` and
-    ``P diag(a_i)``, ``P = V O``. Tokens go in descending order of a bound on their blocks' spectral radius, the
-    smallest of ``sum_h A^h_ii ||T_h||_2`` and ``sqrt(sum_h (A^h_ii)^2 ||P_h||_2^2)`` for ``P_h`` the rows (then
-    the columns) of head h in ``P`` (Cauchy-Schwarz over heads; in attention layers it halves the blocks left in),
-    and stop once no remaining block can beat the k-th key found for any request: for modulus, the norm bound; for
-    real part, the tighter numerical-abscissa bound ``Re lambda(D_i) <= sum_h A^h_ii omega(T_h)``,
-    ``omega(T) = lambda_max((T + T^T)/2)`` (subadditive over nonnegative combinations). Blocks that cannot enter
-    any answer are never decomposed, and one pass serves all requests. When ``H d_h < d`` each block is solved
-    through its ``H d_h`` core ``diag(a_i) V O``, which has the nonzero eigenvalues of ``O diag(a_i) V``; the other
-    ``d - H d_h`` are 0. Blocks the norm bounds leave in are bounded again, far more tightly, by
-    :func:`_power_radius_bounds` and :func:`_real_part_bounds` before they are decomposed (see
-    :func:`_first_over_blocks`).
-    """
-    heads, d_h, d = w_v.shape[-3:]
-    inner = heads * d_h
-    batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
-    norms = _block_norms(w_v, w_o).expand(*batch, 3, heads)  # weight-only: once, not per sequence
-    size = min(inner, d)
-    largest_chunk = max(1, _CHUNK_ELEMENTS // (size * size))
-    values = {which: attn.new_zeros(*batch, k, dtype=_complex(attn)) for which, k in requests.items()}
-    if "LR" in requests:  # numerical abscissa of each head map, omega(T) = lambda_max((T + T^T) / 2)
-        abscissa = _numerical_abscissa(w_v, w_o).expand(*batch, heads)  # (*, H)
-    for index, a, v_cat, o_cat in _layers(attn, w_v, w_o):
-        self_weight = a.diagonal(dim1=-2, dim2=-1).mT  # (n, H): A^h_ii
-        bound = _block_radius_bounds(self_weight, norms[index])
-        order = bound.argsort(descending=True)
-        if deflate:  # the first valid token (the first column some query reads) holds T_bar
-            first = (a != 0).any(dim=-2).any(dim=-2).int().argmax()
-            order = order[order != first]
-        # For each request, the largest key any block from position j of the order on can reach: |lambda| <= the
-        # norm bound (sorted, so the next one); Re lambda <= omega(D_i) <= sum_h A^h_ii omega(T_h) (subadditive).
-        reach = {"LM": bound[order]}
-        if "LR" in requests:
-            right = torch.minimum(self_weight @ abscissa[index], bound)[order]
-            reach["LR"] = right.flip(0).cummax(0).values.flip(0)  # suffix maximum
-        reach = {w: r.cpu() for w, r in reach.items()}  # one synchronization per layer
-        gates = self_weight.repeat_interleave(d_h, dim=-1)  # (n, H*d_h)
-        core = v_cat @ o_cat if inner < d else None  # (H*d_h, H*d_h)
-        zeros = a.new_zeros(min(max(requests.values()), len(order) * (d - inner)) if inner < d else 0)
-        best = {which: zeros.to(_complex(attn)) for which in requests}
-
-        keys = {"LM": bound[order].cpu()}  # each block's own bounds, by position in the order
-        if "LR" in requests:
-            keys["LR"] = right.cpu()
-
-        blocks_at = partial(_causal_blocks, gates[order], core, v_cat, o_cat)
-        best = _first_over_blocks(blocks_at, reach, keys, requests, best, largest_chunk)
-        for which in requests:
-            values[which][index] = best[which]
-    return values
-
-
-def _causal_blocks(gates: Tensor, core: Tensor | None, v_cat: Tensor, o_cat: Tensor, positions: Tensor) -> Tensor:
-    """The causal blocks ``diag(g) V O`` (the core) or ``O diag(g) V`` at ``positions``: ``(c, m, m)``."""
-    g = gates[positions]  # (c, H*d_h)
-    return g.unsqueeze(-1) * core if core is not None else (o_cat * g.unsqueeze(-2)) @ v_cat
-
-
-def _first_over_blocks(
-    blocks_at: Callable[[Tensor], Tensor],
-    reach: dict[str, Tensor],
-    keys: dict[str, Tensor],
-    requests: dict[Which, int],
-    best: dict[Which, Tensor],
-    largest_chunk: int,
-) -> dict[Which, Tensor]:
-    """The first ``k`` eigenvalues of the union of the blocks, for each request, decomposing as few blocks as it can.
-
-    Blocks are indexed by position in descending order of their norm bound; ``keys[w]`` holds each block's bound on
-    its key for request ``w`` and ``reach[w]`` the largest such bound from a position on. Until every request has
-    ``k`` values there is no bar to prune against, so the block that heads the order is decomposed. Then blocks are
-    bounded more tightly by :func:`_power_radius_bounds` (in doubling chunks, while some unbounded block's norm
-    bound could beat the tight bounds in hand; squaring stops for a block once it is below every bar it could
-    reach; a rightmost request's real-part bounds are tightened by :func:`_real_part_bounds`), and decomposed one
-    at a time in descending order of the tight bound, each raising the bar; a block is never decomposed once no
-    request's k-th key is within its bound.
-    """
-    size = len(reach["LM"])
-    pool = torch.zeros(0, dtype=torch.long)  # bounded, not yet decomposed positions
-    tight = {w: torch.zeros(0) for w in {"LM", *requests}}  # their tight key bounds (and radius bounds)
-    position, chunk = 0, 4
-    while True:
-        bars = {w: _key(best[w][k - 1], w).item() if best[w].numel() >= k else -np.inf for w, k in requests.items()}
-        could = torch.zeros(len(pool), dtype=torch.bool)
-        for w in requests:
-            could |= ~(tight[w] + _POWER_MARGIN * tight[w].abs() < bars[w])  # NaN bounds are kept
-        pool, tight = pool[could], {w: b[could] for w, b in tight.items()}
-        ahead = position < size and any(not float(reach.get(w, reach["LM"])[position]) < bars[w] for w in requests)
-        if not ahead and len(pool) == 0:
-            return best
-        top = int(tight["LM"].nan_to_num(np.inf).argmax()) if len(pool) else None
-        if ahead and all(bar == -np.inf for bar in bars.values()):
-            take = torch.tensor([position])  # nothing to prune against yet
-            position += 1
-        elif ahead and (top is None or float(reach["LM"][position]) > float(tight["LM"][top])):
-            # bounds along the order are non-increasing, so the blocks still reaching are a run from ``position``
-            reaching = max(int((~(reach.get(w, reach["LM"])[position:] < bars[w])).sum()) for w in requests)
-            take = torch.arange(position, min(size, position + max(1, min(reaching, chunk, largest_chunk))))
-            position, chunk = int(take[-1]) + 1, 2 * chunk
-            # the radius each block must reach to matter: a request's bar, where its own key bound reaches that bar
-            floor = torch.full((len(take),), np.inf)
-            for w in requests:
-                floor = torch.where(keys.get(w, keys["LM"])[take] < bars[w], floor, floor.clamp(max=bars[w]))
-            blocks = blocks_at(take)
-            radius = _power_radius_bounds(blocks, floor=floor.to(blocks.device, blocks.dtype)).cpu()
-            pool = torch.cat([pool, take])
-            bounded = {w: torch.minimum(radius, keys.get(w, keys["LM"])[take]) for w in tight}
-            if "LR" in requests and bars["LR"] > -np.inf:
-                bounded["LR"] = _real_part_bounds(blocks, radius, bounded["LR"], bars["LR"])
-            tight = {w: torch.cat([b, bounded[w]]) for w, b in tight.items()}
-            continue
-        else:
-            take = pool[top : top + 1]
-            keep = torch.arange(len(pool)) != top
-            pool, tight = pool[keep], {w: b[keep] for w, b in tight.items()}
-        found = eigvals(blocks_at(take)).flatten()
-        if not bool(found.isfinite().all()):  # a non-finite layer: NaN, not a search through every block
-            return {w: found.new_full((k,), complex(float("nan"), float("nan"))) for w, k in requests.items()}
-        best = {w: _first_by(torch.cat([best[w], found]), k, w) for w, k in requests.items()}
-
-
-def _real_part_bounds(blocks: Tensor, radius: Tensor, bounds: Tensor, bar: float) -> Tensor:
-    """Tighter upper bounds on ``max Re lambda`` of the blocks whose ``bounds`` ``(c,)`` still reach ``bar``.
-
-    For every ``c > 0``, ``Re lambda <= |lambda + c| - c <= rho(B + c I) - c``: a disk centred at ``-c`` that
-    holds the spectrum, tending to the half-plane as ``c`` grows. With ``c`` the block's radius bound and
-    ``rho(I + B / c)`` bounded by :func:`_power_radius_bounds` at ``m = 128``, it lies within about 10% of the
-    rightmost real part on attention blocks, where the numerical-abscissa and radius bounds are 1.5-3x off; the
-    rightmost request then decomposes about a third as many blocks. The round-off margin is applied before the
-    shift is taken off. ``radius`` is ``(c,)`` on the host.
-    """
-    open_ = (bounds + _POWER_MARGIN * bounds.abs() >= bar) & (radius > 0) & radius.isfinite()
-    if not bool(open_.any()):
-        return bounds
-    shift = radius[open_].to(blocks.device, blocks.dtype)
-    chosen = blocks[open_.to(blocks.device)] / shift[:, None, None]
-    chosen.diagonal(dim1=-2, dim2=-1).add_(1)  # I + B / c
-    rho = _power_radius_bounds(chosen, _SHIFTED_SQUARINGS, floor=1 + bar / shift)
-    shifted = (shift * (rho * (1 + _POWER_MARGIN) - 1)).cpu()
-    return bounds.masked_scatter(open_, torch.minimum(bounds[open_], shifted))
-
-
-def _numerical_abscissa(w_v: Tensor, w_o: Tensor) -> Tensor:
-    """``omega(T_h) = lambda_max((T_h + T_h^T) / 2)`` of each head map: ``(*, H)``.
-
-    ``(T + T^T) / 2 = B J B^T`` with ``B = [O_h, V_h^T]`` (``d x 2 d_h``) and ``J = [[0, I], [I, 0]] / 2``; with
-    ``B = Q R`` its nonzero eigenvalues are those of the ``2 d_h x 2 d_h`` symmetric ``R J R^T`` (and 0 when
-    ``2 d_h < d``), so no ``d x d`` decomposition is needed.
-    """
-    d_h, d = w_v.shape[-2:]
-    if 2 * d_h >= d:
-        maps = w_o @ w_v
-        return eigvalsh((maps + maps.mT) / 2)[..., -1]
-    r = torch.linalg.qr(torch.cat([w_o, w_v.mT], dim=-1), mode="r").R  # (*, H, 2 d_h, 2 d_h)
-    left, right = r[..., :d_h], r[..., d_h:]
-    return eigvalsh((left @ right.mT + right @ left.mT) / 2)[..., -1].clamp(min=0)
-
-
-def _block_norms(w_v: Tensor, w_o: Tensor) -> Tensor:
-    """The weight-only factors of :func:`_block_radius_bounds`: ``(*, 3, H)``, computed once for every sequence.
-
-    Rows: ``||T_h||_2``; ``||P_h||_2`` of head h's rows and of its columns in ``P = V O``. (``max_h A^h_ii ||O||_2
-    ||V||_2`` is a valid bound too, but was almost never the smallest on trained or random layers and cost two
-    ``d x d`` SVDs: at d = 768, more than the rest of the bounds together.)
-    """
-    heads = w_v.shape[-3]
-    v_cat, o_cat = _concat_heads(w_v, w_o)
-    p = v_cat @ o_cat  # (*, H*d_h, H*d_h)
-    rows = spectral_norm(p.unflatten(-2, (heads, -1)))  # (*, H)
-    columns = spectral_norm(p.unflatten(-1, (heads, -1)).movedim(-2, -3))  # (*, H)
-    return torch.stack([transport_singular_values(w_v, w_o)[..., 0], rows, columns], dim=-2)
-
-
-def _block_radius_bounds(self_weight: Tensor, norms: Tensor) -> Tensor:
-    """Upper bounds on the spectral radius of each causal diagonal block ``D_i = O diag(a_i) V``: ``(n,)``.
-
-    ``self_weight`` is ``(n, H)`` (``A^h_ii``), ``norms`` the ``(3, H)`` of :func:`_block_norms`; see
-    :func:`_causal_first` for the three bounds.
-    """
-    squared = self_weight**2
-    return torch.stack(
-        [
-            self_weight @ norms[0],
-            (squared @ norms[1] ** 2).sqrt(),
-            (squared @ norms[2] ** 2).sqrt(),
-        ]
-    ).amin(dim=0)
-
-
-def _power_radius_bounds(blocks: Tensor, squarings: int = _SQUARINGS, floor: Tensor | None = None) -> Tensor:
-    """Upper bounds ``||B^m||_F^(1/m)``, ``m = 2^squarings``, on the spectral radii of blocks ``(c, r, r) -> (c,)``.
-
-    ``rho(B)^m = rho(B^m) <= ||B^m||_F``, and the bound tends to ``rho(B)`` as ``m`` grows (Gelfand): the factor by
-    which it can exceed it is at most ``(sqrt(r) kappa)^(1/m)`` for ``r`` the size and ``kappa`` the eigenvector
-    condition number, so 5 squarings leave about 1.1 where the norm bounds leave 2-4. Each squaring is normalized
-    (no overflow or underflow); five GEMMs cost far less than the eigenvalue problem they spare. NaN for a
-    non-finite block.
-
-    With ``floor`` ``(c,)``, a block stops being squared once its bound (every ``||B^(2^j)||_F^(1/2^j)`` is one) lies
-    below its floor by more than the round-off margin: the caller needs no tighter bound for it. Most blocks the
-    norm bounds leave in drop after one or two squarings.
-    """
-    bounds = torch.linalg.matrix_norm(blocks)
-    active = torch.arange(len(blocks), device=blocks.device)
-    log_scale = blocks.new_zeros(blocks.shape[:-2])
-    power = blocks
-    for level in range(1, squarings + 1):
-        if floor is not None:
-            keep = ~(bounds[active] + _POWER_MARGIN * bounds[active] < floor[active])  # NaN is kept
-            if not bool(keep.all()):
-                active, power, log_scale = active[keep], power[keep], log_scale[keep]
-            if len(active) == 0:
-                break
-        norm = torch.linalg.matrix_norm(power)
-        power = power / torch.where(norm > 0, norm, torch.ones_like(norm))[..., None, None]
-        log_scale = 2 * (log_scale + norm.log())
-        power = power @ power
-        bounds[active] = torch.exp((log_scale + torch.linalg.matrix_norm(power).log()) / 2**level)
-    return bounds
 
 
 def _direct_first(
@@ -522,13 +133,13 @@ def _direct_first(
     attention and ``deflate``.
     """
     if chosen == "causal":
-        return _causal_first(attn, w_v, w_o, requests, deflate)
+        return causal_first(attn, w_v, w_o, requests, deflate)
     if chosen == "kron":
         everything = _kron_eigenvalues(attn, w_v, w_o)
     else:
         n, d = attn.shape[-1], w_v.shape[-1]
         everything = eigvals(connection_operator(attn, w_v, w_o, max_dim=n * d))
-    return {which: _first_by(everything, k, which) for which, k in requests.items()}
+    return {which: first_by(everything, k, which) for which, k in requests.items()}
 
 
 def _is_causal(attn: Tensor) -> bool:
@@ -566,11 +177,11 @@ def _krylov_per_layer(
     wanted = k if normal_equations else max(k, min(k + _GUARD, (ncv or n * d) - 2, n * d - 2))
     wider = {**options, "ncv": min(n * d, 2 * (ncv or max(2 * wanted + 1, 30)))}
     tol = options.get("tol") or default_tol(attn.dtype)
-    for index, a, v, o in _layers(attn, w_v, w_o):
+    for index, a, v, o in each_layer(attn, w_v, w_o):
 
         def operator(x: Tensor, a: Tensor = a, v: Tensor = v, o: Tensor = o) -> Tensor:
-            y = _matvec(a, v, o, x.view(n, d))
-            return (_rmatvec(a, v, o, y) if normal_equations else y).flatten()
+            y = matvec(a, v, o, x.view(n, d))
+            return (rmatvec(a, v, o, y) if normal_equations else y).flatten()
 
         solve = partial(krylov_schur, operator, n * d, wanted, which=which, dtype=attn.dtype, device=attn.device)
         found = solve(seed=seed, **options)
@@ -646,7 +257,7 @@ def connection_spectrum(
         >>> bool(walk.abs()[0] <= found.eigenvalues.abs()[0])
         True
     """
-    attn, w_v, w_o, (heads, n, _, d) = _layer(attn, w_v, w_o)
+    attn, w_v, w_o, (heads, n, _, d) = checked_layer(attn, w_v, w_o)
     if which not in ("LM", "LR"):
         raise ValueError(f"which must be 'LM' (largest modulus) or 'LR' (largest real part), got which={which!r}")
     if method not in ("auto", "dense", "kron", "causal", "krylov"):
@@ -662,7 +273,7 @@ def connection_spectrum(
 
         def solve(a: Tensor, v: Tensor, o: Tensor, m: int) -> Tensor:
             if (m - 1) * d < 1:
-                return a.new_full((k, 3), float("nan"), dtype=_complex(a))
+                return a.new_full((k, 3), float("nan"), dtype=complex_dtype(a))
             found = connection_spectrum(a, v, o, k=min(k, (m - 1) * d), return_info=True, **options)
             methods.add(found.method)
             columns = torch.stack([found.eigenvalues, found.residuals.to(found.eigenvalues.dtype),
@@ -677,7 +288,7 @@ def connection_spectrum(
         return SpectrumResult(found[..., 0], residuals, converged, matvecs, "/".join(sorted(methods)) or "none")
     chosen = _choose(method, attn, n, d)
     if deflate and chosen != "causal":
-        attn, n = _walk_part(attn), n - 1
+        attn, n = walk_part(attn), n - 1
     if chosen == "kron" and heads != 1:
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={heads}")
     if chosen == "krylov" and k + 2 > n * d:
@@ -689,7 +300,7 @@ def connection_spectrum(
         values, residuals, converged, matvecs = _krylov_per_layer(
             attn, w_v, w_o, k, which, False, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed
         )
-        values = values.to(_complex(attn))
+        values = values.to(complex_dtype(attn))
         residuals = residuals.to(attn.dtype) * inverse_scale
         values = values * inverse_scale
     else:
@@ -755,7 +366,7 @@ def connection_spectra(
         >>> bool(torch.equal(both.rightmost, connection_spectrum(attn, w_v, w_o, k=1, which="LR")[..., 0]))
         True
     """
-    attn, w_v, w_o, (_, n, _, d) = _layer(attn, w_v, w_o)
+    attn, w_v, w_o, (_, n, _, d) = checked_layer(attn, w_v, w_o)
     method = solver.get("method", "auto")
     size = (n - 1) * d if deflate else n * d
     valid = _padded(attn) if deflate else None
@@ -774,7 +385,7 @@ def connection_spectra(
     if chosen == "kron" and attn.shape[-3] != 1:
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={attn.shape[-3]}")
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
-    part = _walk_part(attn) if deflate and chosen != "causal" else attn
+    part = walk_part(attn) if deflate and chosen != "causal" else attn
     found = _direct_first(chosen, part, w_v, w_o, {"LM": k, "LR": 1}, deflate)
     inverse_scale = _inverse_scale(w_v, w_o, solver.get("scale"))
     largest = (found["LM"] * inverse_scale.unsqueeze(-1)).expand(*batch, k)
@@ -906,7 +517,7 @@ def connection_operator_norm(
         >>> bool(torch.allclose(found, dense, rtol=1e-4))
         True
     """
-    attn, w_v, w_o, (heads, n, _, d) = _layer(attn, w_v, w_o)
+    attn, w_v, w_o, (heads, n, _, d) = checked_layer(attn, w_v, w_o)
     if method not in ("auto", "dense", "kron", "krylov"):
         raise ValueError(f"method must be one of 'auto', 'dense', 'kron', 'krylov', got method={method!r}")
     if deflate:
@@ -922,7 +533,7 @@ def connection_operator_norm(
             return _each_sequence(solve, attn, w_v, w_o, valid)
         if n < 2:  # one token: no field but the constant ones
             return _nan_batch(attn, w_v, w_o)
-        attn, n = _walk_part(attn), n - 1
+        attn, n = walk_part(attn), n - 1
     if method == "auto":
         method = "kron" if heads == 1 else "dense" if n * d <= DENSE_MAX_DIM else "krylov"
     if method == "kron" and heads != 1:
@@ -947,12 +558,12 @@ def _normal_equations_norm(
     """
     n, d = attn.shape[-1], w_v.shape[-1]
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
-    v_cat, o_cat = _concat_heads(w_v, w_o)
+    v_cat, o_cat = concat_heads(w_v, w_o)
     tol = default_tol(attn.dtype) if tol is None else tol
 
     def normal(x: Tensor) -> Tensor:  # (N, n d) float64 -> (N, n d): M^T M of each layer
-        y = _matvec(attn, v_cat, o_cat, x.to(attn.dtype).view(*batch, n, d))
-        return _rmatvec(attn, v_cat, o_cat, y).reshape(x.shape)
+        y = matvec(attn, v_cat, o_cat, x.to(attn.dtype).view(*batch, n, d))
+        return rmatvec(attn, v_cat, o_cat, y).reshape(x.shape)
 
     generator = torch.Generator(device=attn.device).manual_seed(seed)
     start = torch.randn(math.prod(batch), n * d, generator=generator, device=attn.device, dtype=attn.dtype)
@@ -998,6 +609,12 @@ def ov_spectral_radius(w_v: Tensor, w_o: Tensor, *, scale: Tensor | None = None)
         True
     """
     w_v, w_o = promote(as_float(w_v, "w_v"), as_float(w_o, "w_o"))
-    v_cat, o_cat = _concat_heads(w_v, w_o)
+    v_cat, o_cat = concat_heads(w_v, w_o)
     core = v_cat @ o_cat if v_cat.shape[-2] < v_cat.shape[-1] else o_cat @ v_cat
     return eigvals(core).abs().amax(dim=-1) * _inverse_scale(w_v, w_o, scale)
+
+
+def __getattr__(name: str) -> object:
+    if name not in ("connection_matvec", "walk_basis"):
+        raise AttributeError(f"module 'connmon.functional.spectrum' has no attribute {name!r}")
+    return moved("connmon.functional.spectrum", name, "connmon.functional.operator")

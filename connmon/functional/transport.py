@@ -19,8 +19,9 @@ import torch
 from torch import Tensor
 
 from connmon.functional._checks import as_float, check_layer, check_transport, promote
-from connmon.functional._lanczos import gauss_quadrature, lanczos
 from connmon.functional._linalg import frobenius, gram_svdvals, safe_divide, svdvals
+from connmon.functional._linalg.heads import concat_heads
+from connmon.functional._linalg.lanczos import gauss_quadrature, lanczos
 
 __all__ = [
     "edge_isometry_gap",
@@ -39,14 +40,6 @@ def _weights(w_v: Tensor, w_o: Tensor) -> tuple[Tensor, Tensor]:
     w_v, w_o = promote(as_float(w_v, "w_v"), as_float(w_o, "w_o"))
     check_transport(w_v, w_o)
     return w_v, w_o
-
-
-def _concat_heads(w_v: Tensor, w_o: Tensor) -> tuple[Tensor, Tensor]:
-    """Stack the heads: ``V = (*, H*d_h, d)`` and ``O = (*, d, H*d_h)``, so that ``O @ V = sum_h T_h``."""
-    heads, d_h, d = w_v.shape[-3:]
-    v_cat = w_v.reshape(*w_v.shape[:-3], heads * d_h, d)
-    o_cat = w_o.transpose(-3, -2).reshape(*w_o.shape[:-3], d, heads * d_h)  # (*, d, H, d_h) -> (*, d, H*d_h)
-    return v_cat, o_cat
 
 
 def _qr_cores(v: Tensor, o: Tensor) -> tuple[Tensor, Tensor]:
@@ -180,7 +173,7 @@ def ov_transport(w_v: Tensor, w_o: Tensor) -> Tensor:
         >>> bool(torch.allclose(ov_transport(w_v, w_o), w_o[0] @ w_v[0] + w_o[1] @ w_v[1], atol=1e-5))
         True
     """
-    v_cat, o_cat = _concat_heads(*_weights(w_v, w_o))
+    v_cat, o_cat = concat_heads(*_weights(w_v, w_o))
     return o_cat @ v_cat
 
 
@@ -206,7 +199,7 @@ def ov_singular_values(w_v: Tensor, w_o: Tensor) -> Tensor:
         >>> bool(torch.allclose(s, torch.linalg.svdvals(ov_transport(w_v, w_o)), atol=1e-4)), s[-2:]
         (True, tensor([0., 0.]))
     """
-    v_cat, o_cat = _concat_heads(*_weights(w_v, w_o))
+    v_cat, o_cat = concat_heads(*_weights(w_v, w_o))
     d, inner = o_cat.shape[-2:]
     if inner >= d:
         return svdvals(o_cat @ v_cat)
@@ -367,7 +360,7 @@ def edge_isometry_gap(
         chosen = draw.masked_fill(~live, -1.0).topk(num_queries, dim=-1).indices  # (*, q): live rows first
         index = chosen.unsqueeze(-2).unsqueeze(-1).expand(*chosen.shape[:-1], heads, num_queries, n)
         attn = attn.gather(-2, index)
-    r_v, r_o = _qr_cores(*_concat_heads(w_v, w_o))  # (*, r, H*d_h) each
+    r_v, r_o = _qr_cores(*concat_heads(w_v, w_o))  # (*, r, H*d_h) each
     weight = attn.sum(dim=-3)  # W: (*, n, n)
     gates = safe_divide(attn, weight.unsqueeze(-3)).movedim(-3, -1)  # (*, n, n, H)
     walk = weight / heads  # P

@@ -4,6 +4,9 @@ import scipy.sparse.linalg as spla
 import torch
 
 import connmon.functional as F
+import connmon.functional._causal
+from connmon.functional._linalg.heads import concat_heads
+from connmon.functional.operator import rmatvec
 from tests.functional import reference as ref
 
 
@@ -31,7 +34,7 @@ def test_connection_matvec_matches_dense_operator(layer):
     got = F.connection_matvec(layer.attn, layer.w_v, layer.w_o, x)
     for b in range(3):
         np.testing.assert_allclose(got[b].numpy().ravel(), dense @ x[b].numpy().ravel(), atol=1e-13)
-    adjoint = F.spectrum._rmatvec(layer.attn, *F.transport._concat_heads(layer.w_v, layer.w_o), x[0])
+    adjoint = rmatvec(layer.attn, *concat_heads(layer.w_v, layer.w_o), x[0])
     np.testing.assert_allclose(adjoint.numpy().ravel(), dense.T @ x[0].numpy().ravel(), atol=1e-13)
 
 
@@ -100,7 +103,8 @@ def test_causal_path_skips_blocks_that_cannot_enter_the_answer(heads, monkeypatc
     layer = ref.make_layer(heads=heads, n=100, d_h=2, d=6, mask="causal", sharpness=3.0, seed=heads)
     blockwise, dense = ref.causal_spectrum(*layer.np, deflate=deflate), ref.spectrum(*layer.np, deflate=deflate)
     solved = []
-    monkeypatch.setattr(F.spectrum, "eigvals", lambda m: solved.append(m.shape[0]) or torch.linalg.eigvals(m))
+    counted = lambda m: solved.append(m.shape[0]) or torch.linalg.eigvals(m)  # noqa: E731
+    monkeypatch.setattr(connmon.functional._causal, "eigvals", counted)
     for which in ("LM", "LR"):
         got = F.connection_spectrum(
             layer.attn, layer.w_v, layer.w_o, k=8, which=which, method="causal", deflate=deflate
@@ -318,7 +322,7 @@ def test_zero_transport_has_zero_normalized_operator(deflate):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_power_radius_bounds_hold_and_are_tight(dtype):
-    from connmon.functional.spectrum import _POWER_MARGIN, _power_radius_bounds
+    from connmon.functional._causal import POWER_MARGIN, power_radius_bounds
 
     gen = torch.Generator().manual_seed(0)
     for size, spread in [(6, 1.0), (32, 1.0), (128, 1.0), (32, 30.0)]:
@@ -329,31 +333,31 @@ def test_power_radius_bounds_hold_and_are_tight(dtype):
             blocks[0] = torch.triu(blocks[0], diagonal=1)  # nilpotent: radius 0
             blocks[1] = 0  # the zero block
             radius = torch.linalg.eigvals(blocks).abs().amax(dim=-1)
-            bound = _power_radius_bounds(blocks.to(dtype)).double()
-            assert (bound * (1 + _POWER_MARGIN) >= radius).all()
+            bound = power_radius_bounds(blocks.to(dtype)).double()
+            assert (bound * (1 + POWER_MARGIN) >= radius).all()
             assert (bound[2:] <= 1.5 * radius[2:]).all()  # the norm bounds are 2-4x on such blocks
             assert bound[1] == 0
 
 
 def test_power_radius_bounds_with_a_floor_stay_bounds_and_stop_early():
-    from connmon.functional.spectrum import _POWER_MARGIN, _power_radius_bounds
+    from connmon.functional._causal import POWER_MARGIN, power_radius_bounds
 
     gen = torch.Generator().manual_seed(1)
     blocks = torch.randn(12, 16, 16, generator=gen, dtype=torch.float64) / 4
     blocks[:4] *= 8  # four large blocks among small ones
     radius = torch.linalg.eigvals(blocks).abs().amax(dim=-1)
-    full = _power_radius_bounds(blocks)
+    full = power_radius_bounds(blocks)
     floor = torch.full((12,), float(radius[4:].max()) * 2)  # the small blocks can drop after a squaring or two
-    floored = _power_radius_bounds(blocks, floor=floor)
-    assert (floored * (1 + _POWER_MARGIN) >= radius).all()
+    floored = power_radius_bounds(blocks, floor=floor)
+    assert (floored * (1 + POWER_MARGIN) >= radius).all()
     assert torch.equal(floored[:4], full[:4])  # the blocks above their floor get every squaring
     assert (floored[4:] < floor[4:]).all() and (floored[4:] > full[4:]).any()  # the others stop once below it
-    assert _power_radius_bounds(blocks, floor=torch.full((12,), float("inf"))).equal(torch.linalg.matrix_norm(blocks))
+    assert power_radius_bounds(blocks, floor=torch.full((12,), float("inf"))).equal(torch.linalg.matrix_norm(blocks))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_real_part_bounds_hold_and_are_tighter(dtype):
-    from connmon.functional.spectrum import _POWER_MARGIN, _power_radius_bounds, _real_part_bounds
+    from connmon.functional._causal import POWER_MARGIN, power_radius_bounds, real_part_bounds
 
     gen = torch.Generator().manual_seed(2)
     for size, spread, shift in [(8, 1.0, 0.0), (32, 1.0, 0.0), (32, 30.0, 0.0), (32, 1.0, -3.0), (64, 1.0, 0.0)]:
@@ -363,35 +367,35 @@ def test_real_part_bounds_hold_and_are_tighter(dtype):
         blocks[0] = torch.triu(blocks[0], diagonal=1)  # nilpotent: every eigenvalue 0
         eig = torch.linalg.eigvals(blocks)
         rightmost = eig.real.amax(dim=-1)
-        radius = _power_radius_bounds(blocks.to(dtype)).double()
-        bound = _real_part_bounds(blocks.to(dtype), radius, radius, float(rightmost.min()) - 1).double()
-        assert (bound + _POWER_MARGIN * bound.abs() >= rightmost - 1e-6).all()
+        radius = power_radius_bounds(blocks.to(dtype)).double()
+        bound = real_part_bounds(blocks.to(dtype), radius, radius, float(rightmost.min()) - 1).double()
+        assert (bound + POWER_MARGIN * bound.abs() >= rightmost - 1e-6).all()
         assert (bound <= radius).all()
         gaps = (bound - rightmost)[1:] / eig.abs().amax(dim=-1)[1:]
         assert gaps.median() < min(0.1, ((radius - rightmost)[1:] / eig.abs().amax(dim=-1)[1:]).median())
         # a bar above every bound: the shifted squaring stops early, and the bounds still hold
-        early = _real_part_bounds(blocks.to(dtype), radius, radius, float(radius.max()) * 10).double()
-        assert (early + _POWER_MARGIN * early.abs() >= rightmost - 1e-6).all()
+        early = real_part_bounds(blocks.to(dtype), radius, radius, float(radius.max()) * 10).double()
+        assert (early + POWER_MARGIN * early.abs() >= rightmost - 1e-6).all()
 
 
 def test_power_radius_bounds_are_nan_for_non_finite_blocks():
-    from connmon.functional.spectrum import _power_radius_bounds
+    from connmon.functional._causal import power_radius_bounds
 
     blocks = torch.randn(3, 5, 5)
     blocks[1, 2, 3] = float("nan")
     blocks[2, 0, 0] = float("inf")
-    assert _power_radius_bounds(blocks).isnan().tolist() == [False, True, True]
+    assert power_radius_bounds(blocks).isnan().tolist() == [False, True, True]
 
 
 @pytest.mark.parametrize(("heads", "d_h", "d"), [(2, 2, 6), (3, 2, 6), (4, 4, 8), (1, 3, 5)])
 def test_causal_block_bounds_hold_for_every_token(heads, d_h, d):
-    from connmon.functional.spectrum import _block_norms, _block_radius_bounds
+    from connmon.functional._causal import block_norms, block_radius_bounds
 
     for seed in range(20):
         layer = ref.make_layer(heads=heads, n=12, d_h=d_h, d=d, mask="causal", sharpness=2.0, seed=seed)
         attn, w_v, w_o = layer.np
         self_weight = layer.attn.diagonal(dim1=-2, dim2=-1).mT  # (n, H)
-        bounds = _block_radius_bounds(self_weight, _block_norms(layer.w_v, layer.w_o)).numpy()
+        bounds = block_radius_bounds(self_weight, block_norms(layer.w_v, layer.w_o)).numpy()
         for i in range(12):  # the block D_i = sum_h A^h_ii T_h, from the weights directly
             block = sum(attn[h, i, i] * w_o[h] @ w_v[h] for h in range(heads))
             assert np.abs(np.linalg.eigvals(block)).max() <= bounds[i] * (1 + 1e-10) + 1e-12
@@ -442,13 +446,13 @@ def test_one_token_has_no_walk_part():
 
 @pytest.mark.parametrize("d_h, d", [(4, 16), (8, 16), (3, 5)])
 def test_numerical_abscissa_of_head_maps_matches_their_symmetric_part(d_h, d):
-    from connmon.functional.spectrum import _numerical_abscissa
+    from connmon.functional._causal import numerical_abscissa
 
     gen = torch.Generator().manual_seed(d_h * d)
     w_v, w_o = torch.randn(2, 3, d_h, d, generator=gen).double(), torch.randn(2, 3, d, d_h, generator=gen).double()
     maps = w_o @ w_v
     expected = np.linalg.eigvalsh(((maps + maps.mT) / 2).numpy())[..., -1]
-    np.testing.assert_allclose(_numerical_abscissa(w_v, w_o).numpy(), expected, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(numerical_abscissa(w_v, w_o).numpy(), expected, rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("mask", ["none", "causal"])

@@ -170,10 +170,11 @@ def test_edge_isometry_gap_by_lanczos_is_exact_on_isometric_edges():
 
 def test_edge_isometry_gap_by_lanczos_with_a_full_krylov_space_is_hutchinson_unbiased_in_sum_s():
     """With m >= r the quadrature is exact: over many probes the mean of sum s matches the exact nuclear norm."""
-    from connmon.functional.transport import _concat_heads, _edge_gaps_by_lanczos, _qr_cores
+    from connmon.functional._linalg.heads import concat_heads
+    from connmon.functional.transport import _edge_gaps_by_lanczos, _qr_cores
 
     layer = ref.make_layer(heads=2, n=4, d_h=3, d=6, mask="none", seed=1)
-    r_v, r_o = _qr_cores(*_concat_heads(layer.w_v, layer.w_o))
+    r_v, r_o = _qr_cores(*concat_heads(layer.w_v, layer.w_o))
     gates = torch.rand(1, 1, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     gates = gates / gates.sum(-1, keepdim=True)
     core = (r_o * gates.repeat_interleave(3, dim=-1)[0, 0]) @ r_v.mT

@@ -11,28 +11,28 @@ import torch
 from torch import Tensor
 
 
-def _finite_or_zero(matrix: Tensor) -> tuple[Tensor, Tensor]:
+def finite_or_zero(matrix: Tensor) -> tuple[Tensor, Tensor]:
     finite = torch.isfinite(matrix).flatten(-2).all(-1)  # (*,)
     return torch.where(finite[..., None, None], matrix, torch.zeros_like(matrix)), finite
 
 
 def eigvals(matrix: Tensor) -> Tensor:
     """``torch.linalg.eigvals`` of ``(*, m, m)``; NaN eigenvalues for a non-finite matrix."""
-    clean, finite = _finite_or_zero(matrix)
+    clean, finite = finite_or_zero(matrix)
     values = torch.linalg.eigvals(clean)
     return torch.where(finite[..., None], values, torch.full_like(values, float("nan")))
 
 
 def svdvals(matrix: Tensor) -> Tensor:
     """``torch.linalg.svdvals`` of ``(*, m, k)``; NaN singular values for a non-finite matrix."""
-    clean, finite = _finite_or_zero(matrix)
+    clean, finite = finite_or_zero(matrix)
     values = torch.linalg.svdvals(clean)
     return torch.where(finite[..., None], values, torch.full_like(values, float("nan")))
 
 
 def eigvalsh(matrix: Tensor) -> Tensor:
     """``torch.linalg.eigvalsh`` of symmetric ``(*, m, m)``, ascending; NaN eigenvalues for a non-finite matrix."""
-    clean, finite = _finite_or_zero(matrix)
+    clean, finite = finite_or_zero(matrix)
     values = torch.linalg.eigvalsh(clean)
     return torch.where(finite[..., None], values, torch.full_like(values, float("nan")))
 
