@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import sys
 import threading
-import types
 import weakref
 from collections.abc import Iterator
 
@@ -39,13 +37,12 @@ from torch.utils.hooks import RemovableHandle
 
 from connmon._copying import CopiesDetached
 from connmon.capture.adapters import flex, handwritten
+from connmon.capture.adapters._discovery import calls_attention_kernel
+from connmon.capture.adapters._values import find_value, matching_columns, same
 from connmon.capture.adapters.base import Adapter, transport_maps
 from connmon.capture.session import CaptureSession, assembled, busy, warn_once
 from connmon.curvature.shards import local
 
-_KERNEL_NAMES = frozenset(
-    {"scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "flex_attention"}
-)
 _CROSS_KWARGS = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
 # Keywords of a transformers attention call: those connmon reads into the scores, and those that do not change what
 # the kernel computes. Any other keyword with a value leaves the layer unrecorded, with a warning naming it.
@@ -89,94 +86,6 @@ def linear_weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # GPT-2: y = x W + b, W (d_in, d_out)
         return module.weight.T, module.bias
     return None
-
-
-def calls_attention_kernel(module: nn.Module) -> bool:
-    """Whether the module's ``forward`` reaches SDPA, flex_attention or transformers' attention dispatch.
-
-    The scan follows the forward into the class's own methods it calls (x-transformers' ``Attend.flash_attn``); it
-    only says which modules are candidates: what a capture records is decided by the calls that run.
-
-    Examples:
-        >>> import torch
-        >>> from connmon.capture.adapters.kernel import calls_attention_kernel
-        >>> class Attend(torch.nn.Module):
-        ...     def forward(self, q, k, v):
-        ...         return torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        >>> calls_attention_kernel(Attend()), calls_attention_kernel(torch.nn.Linear(2, 2))
-        (True, False)
-    """
-    if _forward_calls_kernel(type(module)):
-        return True
-    # helpers held by the instance (self.attend = lambda q, k, v: F.sdpa(...)), read where forward names them
-    forward = getattr(_function(inspect.getattr_static(type(module), "forward", None)), "__code__", None)
-    named = _names(forward) if forward is not None else set()
-    helpers = [
-        getattr(value, "func", value)
-        for name, value in vars(module).items()
-        if name in named and isinstance(value, (types.FunctionType, functools.partial))
-    ]
-    return bool(helpers) and _reaches_kernel(type(module), helpers)
-
-
-@functools.cache
-def _forward_calls_kernel(cls: type) -> bool:
-    return _reaches_kernel(cls, [_function(inspect.getattr_static(cls, "forward", None))])
-
-
-def _reaches_kernel(cls: type, todo: list[object]) -> bool:
-    """Whether a function in ``todo``, or what it calls of ``cls``, its module or its closure, is a kernel."""
-    seen = set()
-    while todo:
-        function = todo.pop()
-        code = getattr(function, "__code__", None)
-        if code is None or code in seen:
-            continue
-        seen.add(code)
-        names = _names(code)
-        namespace = getattr(function, "__globals__", {})
-        # variables a nested function or lambda closes over (a helper defined inside a function, not at top level)
-        closed = dict(zip(code.co_freevars, (_contents(cell) for cell in function.__closure__ or ()), strict=True))
-        if _KERNEL_NAMES & names or any(_is_kernel(v) for v in (*map(namespace.get, names), *closed.values())):
-            return True
-        todo.extend(_function(inspect.getattr_static(cls, n, None)) for n in names)  # the class's own methods
-        if "super" in names:  # a subclass's forward that hands on to its base's (class Mine(LlamaAttention))
-            todo.extend(_function(vars(base).get(n)) for base in cls.__mro__[1:] for n in {*names, code.co_name})
-        todo.extend(  # helpers defined beside the code that calls them (def attend(q, k, v): return F.sdpa(...))
-            value
-            for value in map(namespace.get, names)
-            if isinstance(value, types.FunctionType) and value.__module__ == function.__module__
-        )
-        todo.extend(value for value in closed.values() if isinstance(value, types.FunctionType))
-    return False
-
-
-def _contents(cell: types.CellType) -> object:
-    """What a closure cell holds (None while its variable is unassigned)."""
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return None
-
-
-def _function(value: object) -> object:
-    """The plain function behind a method, staticmethod, classmethod or decorated function (None if none)."""
-    value = getattr(value, "__func__", value)
-    return inspect.unwrap(value) if callable(value) else None
-
-
-def _is_kernel(value: object) -> bool:
-    """Whether a global is SDPA or flex_attention under another name (``attend = F.scaled_dot_product_attention``)."""
-    flex_attention = flex.flex_function()
-    return value is not None and (value is _sdpa.original or (flex_attention is not None and value is flex_attention))
-
-
-def _names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
 
 
 def kernel_caller_hooks(module: nn.Module) -> list[RemovableHandle]:
@@ -407,7 +316,7 @@ class KernelAttention(CopiesDetached, Adapter):
         state = session.pending(module).adapter_state
         consumed = state["consumes"]  # (B_s, m, H d_h), the kernel's output as an output projection reads it
         seen = session.window(inp)
-        if seen.shape != consumed.shape or not _same(seen.detach(), consumed.to(seen.dtype)):
+        if seen.shape != consumed.shape or not same(seen.detach(), consumed.to(seen.dtype)):
             return
         value, value_bias = state["value"]
         if value.shape[-1] != out.shape[-1]:  # the values are not linear in the module's input
@@ -463,7 +372,7 @@ class KernelAttention(CopiesDetached, Adapter):
             heads = output.shape[-2]
             calls = pending.adapter_state.pop("calls", [])
             pending.adapter_state["projections"] = calls
-            found = _find_value(session, calls, session.window(value, dim=-2), heads)
+            found = find_value(session, calls, session.window(value, dim=-2), heads)
             if found is None:
                 return  # reported when the session closes
             projection, rows, inp = found
@@ -488,12 +397,12 @@ class KernelAttention(CopiesDetached, Adapter):
         latent = state["value_input"]  # (B_s, m, r)
         for norm, inp, out in state.get("norms", []):
             out = session.window(out).detach()
-            if out.shape != latent.shape or not _same(out, latent.to(out.dtype)):
+            if out.shape != latent.shape or not same(out, latent.to(out.dtype)):
                 continue
             gain = _gain(norm).detach().to(torch.float64)
             normed_input = session.window(inp).detach()
             for weight, bias, x, projected, _ in state.get("projections", []):
-                columns = _matching_columns(session.window(projected).detach(), normed_input.unsqueeze(1))
+                columns = matching_columns(session.window(projected).detach(), normed_input.unsqueeze(1))
                 if columns is None or (bias is not None and bool(bias.detach().any())):
                     continue
                 scaled = gain * normed_input.to(torch.float64)  # g * (A x_j), without the factor s_j
@@ -548,75 +457,10 @@ class KernelAttention(CopiesDetached, Adapter):
             )  # fmt: skip
 
 
-def _find_value(session: CaptureSession, calls: list, value: Tensor, heads: int) -> tuple[tuple, Tensor, Tensor] | None:
-    """The projection ``(W, b)`` whose columns are ``value`` ``(B_s, H_v, m, d_h)``, its rows per head, its input."""
-    batch, value_heads, m, d_h = value.shape
-    for weight, bias, inp, out, _ in reversed(calls):  # the value projection usually runs last of q, k, v
-        columns = session.window(out).detach()  # (B_s, m, F)
-        if columns.shape[:2] != (batch, m):
-            continue
-        for rows in _value_layouts(columns.shape[-1], heads, d_h, columns.device):
-            kv = rows.shape[0]
-            if value_heads % kv or heads % kv:
-                continue
-            read = columns[..., rows.flatten()].view(batch, m, kv, d_h).transpose(1, 2)  # (B_s, kv, m, d_h)
-            read = read.repeat_interleave(value_heads // kv, dim=1)
-            if _same(read.to(value.dtype), value.detach()):
-                return (weight, bias), rows.repeat_interleave(heads // kv, dim=0), inp
-        rows = _matching_columns(columns, value) if heads % value_heads == 0 else None
-        if rows is not None:  # any other layout: each value feature is one output column (DeepSeek's kv_b_proj)
-            return (weight, bias), rows.repeat_interleave(heads // value_heads, dim=0), inp
-    return None
-
-
-def _matching_columns(columns: Tensor, value: Tensor) -> Tensor | None:
-    """``(H_v, d_h)`` indices of the columns ``(B_s, m, F)`` equal to each value feature ``(B_s, H_v, m, d_h)``.
-
-    Columns are matched by a random projection over the tokens, then checked bitwise; None if one feature has none.
-    """
-    batch, value_heads, m, d_h = value.shape
-    if not columns.is_floating_point() or m * batch < 2:
-        return None
-    probe = torch.randn(batch * m, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    flat = columns.reshape(batch * m, -1).to(torch.float64)
-    features = value.detach().permute(0, 2, 1, 3).reshape(batch * m, -1).to(torch.float64)
-    keys, order = (probe.to(flat.device) @ flat).sort()
-    wanted = probe.to(flat.device) @ features
-    at = torch.searchsorted(keys, wanted).clamp(max=keys.numel() - 1)
-    below = (at - 1).clamp(min=0)
-    nearest = torch.where((keys[at] - wanted).abs() <= (keys[below] - wanted).abs(), at, below)
-    rows = order[nearest]
-    if not _same(flat[:, rows], features):
-        return None
-    return rows.view(value_heads, d_h)
-
-
 def _gain(norm: nn.Module) -> Tensor | None:
     """A norm's per-feature gain (its 1-dim ``weight``), or None."""
     weight = getattr(norm, "weight", None)
     return weight if isinstance(weight, Tensor) and weight.dim() == 1 else None
-
-
-def _same(a: Tensor, b: Tensor) -> bool:
-    """Bitwise-equal values, NaN equal to NaN (a forward gone non-finite is still recorded, and flagged)."""
-    return torch.equal(a, b) or torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
-
-
-def _value_layouts(features: int, heads: int, d_h: int, device: torch.device) -> Iterator[Tensor]:
-    """Candidate ``(H_kv, d_h)`` value rows of a projection with ``features`` outputs, for ``heads`` query heads."""
-    if features % d_h:
-        return
-    per = features // d_h  # head-sized blocks
-    e = torch.arange(d_h, device=device)
-    yield torch.arange(features, device=device).view(per, d_h)  # a value projection of its own
-    if per > heads and (per - heads) % 2 == 0:  # [q (H), k (H_kv), v (H_kv)] contiguous (nanoGPT, Phi3, MQA)
-        kv = (per - heads) // 2
-        yield torch.arange(features - kv * d_h, features, device=device).view(kv, d_h)
-        if heads % kv == 0:  # grouped per kv head [q (H / H_kv), k, v] (Falcon)
-            group = heads // kv + 2
-            yield (torch.arange(kv, device=device)[:, None] * group + group - 1) * d_h + e
-    if per % 3 == 0:  # per head [q, k, v] interleaved (GPT-NeoX)
-        yield (torch.arange(per // 3, device=device)[:, None] * 3 + 2) * d_h + e
 
 
 # --- the kernels, wrapped while any session is armed ---------------------------------------------------------------
@@ -673,6 +517,11 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, *args: object, **kwargs: ob
 
 
 _sdpa.original = torch.nn.functional.scaled_dot_product_attention
+
+
+def sdpa_original() -> object:
+    """Torch's SDPA as the wrapper found it (what a module naming it under another name holds)."""
+    return _sdpa.original
 
 
 def _flex_call(output: Tensor, query: Tensor, key: Tensor, value: Tensor, **features: object) -> None:
