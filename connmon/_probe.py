@@ -82,12 +82,13 @@ def read_beside(compiled: nn.Module, read: Callable[[nn.Module, Callable[[nn.Mod
         >>> seen
         []
     """
-    done = []
+    done: list[bool] = []
 
     def before(wrapper: nn.Module, args: tuple, kwargs: dict) -> None:
         if not done:
             done.append(True)
-            read(compiled._orig_mod, lambda original: original(*args, **kwargs))
+            original: nn.Module = compiled._orig_mod  # type: ignore[assignment]
+            read(original, lambda module: module(*args, **kwargs))
 
     handle = compiled.register_forward_pre_hook(before, with_kwargs=True)
     try:

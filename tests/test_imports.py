@@ -74,3 +74,11 @@ def test_no_private_name_is_imported_across_modules_of_the_package():
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                 crossings += [f"{path.relative_to(root.parent)}: {node.module}.{name}" for name in private]
     assert crossings == []
+
+
+def test_the_default_actions_are_named_as_such_and_the_old_name_warns():
+    from connmon.alerts import DEFAULT_ACTIONS
+
+    with pytest.warns(DeprecationWarning, match="DEFAULT_ACTIONS"):
+        from connmon.alerts import ACTIONS
+    assert ACTIONS == DEFAULT_ACTIONS == ("log", "wandb", "stop")

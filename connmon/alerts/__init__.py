@@ -37,11 +37,11 @@ from connmon.alerts.rules import (
     edge_of_stability_rule,
     logit_bound_rule,
 )
-from connmon.alerts.runner import ACTIONS, KNOWN_ACTIONS, Action, AlertRunner
+from connmon.alerts.runner import DEFAULT_ACTIONS, KNOWN_ACTIONS, Action, AlertRunner
 
 __all__ = [
-    "ACTIONS",
     "CUSUM",
+    "DEFAULT_ACTIONS",
     "KNOWN_ACTIONS",
     "LEVELS",
     "Action",
@@ -65,3 +65,11 @@ __all__ = [
     "edge_of_stability_rule",
     "logit_bound_rule",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name != "ACTIONS":
+        raise AttributeError(f"module 'connmon.alerts' has no attribute {name!r}")
+    from connmon.alerts import runner
+
+    return runner.ACTIONS

@@ -291,7 +291,7 @@ class RuleSet:
             ([25, 50], [])
         """
         check_number("every_n_steps", every_n_steps, low=1, integer=True)
-        steps = set()
+        steps: set[int] = set()
         for rule in self.rules:
             for member in rule.rules if isinstance(rule, AllOf) else (rule,):
                 if member.until is not None and member.until // every_n_steps < 2:

@@ -6,6 +6,7 @@ Lightning's :class:`connmon.callbacks.DriftAlert`, the Hugging Face callback and
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
@@ -18,8 +19,8 @@ from connmon.alerts.restore import RestorePoints
 from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules
 
 Action = Literal["log", "wandb", "stop", "backoff", "checkpoint"]
-ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # the default actions; "backoff" and "checkpoint" are opt-in
-KNOWN_ACTIONS: tuple[Action, ...] = (*ACTIONS, "backoff", "checkpoint")
+DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # "backoff" and "checkpoint" are opt-in
+KNOWN_ACTIONS: tuple[Action, ...] = (*DEFAULT_ACTIONS, "backoff", "checkpoint")
 
 
 class AlertRunner:
@@ -63,7 +64,7 @@ class AlertRunner:
     def __init__(
         self,
         rules: Sequence[Rule | AllOf] | None = None,
-        actions: Sequence[Action] = ACTIONS,
+        actions: Sequence[Action] = DEFAULT_ACTIONS,
         stop_level: Level = "ERROR",
         on_alert: Callable[[Alert], Any] | None = None,
         wait_duration: float = 300.0,
@@ -195,3 +196,13 @@ def _rule_hint(item: object) -> str:
     if isinstance(item, (list, tuple)):
         return " (a list inside the list: unpack it, rules=[*rules, ...])"
     return ""
+
+
+def __getattr__(name: str) -> object:
+    if name != "ACTIONS":
+        raise AttributeError(f"module 'connmon.alerts.runner' has no attribute {name!r}")
+    warnings.warn(
+        "connmon.alerts.ACTIONS is now DEFAULT_ACTIONS (the defaults; KNOWN_ACTIONS lists them all); the old name goes "
+        "in the next release", DeprecationWarning, stacklevel=2,
+    )  # fmt: skip
+    return DEFAULT_ACTIONS

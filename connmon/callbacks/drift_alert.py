@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from connmon.alerts import (
-    ACTIONS,
+    DEFAULT_ACTIONS,
     Action,
     Alert,
     AlertRunner,
@@ -89,7 +89,7 @@ class DriftAlert(Callback):
     def __init__(
         self,
         rules: Sequence[Rule | AllOf] | None = None,
-        actions: Sequence[Action] = ACTIONS,
+        actions: Sequence[Action] = DEFAULT_ACTIONS,
         stop_level: Level = "ERROR",
         on_alert: Callable[[Alert], Any] | None = None,
         wait_duration: float = 300.0,

@@ -164,6 +164,7 @@ def first_over_blocks(
             tight = {w: torch.cat([b, bounded[w]]) for w, b in tight.items()}
             continue
         else:
+            assert top is not None  # the pool is not empty here
             take = pool[top : top + 1]
             keep = torch.arange(len(pool)) != top
             pool, tight = pool[keep], {w: b[keep] for w, b in tight.items()}

@@ -89,7 +89,7 @@ class WandbSink:
         import wandb
 
         def send() -> None:
-            self._run().alert(title=title, text=text, level=wandb.AlertLevel(level), wait_duration=wait_duration)
+            self._run().alert(title=title, text=text, level=wandb.AlertLevel(level), wait_duration=wait_duration)  # type: ignore[attr-defined]
 
         self._guard("an alert", send)
 

@@ -30,9 +30,9 @@ def find_value(session: CaptureSession, calls: list, value: Tensor, heads: int) 
             read = read.repeat_interleave(value_heads // kv, dim=1)
             if same(read.to(value.dtype), value.detach()):
                 return (weight, bias), rows.repeat_interleave(heads // kv, dim=0), inp
-        rows = matching_columns(columns, value) if heads % value_heads == 0 else None
-        if rows is not None:  # any other layout: each value feature is one output column (DeepSeek's kv_b_proj)
-            return (weight, bias), rows.repeat_interleave(heads // value_heads, dim=0), inp
+        matched = matching_columns(columns, value) if heads % value_heads == 0 else None
+        if matched is not None:  # any other layout: each value feature is one output column (DeepSeek's kv_b_proj)
+            return (weight, bias), matched.repeat_interleave(heads // value_heads, dim=0), inp
     return None
 
 
