@@ -16,7 +16,7 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
 * recipe (lanczos): the same with exact Lanczos (double backward) every 20 steps, the previous default.
 * recipe (secant): the same with the secant along the update every 20 steps.
 * gradient_difference_10, secant_1, difference_10, lanczos_10: one SharpnessMonitor alone at that fixed cadence.
-* lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="lanczos", budget=0.05): the cadence it chooses.
+* lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="exact_lanczos", budget=0.05): the cadence it chooses.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
 
 It also reports what one sampled step costs in the ConnectionMonitor(every_n_steps=10) run (light and full samples,
@@ -109,7 +109,7 @@ def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
             ConnectionMonitor(every_n_steps=25, diagnostics=("walk",), figures_every_n_samples=None),
             DriftAlert(actions=("log",)),
         ]
-    for estimator in ("gradient_difference", "secant", "difference", "lanczos"):
+    for estimator in ("finite_difference_lanczos", "secant", "difference", "exact_lanczos"):
         if config.startswith(f"{estimator}_"):
             every = int(config.split("_")[-1])
             callbacks.append(
@@ -117,7 +117,7 @@ def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
             )
     if config == "lanczos budget 5%":
         callbacks.append(
-            SharpnessMonitor(next_token_loss, every_n_steps=1, estimator="lanczos", budget=0.05, cadence="fixed")
+            SharpnessMonitor(next_token_loss, every_n_steps=1, estimator="exact_lanczos", budget=0.05, cadence="fixed")
         )
     if config == "wandb.watch":
         logger = WandbLogger(project="connmon-bench", save_dir=str(workdir), mode="offline")
@@ -177,7 +177,7 @@ for step in range(4):
         before = reset()  # the sample from here: the parameter copy, the step it spans, the reading
         if {estimator!r} in ("secant", "difference"):
             probe = UpdateProbe(optimizer)
-        if {estimator!r} == "gradient_difference":  # where SharpnessMonitor reads it: .grad held, before the step
+        if {estimator!r} == "finite_difference_lanczos":  # where SharpnessMonitor reads it: .grad held, before the step
             sharpness_ratio(loss_fn, optimizer, steps=8, model=model)
     optimizer.step()
 if probe is not None:
@@ -186,7 +186,7 @@ if {estimator!r} == "difference":
     probe.difference(loss_fn, model=model)
 elif {estimator!r} == "secant":
     probe.secant()  # after the next backward, which training does anyway
-elif {estimator!r} == "lanczos":
+elif {estimator!r} == "exact_lanczos":
     sharpness_ratio(loss_fn, optimizer, steps=8, model=model, products="double_backward")
 print(step_peak, status("VmHWM") - before)
 """
@@ -253,7 +253,7 @@ def main() -> None:
         print(f"every_n_steps=100 {1 + per_sample / 100:.4f}x, every_n_steps=10 {1 + per_sample / 10:.3f}x")
     print("\n| curvature sample | what it adds to training's memory, MB | training steps' own, MB | sample / step |")
     print("|---|---|---|---|")
-    for estimator in ("gradient_difference", "secant", "difference", "lanczos"):
+    for estimator in ("finite_difference_lanczos", "secant", "difference", "exact_lanczos"):
         step, sample = peak_memory(estimator)
         print(f"| {estimator} | {sample / 2**20:.1f} | {step / 2**20:.1f} | {sample / step:.2f} |")
 

@@ -95,7 +95,7 @@ def ratio_of(
     steps: int,
     seed: int,
     products: str = "double_backward",
-    relative_step: float | None = None,
+    relative_length: float | None = None,
 ) -> float:
     """``connmon.curvature.sharpness_ratio``: ``lr lambda_max(P^-1 H) / 38`` for AdamW (exact products by default)."""
     return sharpness_ratio(
@@ -105,7 +105,7 @@ def ratio_of(
         model=model,
         seed=seed,
         products=products,
-        relative_step=relative_step,
+        relative_length=relative_length,
     ).ratio
 
 
@@ -208,8 +208,12 @@ def train(
         clock = time.perf_counter()
         if step % every == 0 and step > 0:  # connmon's default: gradient differences, the step carried over
             result = sharpness_ratio(lambda batch=(idx, target): gpt_loss(model, batch), optimizer, steps=iterations,
-                                     model=model, seed=step, initial_step=initial)  # fmt: skip
-            gradient[step], gradients[step], initial = result.ratio, result.gradient_evaluations, result.step
+                                     model=model, seed=step, initial_length=initial)  # fmt: skip
+            gradient[step], gradients[step], initial = (
+                result.ratio,
+                result.gradient_evaluations,
+                result.difference_length,
+            )
             initial = initial if 0 < initial < 0.1 else None
         seconds["gradient_difference"] += time.perf_counter() - clock
         clock = time.perf_counter()
@@ -284,7 +288,7 @@ def step_size_study(seed: int = 0, points: tuple[int, ...] = STEP_POINTS) -> lis
             row = {"step": step, "exact": ratio_of(model, batch, optimizer, 8, step), "rules": {}}
             for eps in RELATIVE_STEPS:
                 row["rules"][f"float32, relative step {eps:g}"] = ratio_of(
-                    model, batch, optimizer, 8, step, "gradient_difference", relative_step=eps
+                    model, batch, optimizer, 8, step, "gradient_difference", relative_length=eps
                 )
             for precision, changes in GRADIENT_CHANGES.items():
                 for change in changes:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def moved(old: str, name: str, new: str) -> Any:
@@ -23,3 +27,55 @@ def moved(old: str, name: str, new: str) -> Any:
         f"{old}.{name} moved to {new}.{name}; the old path goes in the next release", DeprecationWarning, stacklevel=3
     )
     return getattr(importlib.import_module(new), name)
+
+
+def renamed(option: str, old: str, new: str) -> str:
+    """``new``, after a ``DeprecationWarning`` that the value ``old`` of ``option`` is now called ``new``.
+
+    Examples:
+        >>> import warnings
+        >>> from connmon._moved import renamed
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     value = renamed("estimator", "lanczos", "exact_lanczos")
+        >>> value, str(caught[0].message).split(";")[0]
+        ('exact_lanczos', "estimator='lanczos' is now estimator='exact_lanczos'")
+    """
+    warnings.warn(
+        f"{option}={old!r} is now {option}={new!r}; the old name goes in the next release", DeprecationWarning,
+        stacklevel=3,
+    )  # fmt: skip
+    return new
+
+
+def renamed_keywords(**names: str) -> Callable[[F], F]:
+    """Let a function take its keywords' old names ``old=new`` for one release, each with a ``DeprecationWarning``.
+
+    Examples:
+        >>> import warnings
+        >>> from connmon._moved import renamed_keywords
+        >>> @renamed_keywords(initial_step="initial_length")
+        ... def solve(*, initial_length=None):
+        ...     return initial_length
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     value = solve(initial_step=1e-4)
+        >>> value, str(caught[0].message).split(";")[0]
+        (0.0001, 'solve(initial_step=...) is now solve(initial_length=...)')
+    """
+
+    def decorate(function: F) -> F:
+        @functools.wraps(function)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            for old, new in names.items():
+                if old in kwargs:
+                    warnings.warn(
+                        f"{function.__name__}({old}=...) is now {function.__name__}({new}=...); the old name goes in "
+                        "the next release", DeprecationWarning, stacklevel=2,
+                    )  # fmt: skip
+                    kwargs[new] = kwargs.pop(old)
+            return function(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate

@@ -153,7 +153,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
 
     run_dir = Path(wandb_logger.experiment.dir).parent
-    run = f"W&B run {wandb_logger.experiment.name} ({wandb_logger.experiment.id}), CSV {Path(csv_logger.log_dir).name}"
+    experiment = wandb_logger.experiment  # an offline run has an id and no name
+    run = f"W&B run {experiment.name or experiment.id}, CSV {Path(csv_logger.log_dir).name}"
     wandb_logger.experiment.finish()
     png = args.out / "connmon_summary.png"
     summary_png(Path(csv_logger.log_dir) / "metrics.csv", png, run)

@@ -82,3 +82,20 @@ def test_the_default_actions_are_named_as_such_and_the_old_name_warns():
     with pytest.warns(DeprecationWarning, match="DEFAULT_ACTIONS"):
         from connmon.alerts import ACTIONS
     assert ACTIONS == DEFAULT_ACTIONS == ("log", "wandb", "stop")
+
+
+def test_finite_difference_lengths_are_not_called_steps_and_the_old_names_warn():
+    import torch
+
+    from connmon.curvature import Sharpness, sharpness_ratio
+
+    reading = Sharpness(0.5, 1.0, 2.0, True, 9, difference_length=1e-4)
+    with pytest.warns(DeprecationWarning, match="Sharpness.step is now Sharpness.difference_length"):
+        assert reading.step == 1e-4
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = torch.randn(8, 3)
+    loss = lambda: model(batch).pow(2).mean()  # noqa: E731
+    with pytest.warns(DeprecationWarning, match=r"sharpness_ratio\(initial_step=...\) is now"):
+        old = sharpness_ratio(loss, optimizer, model=model, steps=3, initial_step=1e-4)
+    assert old == sharpness_ratio(loss, optimizer, model=model, steps=3, initial_length=1e-4)

@@ -67,8 +67,8 @@ def test_readme_reaches_install_and_the_two_commands_on_its_first_screen():
     lines = README.read_text().splitlines()
     assert len(lines) < 200
     first_screen = "\n".join(lines[:40])
-    assert "## Install" in first_screen and "python -m pytest" in first_screen
-    assert "python examples/train_tiny_gpt.py" in first_screen
+    assert "## Install" in first_screen and "\nmake test\n" in first_screen and "\nmake example\n" in first_screen
+    assert "python examples/train_tiny_gpt.py" in first_screen and "python -m pytest" in first_screen
     assert 'name = "torch-connmon"' in (ROOT / "pyproject.toml").read_text()
 
 

@@ -21,7 +21,7 @@ class SharpnessMonitor(Callback):
 
     The estimate is :class:`connmon.curvature.sampler.SharpnessSampler`'s (the same in every entry point):
 
-    * ``estimator="gradient_difference"`` (the default): the top of the preconditioned Hessian's spectrum
+    * ``estimator="finite_difference_lanczos"`` (the default): the top of the preconditioned Hessian's spectrum
       (:func:`connmon.curvature.sharpness_ratio`) by ``lanczos_steps`` Lanczos steps whose Hessian products are
       differences of first-order gradients, through the model's own kernels (fused and flash SDPA, compiled
       models, bf16 autocast): ``lanczos_steps + 1`` gradients of the sampled step's whole batch (every micro-batch of
@@ -30,7 +30,7 @@ class SharpnessMonitor(Callback):
       growing amplitude past it) and ``connmon/sharpness_eigenvalue``. :class:`DriftAlert` sees the ratio on the
       steps it is measured; its default rules alert when it is above 1 on two samples in a row from step 20 on
       (:func:`connmon.alerts.edge_of_stability_rule`).
-    * ``estimator="lanczos"``: the same with exact products by double backward through SDPA's math kernel (the
+    * ``estimator="exact_lanczos"``: the same with exact products by double backward through SDPA's math kernel (the
       reference: about twice the time, a double-backward graph's memory, no compiled models).
     * ``estimator="difference"`` and ``"secant"``: the curvature along the optimizer's own update
       (:class:`connmon.curvature.UpdateProbe`), logged as ``connmon/update_sharpness_ratio`` and
@@ -48,7 +48,7 @@ class SharpnessMonitor(Callback):
     the same on every process.
 
     Nothing of the training run changes: parameters, gradients, optimizer state, random streams and buffers are
-    bitwise as they were. Every estimator but the exact ``"lanczos"`` also runs under FSDP2
+    bitwise as they were. Every estimator but ``"exact_lanczos"`` also runs under FSDP2
     (``ModelParallelStrategy``): the Lanczos vectors are held as each process's shards, their inner products added
     across processes. An optimizer without a known edge of stability (see
     :func:`connmon.curvature.step_geometry`), another sharding strategy (FSDP1, DeepSpeed), running out of memory or any
@@ -62,8 +62,8 @@ class SharpnessMonitor(Callback):
             model's device), in the trainer's precision context (autocast under ``bf16-mixed``). A capture that a
             :class:`ConnectionMonitor` armed for the same step records nothing of these forwards.
         every_n_steps: the densest interval between samples, in optimizer steps (every sample with ``"fixed"``).
-        estimator: ``"gradient_difference"``, ``"lanczos"``, ``"difference"`` or ``"secant"``.
-        lanczos_steps: Hessian-vector products per sample with ``"gradient_difference"`` and ``"lanczos"``.
+        estimator: ``"finite_difference_lanczos"``, ``"exact_lanczos"``, ``"difference"`` or ``"secant"``.
+        lanczos_steps: Hessian-vector products per sample with the two Lanczos estimators.
         budget: None, or the fraction of training time the samples may take (e.g. 0.01): the monitor then stretches
             its intervals by ``k``, chosen from the measured costs at the densest interval (the same on every
             process, saved in checkpoints, said once per change).
@@ -88,7 +88,7 @@ class SharpnessMonitor(Callback):
         self,
         loss_fn: Callable[[LightningModule, Any], Tensor] | None = None,
         every_n_steps: int = 20,
-        estimator: Estimator = "gradient_difference",
+        estimator: Estimator = "finite_difference_lanczos",
         lanczos_steps: int = 8,
         budget: float | None = None,
         cadence: Cadence = "adaptive",
@@ -144,7 +144,7 @@ class SharpnessMonitor(Callback):
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
         fsdp2 = isinstance(strategy, ModelParallelStrategy)  # DTensor parameters: every estimator reads their shards
-        if not plain and not (fsdp2 and self.sampler.estimator != "lanczos"):
+        if not plain and not (fsdp2 and self.sampler.estimator != "exact_lanczos"):
             supported = "single-device, DDP, and ModelParallelStrategy (FSDP2) with every estimator but 'lanczos'"
             self.sampler.turn_off(f"the {type(strategy).__name__} shards or wraps the parameters; {supported}")
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -50,6 +51,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from connmon._moved import renamed_keywords
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon.curvature.products import (
@@ -94,8 +96,8 @@ class Sharpness:
         gradient_evaluations: passes through the loss's backward it took: ``steps + 1`` gradients with gradient
             differences; one gradient with its graph and ``steps`` double backward products (each about twice a
             gradient's cost) with double backward.
-        step: the gradient differences' last ``||h w|| / ||theta||`` (NaN with double backward), where the next
-            reading's search for its step may start (``initial_step``).
+        difference_length: the gradient differences' last ``||h w|| / ||theta||`` (NaN with double backward), where
+            the next reading's search for its length may start (``initial_length``).
     """
 
     ratio: float
@@ -103,7 +105,16 @@ class Sharpness:
     constant: float
     converged: bool
     gradient_evaluations: int = 0
-    step: float = math.nan
+    difference_length: float = math.nan
+
+    @property
+    def step(self) -> float:
+        """Deprecated: :attr:`difference_length` (a step is an optimizer step in connmon)."""
+        warnings.warn(
+            "Sharpness.step is now Sharpness.difference_length; the old name goes in the next release",
+            DeprecationWarning, stacklevel=2,
+        )  # fmt: skip
+        return self.difference_length
 
 
 @dataclass(frozen=True)
@@ -237,6 +248,7 @@ def _step_sizes(
     return _adam_sizes(optimizer, lr_scale), _adam_constant(optimizer)
 
 
+@renamed_keywords(relative_step="relative_length", initial_step="initial_length")  # 0.1.0's names
 def sharpness_ratio(
     loss_fn: Callable[[], Tensor] | Sequence[Callable[[], Tensor]],
     optimizer: torch.optim.Optimizer,
@@ -245,9 +257,9 @@ def sharpness_ratio(
     model: nn.Module | None = None,
     seed: int = 0,
     products: Products = "gradient_difference",
-    relative_step: float | None = None,
+    relative_length: float | None = None,
     gradient_change: float | None = None,
-    initial_step: float | None = None,
+    initial_length: float | None = None,
     storage: Storage = "device",
     noise_check: bool = True,
     weights: Sequence[float] | None = None,
@@ -263,8 +275,8 @@ def sharpness_ratio(
       evaluations of the loss (and one per product retaken with a corrected step). The parameters are written from
       a saved copy for each product and copied back after it, bitwise. By default ``h`` is set so that the gradient
       changes by a measured fraction of its norm (``1e-3`` in float32;
-      :data:`connmon.curvature.products.GRADIENT_CHANGE`); with ``relative_step``, so that
-      ``||h w|| = relative_step ||theta||``.
+      :data:`connmon.curvature.products.GRADIENT_CHANGE`); with ``relative_length``, so that
+      ``||h w|| = relative_length ||theta||``.
     * ``products="double_backward"``: the exact products by double backward through one graph, SDPA held to its math
       kernel (the fused kernels have no double backward): the reference.
 
@@ -286,11 +298,12 @@ def sharpness_ratio(
         model: the module whose buffers are restored after ``loss_fn`` (None: the buffers are not saved).
         seed: the start vector's and the forwards' seed.
         products: ``"gradient_difference"`` or ``"double_backward"``.
-        relative_step: a fixed ``||h w|| / ||theta||`` for gradient differences (None: the gradient-change rule).
+        relative_length: a fixed ``||h w|| / ||theta||`` for gradient differences (None: the gradient-change rule).
         gradient_change: the gradient-change rule's target ``||g(theta + h w) - g(theta)|| / ||g(theta)||`` (None:
             the measured one for the parameters' dtype).
-        initial_step: where the gradient-change rule starts looking for the step, ``||h w|| / ||theta||``: a
-            previous reading's :attr:`Sharpness.step` saves the gradients of retaken products (None: ``1e-5``).
+        initial_length: where the gradient-change rule starts looking for the length, ``||h w|| / ||theta||``: a
+            previous reading's :attr:`Sharpness.difference_length` saves the gradients of retaken products (None:
+            ``1e-5``).
         storage: ``"device"``, or ``"cpu"`` to keep the solve's parameter-sized vectors (six with gradient
             differences) in host memory, the device holding only the gradient being taken.
         noise_check: with gradient differences, a reading of 0.5 or more is taken again at a 10x larger gradient
@@ -327,8 +340,8 @@ def sharpness_ratio(
         raise ValueError(f"products must be one of {PRODUCTS}, got products={products!r}")
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got storage={storage!r}")
-    for name, value in (("relative_step", relative_step), ("gradient_change", gradient_change),
-                        ("initial_step", initial_step)):  # fmt: skip
+    for name, value in (("relative_length", relative_length), ("gradient_change", gradient_change),
+                        ("initial_length", initial_length)):  # fmt: skip
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1):
             raise ValueError(f"{name} must be a number in (0, 1) or None, got {name}={value!r}")
     loss_fns = [loss_fn] if callable(loss_fn) else list(loss_fn)
@@ -358,7 +371,7 @@ def sharpness_ratio(
             hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed, weights, shards)
         else:
             hessian = GradientDifferenceProducts(
-                loss_fns, params, dtype, seed, relative_step, change, where, initial, weights, shards, leaves, model
+                loss_fns, params, dtype, seed, relative_length, change, where, initial, weights, shards, leaves, model
             )
 
         def matvec(v: Tensor) -> Tensor:  # (1, N) -> U^1/2 (H + decay) U^1/2 v, no N-sized temporary held
@@ -374,11 +387,11 @@ def sharpness_ratio(
         else:
             start = torch.randn(1, scale.numel(), generator=torch.Generator().manual_seed(seed), dtype=dtype).to(where)
         value, converged = largest_eigenvalue(matvec, start, steps, _TOL, dtype=dtype, inner=inner)
-        return float(value[0]), bool(converged[0]), hessian.evaluations, hessian.step
+        return float(value[0]), bool(converged[0]), hessian.evaluations, hessian.settled_length
 
     with _training_state_kept(model, device), kernels, torch.enable_grad():
-        eigenvalue, converged, evaluations, step = solve(gradient_change, initial_step)
-        if not exact and relative_step is None and noise_check:
+        eigenvalue, converged, evaluations, length = solve(gradient_change, initial_length)
+        if not exact and relative_length is None and noise_check:
             # Round-off divided by h inflates a reading; a real curvature does not change with h. From ratio 0.5 on
             # (where a reading moves the cadence or an alert), a reading that falls by more than 10% at a 10x larger
             # gradient change was noise: the larger step's reading replaces it (at most twice, up to a change of 0.1).
@@ -387,12 +400,12 @@ def sharpness_ratio(
                 change *= 10
                 if not (eigenvalue / geometry.constant >= NOISE_CHECK_FROM and change <= 0.1 + 1e-12):
                     break
-                again, again_converged, more, again_step = solve(change, step * 10 if step > 0 else None)
+                again, again_converged, more, again_length = solve(change, length * 10 if length > 0 else None)
                 evaluations += more
                 if not again < 0.9 * eigenvalue:
                     break
-                eigenvalue, converged, step = again, again_converged, again_step / 10
-    return Sharpness(eigenvalue / geometry.constant, eigenvalue, geometry.constant, converged, evaluations, step)
+                eigenvalue, converged, length = again, again_converged, again_length / 10
+    return Sharpness(eigenvalue / geometry.constant, eigenvalue, geometry.constant, converged, evaluations, length)
 
 
 def _root(size: Tensor | float, p: Tensor, dtype: torch.dtype) -> Tensor:

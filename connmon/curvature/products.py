@@ -40,12 +40,12 @@ from connmon.curvature.shards import Shards, local
 Products = Literal["gradient_difference", "double_backward"]
 PRODUCTS: tuple[Products, ...] = ("gradient_difference", "double_backward")
 
-# The step: the gradient changes by GRADIENT_CHANGE times its norm, by the parameters' dtype (the forwards run in it:
-# autocast is off for them). benchmarks/README.md, bench_sharpness.py --step-size: the ratio against double backward
-# on the instability suite's model, healthy and near divergence; under bf16 autocast no target read within 15%.
-# FIRST_STEP (||h w|| / ||theta||) starts the search.
+# The difference length: the gradient changes by GRADIENT_CHANGE times its norm, by the parameters' dtype (the
+# forwards run in it: autocast is off for them). benchmarks/README.md, bench_sharpness.py --step-size: the ratio
+# against double backward on the instability suite's model, healthy and near divergence; under bf16 autocast no target
+# read within 15%. FIRST_LENGTH (||h w|| / ||theta||) starts the search.
 GRADIENT_CHANGE = {torch.float64: 1e-7, torch.float32: 1e-3}
-FIRST_STEP = 1e-5
+FIRST_LENGTH = 1e-5
 _SLACK = 4.0  # a product whose gradient change is further than this factor from the target is taken again
 _RETAKES = 2
 _SHORTEST, _LONGEST = 1e-9, 1e-1  # bounds of ||h w|| / ||theta||
@@ -82,12 +82,12 @@ def step_weights(loss_fns: Sequence[object], weights: Sequence[float] | None) ->
 class GradientDifferenceProducts:
     """``w -> H w`` by forward differences of first-order gradients (see the module docstring).
 
-    The step ``h`` along ``w``: with ``relative_step`` given, ``||h w|| = relative_step ||theta||``. By default it is
-    set so that the gradient changes by ``gradient_change ||g(theta)||`` (:data:`GRADIENT_CHANGE`, by compute dtype):
+    The length ``h`` along ``w``: with ``relative_length`` given, ``||h w|| = relative_length ||theta||``. By default it
+    is set so that the gradient changes by ``gradient_change ||g(theta)||`` (:data:`GRADIENT_CHANGE`, by compute dtype):
     far enough above the gradient's round-off that the difference is not noise, and no further, so the product stays
-    local where the curvature is sharp. The step length found for one product starts the next; a product whose
-    gradient change is more than a factor :data:`_SLACK` off the target is taken again with the corrected step
-    (each retake is one more gradient, counted in :attr:`evaluations`).
+    local where the curvature is sharp. The length found for one product starts the next; a product whose gradient
+    change is more than a factor :data:`_SLACK` off the target is taken again with the corrected length (each retake is
+    one more gradient, counted in :attr:`evaluations`).
 
     Args:
         loss_fns: the losses whose weighted sum is read (one per micro-batch).
@@ -95,10 +95,11 @@ class GradientDifferenceProducts:
         params: the parameters (plain tensors or parameters of one device).
         dtype: the dtype of the flat vectors (float32 or float64).
         seed: the random streams' seed before every forward.
-        relative_step: a fixed ``||h w|| / ||theta||``; None: the gradient-change rule.
+        relative_length: a fixed ``||h w|| / ||theta||``; None: the gradient-change rule.
         gradient_change: the rule's target (None: :data:`GRADIENT_CHANGE` for the parameters' dtype).
-        initial_step: where the rule's search starts, ``||h w|| / ||theta||`` (a previous solve's :attr:`step`;
-            None: :data:`FIRST_STEP`).
+        initial_length: where the rule's search starts, ``||h w|| / ||theta||`` (a previous solve's
+            :attr:`settled_length`;
+            None: :data:`FIRST_LENGTH`).
         storage: the device of the flat vectors (the parameters' own by default; ``"cpu"`` to keep them off it).
         shards: the parameters' layout across processes (:class:`connmon.curvature.shards.Shards`; None: found here).
         leaves: every other tensor whose ``.grad`` a backward may touch (the model's other trainable parameters):
@@ -114,10 +115,10 @@ class GradientDifferenceProducts:
         params: list[Tensor],
         dtype: torch.dtype,
         seed: int,
-        relative_step: float | None = None,
+        relative_length: float | None = None,
         gradient_change: float | None = None,
         storage: torch.device | None = None,
-        initial_step: float | None = None,
+        initial_length: float | None = None,
         weights: Sequence[float] | None = None,
         shards: Shards | None = None,
         leaves: Sequence[Tensor] = (),
@@ -132,7 +133,7 @@ class GradientDifferenceProducts:
         self.leaves = [*params, *(t for t in leaves if id(t) not in mine)]
         self.model = model
         self.evaluations = 0  # gradients of the step's whole loss taken
-        self.relative_step = relative_step
+        self.fixed_length = relative_length
         if params[0].dtype not in GRADIENT_CHANGE:
             raise ValueError(
                 f"the parameters are {params[0].dtype}: a difference of two gradients at that precision is round-off "
@@ -146,7 +147,9 @@ class GradientDifferenceProducts:
         self.theta_norm = theta if theta > 0 else 1.0
         self.base = self._gradient()
         self.base_norm = self._norm(self.base)
-        self.length = (relative_step or initial_step or FIRST_STEP) * self.theta_norm  # ||h w||, product to product
+        self.length = (
+            relative_length or initial_length or FIRST_LENGTH
+        ) * self.theta_norm  # ||h w||, product to product
 
     def __call__(self, v: Tensor, scale: Tensor) -> Tensor:
         """``H w`` for ``w = scale * v`` (flat, ``dtype``, on the storage device), ``w`` never held whole."""
@@ -157,7 +160,7 @@ class GradientDifferenceProducts:
             h = self.length / w_norm
             difference = self._gradient_at(v, scale, h).sub_(self.base)
             change = self._norm(difference) / self.base_norm if self.base_norm > 0 else 0.0
-            if self.relative_step is not None or not math.isfinite(change) or change <= 0:
+            if self.fixed_length is not None or not math.isfinite(change) or change <= 0:
                 break
             factor = self.target / change
             self.length = min(max(self.length * factor, _SHORTEST * self.theta_norm), _LONGEST * self.theta_norm)
@@ -166,7 +169,7 @@ class GradientDifferenceProducts:
         return difference.div_(h)
 
     @property
-    def step(self) -> float:
+    def settled_length(self) -> float:
         """``||h w|| / ||theta||`` the rule settled on (what the next solve may start from)."""
         return self.length / self.theta_norm
 
@@ -298,7 +301,7 @@ class DoubleBackwardProducts:
         self.shards.average_plain(product)  # under DDP: the global batch's Hessian, the mean of the processes'
         return product
 
-    step = math.nan  # no step: the products are exact
+    settled_length = math.nan  # no difference: the products are exact
 
     def restore(self) -> None:
         """Nothing to restore: the parameters are never written."""

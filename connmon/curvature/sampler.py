@@ -5,13 +5,13 @@ Lightning's :class:`connmon.callbacks.SharpnessMonitor`, the Hugging Face
 (``sharpness=``) drive one :class:`SharpnessSampler` from their hooks, so the estimator, its cadence, the budget and
 what is logged are defined here once. The estimators (:mod:`connmon.curvature` has the derivations):
 
-* ``"gradient_difference"`` (the default): :func:`connmon.curvature.sharpness_ratio`, the top of the preconditioned
-  Hessian's spectrum against the edge (1), by Lanczos with Hessian products from differences of first-order
-  gradients, through the model's own kernels (fused and flash SDPA, compiled graphs): ``lanczos_steps + 1``
+* ``"finite_difference_lanczos"`` (the default): :func:`connmon.curvature.sharpness_ratio`, the top of the
+  preconditioned Hessian's spectrum against the edge (1), by Lanczos with Hessian products from differences of
+  first-order gradients, through the model's own kernels (fused and flash SDPA, compiled graphs): ``lanczos_steps + 1``
   gradients of the sampled step's whole batch (every micro-batch of an accumulated step) per sample. Logged as
   ``connmon/sharpness_ratio`` and ``connmon/sharpness_eigenvalue``, what :func:`connmon.alerts.edge_of_stability_rule`
   watches.
-* ``"lanczos"``: the same quantity with exact products by double backward through SDPA's math kernel (the
+* ``"exact_lanczos"``: the same quantity with exact products by double backward through SDPA's math kernel (the
   reference; about ``2 lanczos_steps + 1`` gradients' time and a double-backward graph's memory; no fused kernels,
   no compiled graphs).
 * ``"difference"``: the curvature along the optimizer's own update ``u`` (:class:`connmon.curvature.UpdateProbe`)
@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from connmon import keys
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, agreed, check_budget, overhead_values, stride_for
+from connmon._moved import renamed
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon._ranks import warn_rank_zero
@@ -63,8 +64,9 @@ from connmon.curvature import STORAGES, Storage, UpdateProbe, check_optimizer, s
 if TYPE_CHECKING:  # the rules are handed in by the entry points: the curvature imports nothing from alerts/
     from connmon.alerts.rules import RuleSet
 
-Estimator = Literal["gradient_difference", "lanczos", "difference", "secant"]
-ESTIMATORS: tuple[Estimator, ...] = ("gradient_difference", "lanczos", "difference", "secant")
+Estimator = Literal["finite_difference_lanczos", "exact_lanczos", "difference", "secant"]
+ESTIMATORS: tuple[Estimator, ...] = ("finite_difference_lanczos", "exact_lanczos", "difference", "secant")
+RENAMED_ESTIMATORS = {"gradient_difference": "finite_difference_lanczos", "lanczos": "exact_lanczos"}  # 0.1.0's names
 Cadence = Literal["adaptive", "fixed"]
 CADENCES: tuple[Cadence, ...] = ("adaptive", "fixed")
 RATIO_KEY = keys.SHARPNESS_RATIO
@@ -87,7 +89,7 @@ def keys_of(estimator: Estimator) -> tuple[str, str]:
         >>> keys_of("secant")
         ('connmon/update_sharpness_ratio', 'connmon/update_sharpness_eigenvalue')
     """
-    if estimator in ("gradient_difference", "lanczos"):
+    if estimator in ("finite_difference_lanczos", "exact_lanczos"):
         return RATIO_KEY, EIGENVALUE_KEY
     return UPDATE_RATIO_KEY, UPDATE_EIGENVALUE_KEY
 
@@ -123,9 +125,9 @@ class SharpnessSampler(CopiesDetached):
         every_n_steps: the densest interval: with ``cadence="fixed"``, sample at optimizer steps ``every_n_steps``,
             ``2 every_n_steps``, ...; with ``"adaptive"``, the first sample is at ``every_n_steps`` and each sample
             sets the next one's distance from its ratio (:func:`adaptive_interval`).
-        estimator: ``"gradient_difference"``, ``"lanczos"``, ``"difference"`` or ``"secant"`` (see the module
-            docstring).
-        lanczos_steps: Hessian-vector products per sample with ``"gradient_difference"`` and ``"lanczos"``.
+        estimator: ``"finite_difference_lanczos"``, ``"exact_lanczos"``, ``"difference"`` or ``"secant"`` (see the
+            module docstring; 0.1.0's ``"gradient_difference"`` and ``"lanczos"`` still work, with a warning).
+        lanczos_steps: Hessian-vector products per sample with the two Lanczos estimators.
         budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample, the
             sampler stretches every interval by ``k``, the smallest stride whose measured mean cost fits at the
             densest interval (decided from the largest figures across processes, so identical everywhere, and saved
@@ -167,7 +169,7 @@ class SharpnessSampler(CopiesDetached):
     def __init__(
         self,
         every_n_steps: int = 20,
-        estimator: Estimator = "gradient_difference",
+        estimator: Estimator = "finite_difference_lanczos",
         lanczos_steps: int = 8,
         budget: float | None = None,
         cadence: Cadence = "adaptive",
@@ -177,6 +179,8 @@ class SharpnessSampler(CopiesDetached):
         check_int("every_n_steps", every_n_steps)
         check_int("lanczos_steps", lanczos_steps)
         check_budget(budget)
+        if estimator in RENAMED_ESTIMATORS:
+            estimator = renamed("estimator", estimator, RENAMED_ESTIMATORS[estimator])  # type: ignore[assignment]
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got estimator={estimator!r}")
         if cadence not in CADENCES:
@@ -212,12 +216,12 @@ class SharpnessSampler(CopiesDetached):
         self._last_step: int | None = None  # the step last measured (once, however many micro-batches)
         self._start_step: int | None = None  # the first step seen since attach (the clock's start)
         self._failure: str | None = None  # why the pending probe could not be used
-        self._step_length = math.nan  # the gradient differences' last ||h w|| / ||theta||
+        self._difference_length = math.nan  # the gradient differences' last ||h w|| / ||theta||
 
     @property
     def reads_lanczos(self) -> bool:
         """Whether the estimator is one of the Lanczos ones (the whole step's batch, read before its step)."""
-        return self.estimator in ("gradient_difference", "lanczos")
+        return self.estimator in ("finite_difference_lanczos", "exact_lanczos")
 
     # --- life cycle -----------------------------------------------------------------------------------------------
 
@@ -286,7 +290,7 @@ class SharpnessSampler(CopiesDetached):
     def before_step(self, step: int) -> dict[str, float] | None:
         """After the backward of the step that follows ``step`` steps, before ``optimizer.step()``.
 
-        A sampled step is read here with ``"gradient_difference"``, ``"lanczos"`` (on every micro-batch
+        A sampled step is read here with ``"finite_difference_lanczos"``, ``"exact_lanczos"`` (on every micro-batch
         :meth:`before_forward` kept) and ``"secant"`` (the values returned, as logged; None otherwise); with an
         update estimator, the parameters are copied here when the next step is sampled.
         """
@@ -379,14 +383,16 @@ class SharpnessSampler(CopiesDetached):
     def _lanczos(
         self, losses: list[Callable[[], Tensor]], weights: list[float] | None, model: nn.Module | None, step: int
     ) -> Any:
-        products = "double_backward" if self.estimator == "lanczos" else "gradient_difference"
-        initial = self._step_length if 0 < self._step_length < 0.1 else None
+        products = "double_backward" if self.estimator == "exact_lanczos" else "gradient_difference"
+        initial = self._difference_length if 0 < self._difference_length < 0.1 else None
         result = sharpness_ratio(
             losses, self.optimizer, steps=self.lanczos_steps, model=model, seed=step, products=products,
-            storage=self.storage, initial_step=initial, weights=weights, lr_scale=self._lr_scale(),
+            storage=self.storage, initial_length=initial, weights=weights, lr_scale=self._lr_scale(),
         )  # fmt: skip
-        if math.isfinite(result.step):
-            self._step_length = result.step  # the next sample's search starts here: fewer retaken products
+        if math.isfinite(result.difference_length):
+            self._difference_length = (
+                result.difference_length
+            )  # the next sample's search starts here: fewer retaken products
         return result
 
     def _lr_scale(self) -> float:

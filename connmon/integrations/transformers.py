@@ -59,10 +59,10 @@ class ConnectionMonitorCallback(TrainerCallback):
             ``probe`` is a dict of the model's inputs, e.g. a tokenizer's output, recorded after the sampled
             optimizer steps; ``probe_fn`` defaults to ``model(**probe)``).
         alerts: an :class:`connmon.alerts.AlertRunner` (e.g. ``AlertRunner()`` for the default rules), or None.
-        sharpness: a :class:`connmon.curvature.sampler.SharpnessSampler`: the curvature against the
-            optimizer's edge of stability on its own cadence, logged through ``trainer.log`` and shown to ``alerts``
-            on its steps. ``"gradient_difference"`` and ``"lanczos"`` read ``loss_fn`` on every micro-batch of the
-            sampled step (the inputs taken from the model's forwards before they run), after the backward and before
+        sharpness: a :class:`connmon.curvature.sampler.SharpnessSampler`: the curvature against the optimizer's edge of
+            stability on its own cadence, logged through ``trainer.log`` and shown to ``alerts`` on its steps.
+            ``"finite_difference_lanczos"`` and ``"exact_lanczos"`` read ``loss_fn`` on every micro-batch of the sampled
+            step (the inputs taken from the model's forwards before they run), after the backward and before
             ``optimizer.step()``; ``"difference"`` reads it on the step's first micro-batch before its forward;
             ``"secant"`` reads the Trainer's own gradients (after clipping, before ``optimizer.step()``).
         loss_fn: ``loss_fn(model, inputs)``, the scalar loss of the Trainer's ``inputs`` dict as the Trainer computes

@@ -99,7 +99,7 @@ def test_ddp_sharpness_reads_the_global_batch_and_a_failure_on_one_rank_turns_bo
     assert "out of luck on rank 1" in ranks[1]["off"] and "another process" in ranks[0]["off"]
 
 
-@pytest.mark.parametrize("estimator", ["secant", "gradient_difference"])
+@pytest.mark.parametrize("estimator", ["secant", "finite_difference_lanczos"])
 def test_the_reading_is_the_same_under_ddp_and_fsdp2_sharded_parameters(tmp_path, estimator):
     """The same data, the same global gradient: sharded parameters give the replicated run's ratios (the default
     gradient-difference Lanczos of the global batch, and the secant along the update)."""

@@ -20,8 +20,8 @@ RATIO = "connmon/sharpness_ratio"
 UPDATE = "connmon/update_sharpness_ratio"  # what the update estimators log, which no default rule watches
 
 
-LANCZOS = ("gradient_difference", "lanczos")  # the top of the spectrum, what the edge rule watches
-PRODUCTS = {"gradient_difference": "gradient_difference", "lanczos": "double_backward"}
+LANCZOS = ("finite_difference_lanczos", "exact_lanczos")  # the top of the spectrum, what the edge rule watches
+PRODUCTS = {"finite_difference_lanczos": "gradient_difference", "exact_lanczos": "double_backward"}
 
 
 def key_of(estimator):
@@ -53,9 +53,9 @@ class Direct(L.Callback):
         context = trainer.precision_plugin.train_step_context() if self.precision else contextlib.nullcontext()
         with context:
             result = sharpness_ratio(losses, trainer.optimizers[0], steps=8, model=pl_module, seed=step,
-                                     products=self.products, initial_step=self.initial)  # fmt: skip
+                                     products=self.products, initial_length=self.initial)  # fmt: skip
         self.ratios[step] = result.ratio
-        self.initial = result.step if 0 < result.step < 0.1 else None
+        self.initial = result.difference_length if 0 < result.difference_length < 0.1 else None
 
 
 def fit(tmp_path, callbacks, module=None, max_steps=6, data=None, **trainer_kwargs):
@@ -157,7 +157,7 @@ def noisy_data():
     return DataLoader(TensorDataset(torch.randn(64, 8, generator=gen), torch.randn(64, 1, generator=gen)), batch_size=8)
 
 
-@pytest.mark.parametrize("estimator", ["gradient_difference", "secant", "difference", "lanczos"])
+@pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "secant", "difference", "exact_lanczos"])
 def test_training_is_bitwise_the_same_with_the_monitor(tmp_path, estimator):
     runs = {}
     monitor = SharpnessMonitor(noisy_loss, every_n_steps=2, estimator=estimator, cadence="fixed")
@@ -216,7 +216,7 @@ class AdamGPT(LitGPT):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-@pytest.mark.parametrize("estimator", ["gradient_difference", "secant"])
+@pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "secant"])
 def test_no_default_alert_in_the_first_steps_of_a_healthy_adam_run_sampled_every_step(tmp_path, estimator):
     series = {}
     sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator=estimator, cadence="fixed")
@@ -286,12 +286,12 @@ def test_difference_is_three_losses_along_the_update_on_the_step_batch(tmp_path)
         assert ratio == pytest.approx(expected, rel=1e-6)  # u in float32 there, float64 here
 
 
-@pytest.mark.parametrize("estimator", ["gradient_difference", "secant", "difference"])
+@pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "secant", "difference"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_first_order_estimators_run_on_a_compiled_model_with_fused_attention_and_leave_training_unchanged(
     tmp_path, estimator, backend
 ):
-    if backend == "inductor" and estimator != "gradient_difference":
+    if backend == "inductor" and estimator != "finite_difference_lanczos":
         pytest.skip("the update estimators are covered on aot_eager; inductor is the default estimator's case")
     states, exact = {}, Direct(2, products="double_backward")
     threads = torch.get_num_threads()
@@ -304,7 +304,7 @@ def test_first_order_estimators_run_on_a_compiled_model_with_fused_attention_and
                 exact.loss_fn = lambda m, b, model=uncompiled: next_token(model, b)
             module.model = torch.compile(module.model, backend=backend)
             callbacks = [SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed")]
-            if estimator == "gradient_difference":
+            if estimator == "finite_difference_lanczos":
                 callbacks.append(exact)
             fit(tmp_path / name, callbacks if name == "monitored" else [], module=module, max_steps=5)
             states[name] = module.state_dict()
@@ -313,7 +313,7 @@ def test_first_order_estimators_run_on_a_compiled_model_with_fused_attention_and
     assert all(torch.equal(states["plain"][k], states["monitored"][k]) for k in states["plain"])
     values = logged(tmp_path / "monitored", key_of(estimator))
     assert sorted(values) == [2, 4] and all(math.isfinite(v) for v in values.values())
-    if estimator == "gradient_difference":
+    if estimator == "finite_difference_lanczos":
         assert values == pytest.approx(exact.ratios, rel=0.02)
 
 
@@ -323,7 +323,7 @@ def next_token(model, batch):
 
 
 def test_it_logs_what_it_costs_and_says_it_at_the_end(tmp_path, caplog):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="lanczos", cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="exact_lanczos", cadence="fixed")
     with caplog.at_level("INFO"):
         fit(tmp_path, [monitor], max_steps=7)
     rows = [r for r in read_csv(tmp_path) if r.get("connmon/overhead/curvature")]
@@ -337,7 +337,7 @@ def test_it_logs_what_it_costs_and_says_it_at_the_end(tmp_path, caplog):
 
 
 def test_a_budget_thins_the_samples_the_same_way_and_resumes(tmp_path):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", budget=0.05, cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="exact_lanczos", budget=0.05, cadence="fixed")
     with pytest.warns(
         UserWarning, match=r"SharpnessMonitor: budget 5%: a curvature sample costs .* so its intervals are"
     ):
@@ -346,7 +346,7 @@ def test_a_budget_thins_the_samples_the_same_way_and_resumes(tmp_path):
     assert stride > 1 and monitor.state_dict()["stride"] == stride
     steps = sorted(logged(tmp_path))
     assert steps[0] == 1 and all(s % stride == 0 for s in steps[2:] if s > steps[1] * stride)
-    fresh = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", budget=0.05, cadence="fixed")
+    fresh = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="exact_lanczos", budget=0.05, cadence="fixed")
     fresh.load_state_dict(monitor.state_dict())
     assert fresh.sampler.stride == stride and fresh.samples == monitor.samples
 
@@ -381,13 +381,13 @@ def test_what_it_cannot_measure_turns_it_off_with_one_warning_and_the_run_goes_o
 def test_lanczos_on_a_compiled_model_has_no_double_backward_so_it_is_turned_off_and_trains_on(tmp_path):
     module = LitGPT()
     module.model = torch.compile(module.model, backend="aot_eager")
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="lanczos", cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="exact_lanczos", cadence="fixed")
     with pytest.warns(UserWarning, match="SharpnessMonitor is off for the rest of this run: RuntimeError"):
         trainer = fit(tmp_path, [monitor], module=module, max_steps=3)
     assert trainer.global_step == 3 and monitor.off is not None
 
 
-@pytest.mark.parametrize("estimator", ["gradient_difference", "secant", "difference", "lanczos"])
+@pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "secant", "difference", "exact_lanczos"])
 def test_bf16_mixed_precision_measures_a_finite_ratio_in_the_training_autocast(tmp_path, estimator):
     monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed")
     fit(tmp_path, [monitor], max_steps=5, precision="bf16-mixed")
@@ -429,7 +429,9 @@ def test_bad_options_are_refused_with_the_value():
         SharpnessMonitor(gpt_loss, every_n_steps=0)
     with pytest.raises(ValueError, match="lanczos_steps"):
         SharpnessMonitor(gpt_loss, lanczos_steps=True)
-    with pytest.raises(ValueError, match=r"estimator must be one of \('gradient_difference', 'lanczos', .*got"):
+    with pytest.raises(
+        ValueError, match=r"estimator must be one of \('finite_difference_lanczos', 'exact_lanczos', .*got"
+    ):
         SharpnessMonitor(gpt_loss, estimator="hutchinson")
     with pytest.raises(ValueError, match=r"cadence must be one of \('adaptive', 'fixed'\), got cadence='dense'"):
         SharpnessMonitor(gpt_loss, cadence="dense")

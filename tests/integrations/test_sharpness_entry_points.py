@@ -65,7 +65,7 @@ def plain_loop(monitor_options: dict, max_steps: int = 7) -> tuple[dict[int, flo
     return logged, model
 
 
-@pytest.mark.parametrize("estimator", ["gradient_difference", "lanczos", "secant", "difference"])
+@pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "exact_lanczos", "secant", "difference"])
 def test_a_plain_loop_logs_what_lightning_logs(estimator):
     sampler = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed")
     loop, _ = plain_loop({"sharpness": sampler, "loss_fn": next_token_loss})
@@ -145,7 +145,7 @@ def test_the_hugging_face_trainer_logs_the_secant_of_its_own_gradients(tmp_path)
 
 @pytest.mark.parametrize(
     ("estimator", "accumulation"),
-    [("gradient_difference", 1), ("gradient_difference", 2), ("lanczos", 2), ("difference", 1)],
+    [("finite_difference_lanczos", 1), ("finite_difference_lanczos", 2), ("exact_lanczos", 2), ("difference", 1)],
 )
 def test_the_hugging_face_trainer_reads_a_loss_on_the_sampled_step_batches(tmp_path, estimator, accumulation):
     """The estimators that read a loss take the Trainer's inputs from the model's forwards, before they run.
@@ -159,7 +159,7 @@ def test_the_hugging_face_trainer_reads_a_loss_on_the_sampled_step_batches(tmp_p
 
     trainer = make_trainer(tmp_path, max_steps=5, gradient_accumulation_steps=accumulation)
     direct, inputs_of_step = {}, []
-    products = "double_backward" if estimator == "lanczos" else "gradient_difference"
+    products = "double_backward" if estimator == "exact_lanczos" else "gradient_difference"
 
     class Direct(transformers.TrainerCallback):  # the same micro-batches, seed and state, taken the same way
         def on_step_begin(self, args, state, control, model=None, **kwargs):
@@ -195,7 +195,7 @@ def test_the_hugging_face_trainer_reads_a_loss_on_the_sampled_step_batches(tmp_p
     assert [row["step"] for row in attention] == [2, 4]  # the capture recorded the training forward, not the reading
 
 
-@pytest.mark.parametrize("estimator", ["gradient_difference", "lanczos"])
+@pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "exact_lanczos"])
 def test_the_hugging_face_trainer_reads_the_steps_loss_whatever_its_accumulation(tmp_path, estimator):
     """8 x 1, 4 x 2 and 2 x 4 sequences per optimizer step read one curvature, and its ratio above 1 alerts in each.
 
