@@ -27,6 +27,7 @@ from connmon._cost import CostClock, cost_line, overhead_values
 from connmon._optimizer import unwrap_optimizer
 from connmon._probe import device_of, probing, read_beside, run_forward
 from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
+from connmon._saved_state import checked_state
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
 from connmon.capture.session import CaptureSession, Layer
@@ -415,28 +416,10 @@ class Monitor(CopiesDetached):
         (``num_sequences``, ``max_tokens``: walks of another shape), is not restored, and one warning says which and
         why.
         """
-        if not isinstance(state_dict, Mapping):
-            warn_rank_zero(f"{self.owner}: the saved state is a {type(state_dict).__name__}, not a dict: not restored")
+        checked = checked_state(state_dict, self._config(), self.owner)
+        if checked is None:
             return
-        state_dict, dropped = dict(state_dict), []
-        for key, default in (("samples", 0), ("last_sampled_step", -1), ("full_every_n_samples", None)):
-            value = state_dict.get(key, default)
-            if (value is not None or default is not None) and (isinstance(value, bool) or not isinstance(value, int)):
-                dropped.append(f"{key}={value!r} (not an integer)")
-                state_dict[key] = default
-        drift_state = state_dict.get("drift")
-        if drift_state is not None and not _is_drift_state(drift_state):
-            dropped.append("the time-drift references (malformed)")
-            state_dict["drift"] = None
-        saved = state_dict.get("config")
-        if state_dict.get("drift") is not None and saved is not None and saved != self._config():
-            changed = ", ".join(
-                f"{k} {saved.get(k)!r} -> {v!r}" for k, v in self._config().items() if saved.get(k) != v
-            )
-            dropped.append(f"the time-drift references (saved with another configuration: {changed})")
-            state_dict["drift"] = None
-        if dropped:
-            warn_rank_zero(f"{self.owner}: not restored from the checkpoint: {'; '.join(dropped)}; they start afresh")
+        state_dict = checked
         self.samples = state_dict.get("samples", 0)
         self.last_sampled_step = state_dict.get("last_sampled_step", -1)
         if self.budget is not None and state_dict.get("full_every_n_samples") is not None:  # the budget's choice
@@ -686,17 +669,6 @@ class Monitor(CopiesDetached):
             write_panels(self.sink, step, self.metrics, values, full=full, histograms=self.log_histograms,
                          figures=self.figures_every_n_samples is not None
                          and self.samples % self.figures_every_n_samples == 0)  # fmt: skip
-
-
-def _is_drift_state(state: object) -> bool:
-    """Whether ``state`` is what :meth:`DriftMetrics.get_extra_state` returns: layer index -> tensor, twice."""
-    if not isinstance(state, Mapping):
-        return False
-    parts = [state.get("walks", {}), state.get("transports", {})]
-    return all(
-        isinstance(part, Mapping) and all(isinstance(k, int) and isinstance(v, Tensor) for k, v in part.items())
-        for part in parts
-    )
 
 
 def _remove(path: str) -> None:
