@@ -48,13 +48,11 @@ def check_number(
     if value is None and optional:
         return
     kind = (int,) if integer else (int, float)
-    ok = not isinstance(value, bool) and isinstance(value, kind) and math.isfinite(value)
-    if ok and low is not None:
-        ok = value > low if low_open else value >= low
-    if ok and high is not None:
-        ok = value < high if high_open else value <= high
-    if ok:
-        return
+    if not isinstance(value, bool) and isinstance(value, kind) and math.isfinite(value):
+        above = low is None or (value > low if low_open else value >= low)
+        below = high is None or (value < high if high_open else value <= high)
+        if above and below:
+            return
     what = "an integer" if integer else "a number"
     if low is not None and high is not None:
         what += f" in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"

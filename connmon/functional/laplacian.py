@@ -163,7 +163,7 @@ def connection_laplacian_distance(
     r_left = r_left.expand(*lead, *r_left.shape[-2:]).reshape(-1, *r_left.shape[-2:])
     r_right = r_right.expand(*lead, *r_right.shape[-2:]).reshape(-1, *r_right.shape[-2:])
     rows, cols = torch.triu_indices(n, n, device=attn.device)
-    nuclear = []
+    totals = []
     for item in range(walks.shape[0]):
         forward, backward = walks[item, rows, cols], walks[item, cols, rows]
         used = (forward != 0) | (backward != 0) | ~torch.isfinite(forward + backward)
@@ -181,8 +181,8 @@ def connection_laplacian_distance(
             ).repeat_interleave(d_h, dim=-1)  # (E, 2 H d_h)
             cores = (r_left[item] * diagonal.unsqueeze(-2).to(r_left.dtype)) @ r_right[item].mT
             total = total + (pair[start : start + chunk] * gram_svdvals(cores).to(wide).sum(dim=-1)).sum()
-        nuclear.append(total)
-    nuclear = torch.stack(nuclear).view(lead) if nuclear else walk.new_zeros(lead)
+        totals.append(total)
+    nuclear = torch.stack(totals).view(lead) if totals else walk.new_zeros(lead)
     if fit_scale:
         distance = (1 - safe_divide(nuclear**2, 4 * d * squares * blocks)).clamp(min=0).sqrt()
     else:

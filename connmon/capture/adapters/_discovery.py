@@ -35,7 +35,7 @@ def calls_attention_kernel(module: nn.Module) -> bool:
         >>> calls_attention_kernel(Attend()), calls_attention_kernel(torch.nn.Linear(2, 2))
         (True, False)
     """
-    if forward_calls_kernel(type(module)):
+    if forward_calls_kernel(type(module)):  # type: ignore[arg-type]  # a class is hashable; torch's stub says not
         return True
     # helpers held by the instance (self.attend = lambda q, k, v: F.sdpa(...)), read where forward names them
     forward = getattr(function_of(inspect.getattr_static(type(module), "forward", None)), "__code__", None)
@@ -65,7 +65,8 @@ def reaches_kernel(cls: type, todo: list[object]) -> bool:
         names = _names(code)
         namespace = getattr(function, "__globals__", {})
         # variables a nested function or lambda closes over (a helper defined inside a function, not at top level)
-        closed = dict(zip(code.co_freevars, (_contents(cell) for cell in function.__closure__ or ()), strict=True))
+        cells = getattr(function, "__closure__", None) or ()
+        closed = dict(zip(code.co_freevars, (_contents(cell) for cell in cells), strict=True))
         if KERNEL_NAMES & names or any(is_kernel(v) for v in (*map(namespace.get, names), *closed.values())):
             return True
         todo.extend(function_of(inspect.getattr_static(cls, n, None)) for n in names)  # the class's own methods

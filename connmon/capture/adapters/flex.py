@@ -18,6 +18,7 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -110,7 +111,7 @@ def wrapped(modules: list[nn.Module], read: Callable[..., None]) -> Iterator[Non
         return
     from torch.nn.attention import flex_attention as flex_module
 
-    places = {(id(vars(flex_module)), "flex_attention"): vars(flex_module)}  # holders by (id, name)
+    places: dict[tuple[int, str], Any] = {(id(vars(flex_module)), "flex_attention"): vars(flex_module)}  # by (id, name)
     namespaces = {}  # the module globals the classes' functions read, each scanned once
     for cls in {type(m) for module in modules for m in module.modules()}:
         for klass in cls.__mro__:
@@ -163,5 +164,5 @@ def _reading(original: Callable, read: Callable[..., None]) -> Callable:
                  block_mask=bound.get("block_mask"), scale=bound.get("scale"))  # fmt: skip
         return result
 
-    flex_attention.connmon_original = original
+    flex_attention.connmon_original = original  # type: ignore[attr-defined]
     return flex_attention
