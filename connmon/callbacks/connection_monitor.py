@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,17 +87,36 @@ class ConnectionMonitor(CopiesDetached, Callback):
         self._restored = False  # load_state_dict ran since the last fit began: keep its state
         self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
 
+    @property
+    def options(self) -> SamplingOptions:
+        """The sampling options, as given (``monitor.options.every_n_steps``, ...)."""
+        return self.monitor.options
+
+    @property
+    def samples(self) -> int:
+        """Samples taken this run."""
+        return self.monitor.samples
+
+    @property
+    def last_sampled_step(self) -> int:
+        """The step of the latest sample (-1 before the first)."""
+        return self.monitor.last_sampled_step
+
     def __getattr__(self, name: str) -> Any:
-        """The options (``every_n_steps``, ``layers``, ...) and the cadence (``samples``) are the monitor's."""
-        if name in _DELEGATED:
-            return getattr(self.__dict__["monitor"], name)
+        """Deprecated: an option read as the callback's attribute (``monitor.every_n_steps``): read ``options``."""
+        if name in SAMPLING_OPTIONS:
+            warnings.warn(
+                f"ConnectionMonitor.{name} is now ConnectionMonitor.options.{name}; the old name goes in the next "
+                "release", DeprecationWarning, stacklevel=2,
+            )  # fmt: skip
+            return getattr(self.__dict__["monitor"].options, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def state_key(self) -> str:
         """Unique per configuration, so that several monitors (say, different layers or cadences) coexist."""
         return self._generate_state_key(
-            every_n_steps=self.every_n_steps, layers=self.layers, diagnostics=self.diagnostics
+            every_n_steps=self.options.every_n_steps, layers=self.options.layers, diagnostics=self.options.diagnostics
         )
 
     # --- Lightning hooks ------------------------------------------------------------------------------------------
@@ -131,7 +151,7 @@ class ConnectionMonitor(CopiesDetached, Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Arm the capture on the first micro-batch of a sampled optimizer step (training-forward mode)."""
         self._step_at_batch_start = trainer.global_step
-        if self.probe is None and self._first_micro_batch and self.monitor.due(trainer.global_step):
+        if self.options.probe is None and self._first_micro_batch and self.monitor.due(trainer.global_step):
             self._sample_step = trainer.global_step  # the step whose forward is recorded
             self.monitor.arm(pl_module)
 
@@ -145,7 +165,7 @@ class ConnectionMonitor(CopiesDetached, Callback):
             self.monitor.disarm()
             self.monitor.finish(self._sample_step)
             return
-        if self.probe is not None and stepped and self.monitor.due(trainer.global_step):
+        if self.options.probe is not None and stepped and self.monitor.due(trainer.global_step):
             self.monitor.run_probe(pl_module, trainer.global_step)  # the model after global_step optimizer steps
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -193,6 +213,3 @@ class ConnectionMonitor(CopiesDetached, Callback):
     def _log_to_loggers(self, values: dict[str, float], step: int) -> None:
         for logger in self._trainer.loggers if self._trainer is not None else ():
             logger.log_metrics(values, step=step)
-
-
-_DELEGATED = frozenset((*SAMPLING_OPTIONS, "samples", "last_sampled_step"))
