@@ -13,9 +13,10 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
   differences, the adaptive cadence from every_n_steps=20) + ConnectionMonitor(every_n_steps=25,
   diagnostics=("walk",)) + DriftAlert; "recipe x4" the same with 4 micro-batches of 16 per step
   (accumulate_grad_batches=4), against "plain x4".
-* recipe (lanczos): the same with exact Lanczos (double backward) every 20 steps, the previous default.
+* recipe (exact_lanczos): the same with exact Lanczos (double backward) every 20 steps, the previous default.
 * recipe (secant): the same with the secant along the update every 20 steps.
-* gradient_difference_10, secant_1, difference_10, lanczos_10: one SharpnessMonitor alone at that fixed cadence.
+* finite_difference_lanczos_10, secant_1, difference_10, exact_lanczos_10: one SharpnessMonitor alone at that fixed
+  cadence (tables before 2026-12-04 call the two Lanczos estimators gradient_difference and lanczos).
 * lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="exact_lanczos", budget=0.05): the cadence it chooses.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
 
@@ -204,8 +205,9 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
     data = DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
     configs = [
-        "plain", "monitor_100", "monitor_10", "recipe", "plain x4", "recipe x4", "recipe (lanczos)", "recipe (secant)",
-        "gradient_difference_10", "secant_1", "difference_10", "lanczos_10", "lanczos budget 5%", "wandb.watch",
+        "plain", "monitor_100", "monitor_10", "recipe", "plain x4", "recipe x4", "recipe (exact_lanczos)",
+        "recipe (secant)", "finite_difference_lanczos_10", "secant_1", "difference_10", "exact_lanczos_10",
+        "lanczos budget 5%", "wandb.watch",
     ]  # fmt: skip
     if args.configs:
         configs = ["plain", *[c for c in configs if c in args.configs and c != "plain"]]
