@@ -280,7 +280,7 @@ def _read(path: Path) -> str:
 def _analysis_figures(layers: list[dict[str, Any]], walks: dict[int, torch.Tensor]) -> dict[str, Any]:
     import torch
 
-    from connmon.loggers.figures import depth_figure, spectra_figure, walks_figure
+    from connmon.sinks.figures import depth_figure, spectra_figure, walks_figure
 
     def per_layer(metric: str) -> torch.Tensor:
         return torch.tensor([layer.get(metric, math.nan) for layer in layers], dtype=torch.float64)
@@ -316,7 +316,7 @@ def _summary(layers: list[dict[str, Any]], model: dict[str, float], source: str,
 
 
 def _workspace(args: argparse.Namespace) -> int:
-    from connmon.loggers.workspace import build_workspace, workspace_spec
+    from connmon.sinks.workspace import build_workspace, workspace_spec
 
     try:
         workspace = build_workspace(args.entity, args.project, args.layers, name=args.name, trainer=args.trainer)
@@ -336,7 +336,7 @@ def _workspace(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from connmon.loggers.figures import depth_figure, series_figure
+    from connmon.sinks.figures import depth_figure, series_figure
 
     if not args.run_dir.is_dir():
         raise InputError(f"{args.run_dir} is not a directory")

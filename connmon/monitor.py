@@ -32,9 +32,9 @@ from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
 from connmon.capture.session import CaptureSession, Layer
 from connmon.curvature.sampler import SharpnessSampler
-from connmon.loggers.panels import write_panels
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
 from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingOptions
+from connmon.sinks.panels import write_panels
 
 __all__ = ["DIAGNOSTICS", "SAMPLING_OPTIONS", "Diagnostic", "LogFn", "Monitor", "SamplingOptions"]
 
@@ -186,9 +186,9 @@ class Monitor(CopiesDetached):
         self.extra_steps = alerts.rules.regime_steps(every_n_steps) if alerts is not None else frozenset()
         self.log_on_every_rank = log_on_every_rank
         self.owner = owner
-        self.sink: Any = None  # connmon.loggers.wandb.WandbSink for histograms, figures and W&B alerts
+        self.sink: Any = None  # connmon.sinks.wandb.WandbSink for histograms, figures and W&B alerts
         if wandb is not None:
-            from connmon.loggers.wandb import WandbSink
+            from connmon.sinks.wandb import WandbSink
 
             self.sink = WandbSink(wandb, step_key=None)
         self.samples = 0

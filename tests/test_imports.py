@@ -99,3 +99,14 @@ def test_finite_difference_lengths_are_not_called_steps_and_the_old_names_warn()
     with pytest.warns(DeprecationWarning, match=r"sharpness_ratio\(initial_step=...\) is now"):
         old = sharpness_ratio(loss, optimizer, model=model, steps=3, initial_step=1e-4)
     assert old == sharpness_ratio(loss, optimizer, model=model, steps=3, initial_length=1e-4)
+
+
+def test_the_sinks_moved_out_of_loggers_and_their_old_paths_warn_with_the_new_one():
+    import connmon.sinks.wandb
+
+    for old, new, name in (("connmon.loggers.wandb", "connmon.sinks.wandb", "WandbSink"),
+                           ("connmon.loggers.workspace", "connmon.sinks.workspace", "workspace_spec"),
+                           ("connmon.loggers", "connmon.sinks", "depth_figure")):  # fmt: skip
+        with pytest.warns(DeprecationWarning, match=rf"moved to {new}\.{name}"):
+            assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
+    assert connmon.sinks.wandb.WandbSink.__module__ == "connmon.sinks.wandb"

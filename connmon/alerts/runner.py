@@ -102,7 +102,7 @@ class AlertRunner:
         Args:
             values: every logged key of the sample and its value.
             step: the sample's step.
-            wandb: a :class:`connmon.loggers.wandb.WandbSink`, or None.
+            wandb: a :class:`connmon.sinks.wandb.WandbSink`, or None.
         """
         alerts = self.rules.update(values, step)
         self.total += len(alerts)

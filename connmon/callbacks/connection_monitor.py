@@ -11,8 +11,8 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from connmon._copying import CopiesDetached
 from connmon.callbacks._cost import say_cost
-from connmon.loggers.wandb import find_sink
 from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor, SamplingOptions
+from connmon.sinks.wandb import find_sink
 
 
 class ConnectionMonitor(CopiesDetached, Callback):

@@ -25,7 +25,7 @@ from connmon.alerts import (
 )
 from connmon.callbacks.connection_monitor import ConnectionMonitor
 from connmon.callbacks.sharpness_monitor import SharpnessMonitor
-from connmon.loggers.wandb import find_sink
+from connmon.sinks.wandb import find_sink
 
 
 class DriftAlert(Callback):

@@ -19,8 +19,8 @@ from connmon._cost import cost_line, overhead_values
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.curvature.sampler import SharpnessSampler
-from connmon.loggers.wandb import find_sink
 from connmon.monitor import DIAGNOSTICS, Diagnostic, Monitor, SamplingOptions
+from connmon.sinks.wandb import find_sink
 
 _LOG = logging.getLogger(__name__)
 

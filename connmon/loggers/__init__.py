@@ -1,5 +1,16 @@
-"""Logger-specific sinks. Plain scalars go through any Lightning logger; W&B extras live in :mod:`.wandb`."""
+"""Deprecated: moved to :mod:`connmon.sinks` (``connmon.loggers.wandb``, ``.figures``, ``.workspace`` likewise).
 
-from connmon.loggers.figures import depth_figure, series_figure, spectra_figure, walks_figure
+Every name read here warns with its new place, for one release.
+"""
 
-__all__ = ["depth_figure", "series_figure", "spectra_figure", "walks_figure"]
+from __future__ import annotations
+
+from typing import Any
+
+from connmon._moved import moved
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return moved("connmon.loggers", name, "connmon.sinks")

@@ -11,7 +11,7 @@ import torch
 import connmon
 from connmon.cli import main
 from connmon.curvature.sampler import SharpnessSampler
-from connmon.loggers.workspace import build_workspace, workspace_spec
+from connmon.sinks.workspace import build_workspace, workspace_spec
 from tests.capture.models import TinyGPT
 from tests.integrations.wandb_read import read_run
 

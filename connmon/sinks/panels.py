@@ -14,7 +14,7 @@ def write_panels(
     sink: Any, step: int, metrics: Mapping[str, Any], values: Mapping[str, Tensor], *, full: bool, histograms: bool,
     figures: bool,
 ) -> None:  # fmt: skip
-    """Write a sample's histograms (``histograms``) and figures (``figures``) to a :class:`~connmon.loggers.wandb.WandbSink`.
+    """Write a sample's histograms (``histograms``) and figures (``figures``) to a :class:`~connmon.sinks.wandb.WandbSink`.
 
     Args:
         sink: the W&B sink (rank zero).
@@ -27,7 +27,7 @@ def write_panels(
 
     Examples:
         >>> import torch
-        >>> from connmon.loggers.panels import write_panels
+        >>> from connmon.sinks.panels import write_panels
         >>> class Sink:
         ...     def histograms(self, step, values): print(sorted(values))
         >>> transport = type("T", (), {"last_head_gaps": {0: torch.tensor([0.1, 0.2])}})()
@@ -45,7 +45,7 @@ def write_panels(
         if written:
             sink.histograms(step, written)
     if figures:
-        from connmon.loggers.figures import depth_figure, spectra_figure
+        from connmon.sinks.figures import depth_figure, spectra_figure
 
         drawn = {}
         if spectrum is not None and spectrum.last_spectra:

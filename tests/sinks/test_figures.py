@@ -4,7 +4,7 @@ import itertools
 
 import torch
 
-from connmon.loggers import depth_figure, series_figure, spectra_figure, walks_figure
+from connmon.sinks import depth_figure, series_figure, spectra_figure, walks_figure
 
 
 def test_depth_figure_has_integer_layer_ticks_and_leaves_empty_series_out():
