@@ -11,6 +11,23 @@ from typing import Any, TypeVar
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def renamed_name(old: str, new: str, stacklevel: int = 3) -> None:
+    """Say, as a ``DeprecationWarning``, that ``old`` is now ``new`` and the old name goes in the next release.
+
+    Every deprecation of connmon says it here (a path, a keyword, a value, an attribute), in one form.
+
+    Examples:
+        >>> import warnings
+        >>> from connmon._moved import renamed_name
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     renamed_name("Sharpness.step", "Sharpness.difference_length")
+        >>> str(caught[0].message)
+        'Sharpness.step is now Sharpness.difference_length; the old name goes in the next release'
+    """
+    warnings.warn(f"{old} is now {new}; the old name goes in the next release", DeprecationWarning, stacklevel)
+
+
 def moved(old: str, name: str, new: str) -> Any:
     """``new.name``, after a ``DeprecationWarning`` that ``old.name`` moved there (call from ``old``'s ``__getattr__``).
 
@@ -25,7 +42,7 @@ def moved(old: str, name: str, new: str) -> Any:
     """
     warnings.warn(
         f"{old}.{name} moved to {new}.{name}; the old path goes in the next release", DeprecationWarning, stacklevel=3
-    )
+    )  # "moved to": tests and users match the path's own wording
     return getattr(importlib.import_module(new), name)
 
 
@@ -41,10 +58,7 @@ def renamed(option: str, old: str, new: str) -> str:
         >>> value, str(caught[0].message).split(";")[0]
         ('exact_lanczos', "estimator='lanczos' is now estimator='exact_lanczos'")
     """
-    warnings.warn(
-        f"{option}={old!r} is now {option}={new!r}; the old name goes in the next release", DeprecationWarning,
-        stacklevel=3,
-    )  # fmt: skip
+    renamed_name(f"{option}={old!r}", f"{option}={new!r}", stacklevel=4)
     return new
 
 
@@ -69,10 +83,7 @@ def renamed_keywords(**names: str) -> Callable[[F], F]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             for old, new in names.items():
                 if old in kwargs:
-                    warnings.warn(
-                        f"{function.__name__}({old}=...) is now {function.__name__}({new}=...); the old name goes in "
-                        "the next release", DeprecationWarning, stacklevel=2,
-                    )  # fmt: skip
+                    renamed_name(f"{function.__name__}({old}=...)", f"{function.__name__}({new}=...)")
                     kwargs[new] = kwargs.pop(old)
             return function(*args, **kwargs)
 

@@ -6,12 +6,12 @@ Lightning's :class:`connmon.callbacks.DriftAlert`, the Hugging Face callback and
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from connmon import keys
+from connmon._moved import renamed_name
 from connmon._options import check_callable, check_choice, check_items, check_number
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.backoff import LearningRateBackoff
@@ -201,8 +201,5 @@ def _rule_hint(item: object) -> str:
 def __getattr__(name: str) -> object:
     if name != "ACTIONS":
         raise AttributeError(f"module 'connmon.alerts.runner' has no attribute {name!r}")
-    warnings.warn(
-        "connmon.alerts.ACTIONS is now DEFAULT_ACTIONS (the defaults; KNOWN_ACTIONS lists them all); the old name goes "
-        "in the next release", DeprecationWarning, stacklevel=2,
-    )  # fmt: skip
+    renamed_name("connmon.alerts.ACTIONS", "DEFAULT_ACTIONS (KNOWN_ACTIONS lists them all)")
     return DEFAULT_ACTIONS

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -10,6 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from connmon._copying import CopiesDetached
+from connmon._moved import renamed_name
 from connmon.callbacks._cost import say_cost
 from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor, SamplingOptions
 from connmon.sinks.wandb import find_sink
@@ -105,10 +105,7 @@ class ConnectionMonitor(CopiesDetached, Callback):
     def __getattr__(self, name: str) -> Any:
         """Deprecated: an option read as the callback's attribute (``monitor.every_n_steps``): read ``options``."""
         if name in SAMPLING_OPTIONS:
-            warnings.warn(
-                f"ConnectionMonitor.{name} is now ConnectionMonitor.options.{name}; the old name goes in the next "
-                "release", DeprecationWarning, stacklevel=2,
-            )  # fmt: skip
+            renamed_name(f"ConnectionMonitor.{name}", f"ConnectionMonitor.options.{name}")
             return getattr(self.__dict__["monitor"].options, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -51,7 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from connmon._moved import renamed_keywords
+from connmon._moved import renamed_keywords, renamed_name
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon.curvature.products import (
@@ -110,10 +109,7 @@ class Sharpness:
     @property
     def step(self) -> float:
         """Deprecated: :attr:`difference_length` (a step is an optimizer step in connmon)."""
-        warnings.warn(
-            "Sharpness.step is now Sharpness.difference_length; the old name goes in the next release",
-            DeprecationWarning, stacklevel=2,
-        )  # fmt: skip
+        renamed_name("Sharpness.step", "Sharpness.difference_length")
         return self.difference_length
 
 
