@@ -128,7 +128,7 @@ def _analyze(args: argparse.Namespace) -> int:
         raise InputError(f"--device {args.device!r} is not usable here ({error})") from None
     model, tokenizer, vocab_size = _load_model(args)
     model = model.to(device).eval()
-    forward_args, forward_kwargs = _inputs(args, tokenizer, vocab_size, device)
+    forward_args, forward_kwargs, read = _inputs(args, tokenizer, vocab_size, device)
     try:
         layers = attention_layers(model)
     except ValueError as error:
@@ -149,7 +149,7 @@ def _analyze(args: argparse.Namespace) -> int:
     figures = _analysis_figures(report.layers, walks)
     for name, figure in figures.items():
         figure.savefig(args.out / f"{name}.png", dpi=110)
-    source = f"{args.model} on {_what_was_read(args, tokenizer)}"
+    source = f"{args.model} on {read}"
     (args.out / "summary.md").write_text(_summary(report.layers, report.model, source, figures))
     print(f"connmon: {len(report.layers)} layers of {args.model} analysed; wrote {args.out}/report.json, "
           f"summary.md and {len(figures)} figures")  # fmt: skip
@@ -215,22 +215,33 @@ def _import_class(class_path: str) -> Any:
 
 def _inputs(
     args: argparse.Namespace, tokenizer: Any, vocab_size: int | None, device: torch.device
-) -> tuple[tuple, dict]:
-    """Forward arguments: tokenized text, token ids from a file, or random tokens."""
+) -> tuple[tuple, dict, str]:
+    """Forward arguments and what they are, in words: tokenized text, token ids from a file, or random tokens.
+
+    Text is a file's lines (``--text``) or, by default for a model with a tokenizer, a few built-in English
+    sentences; random tokens are the default without a tokenizer, or with ``--vocab-size``.
+    """
     import torch
 
-    if args.text is not None:
-        text = _read(args.text)  # a missing file is said as such, whatever the model
-        if tokenizer is None:
-            raise InputError(
-                f"--text needs a tokenizer, and {args.model!r} has none ('minilm' and a Hugging Face model directory "
-                "have one); pass --token-ids, or nothing for random tokens"
-            )
-        lines = [line.strip() for line in text.splitlines() if line.strip()][: args.sequences]
-        if not lines:
-            raise InputError(f"{args.text} has no text")
+    if args.text is not None or (args.token_ids is None and tokenizer is not None and args.vocab_size is None):
+        if args.text is not None:
+            text = _read(args.text)  # a missing file is said as such, whatever the model
+            if tokenizer is None:
+                raise InputError(
+                    f"--text needs a tokenizer, and {args.model!r} has none ('minilm' and a Hugging Face model "
+                    "directory have one); pass --token-ids, or nothing for random tokens"
+                )
+            lines = [line.strip() for line in text.splitlines() if line.strip()][: args.sequences]
+            if not lines:
+                raise InputError(f"{args.text} has no text")
+            read = str(args.text)
+        else:
+            from connmon.sample_text import SENTENCES
+
+            lines = SENTENCES[: args.sequences]
+            read = f"{len(lines)} built-in English sentences (connmon.sample_text) through its own tokenizer"
         batch = tokenizer(lines, padding=True, truncation=True, max_length=args.max_tokens, return_tensors="pt")
-        return (), {key: value.to(device) for key, value in batch.items()}
+        return (), {key: value.to(device) for key, value in batch.items()}, read
     if args.token_ids is not None:
         try:
             rows = [[int(t) for t in line.split()] for line in _read(args.token_ids).splitlines() if line.strip()]
@@ -240,34 +251,17 @@ def _inputs(
             raise InputError(f"{args.token_ids} has no token ids")
         length = min(len(row) for row in rows[: args.sequences])
         ids = torch.tensor([row[:length] for row in rows[: args.sequences]], device=device)
-    elif tokenizer is not None and args.vocab_size is None:  # real text by default: a few built-in English sentences
-        from connmon.sample_text import SENTENCES
-
-        batch = tokenizer(
-            SENTENCES[: args.sequences], padding=True, truncation=True, max_length=args.max_tokens, return_tensors="pt"
-        )
-        return (), {key: value.to(device) for key, value in batch.items()}
+        read = str(args.token_ids)
     else:
         vocab_size = args.vocab_size or vocab_size
         if vocab_size is None:
             raise InputError("random tokens need a vocabulary size: pass --vocab-size, --token-ids or --text")
         generator = torch.Generator().manual_seed(args.seed)
         ids = torch.randint(0, vocab_size, (args.sequences, args.max_tokens), generator=generator).to(device)
+        read = f"{args.sequences} sequences of random tokens (seed {args.seed})"
     if (Path(args.model) / "config.json").is_file():  # a Hugging Face model takes keyword inputs
-        return (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    return (ids,), {}
-
-
-def _what_was_read(args: argparse.Namespace, tokenizer: Any) -> str:
-    """The input of an analysis, in words, for its summary."""
-    from connmon.sample_text import SENTENCES
-
-    if args.text or args.token_ids:
-        return str(args.text or args.token_ids)
-    if tokenizer is not None and args.vocab_size is None:
-        count = min(args.sequences, len(SENTENCES))
-        return f"{count} built-in English sentences (connmon.sample_text) through its own tokenizer"
-    return f"{args.sequences} sequences of random tokens (seed {args.seed})"
+        return (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, read
+    return (ids,), {}, read
 
 
 def _read(path: Path) -> str:
