@@ -31,3 +31,22 @@ def leave() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def spawn(fn, args: tuple, nprocs: int, timeout: float) -> None:
+    """``torch.multiprocessing.spawn`` that fails the test after ``timeout`` seconds (a hang) instead of waiting on.
+
+    On a time-out every process is killed and an AssertionError names the hang.
+    """
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(deadline - time.monotonic(), 0.1)):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise AssertionError(f"the processes did not finish within {timeout:.0f} s: a collective left waiting")

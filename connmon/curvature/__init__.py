@@ -53,6 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from connmon._moved import renamed_keywords, renamed_name
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
+from connmon.curvature.lockstep import PeerFailure
 from connmon.curvature.products import (
     GRADIENT_CHANGE,
     PRODUCTS,
@@ -347,60 +348,79 @@ def sharpness_ratio(
     geometry = step_geometry(optimizer, lr_scale)
     params = geometry.params
     shards = Shards(params)  # an unsupported layout is refused here, before any forward
-    if shards.sharded and model is None:
-        raise ValueError("sharded parameters need model=...: a failed forward's gathered weights are freed through it")
-    devices = {p.device for p in params}
-    if len(devices) != 1:
-        raise ValueError(f"the parameters live on several devices ({sorted(map(str, devices))}); connmon needs one")
-    device = devices.pop()
-    where = torch.device("cpu") if storage == "cpu" else device
-    dtype = torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
-    scale = torch.cat([_root(size, p, dtype).to(where) for size, p in zip(geometry.step_sizes, params, strict=True)])
-    sizes = shards.sizes
-    exact = products == "double_backward"
-    inner = shards.dots if shards.world > 1 else None  # one process: the plain inner product, as before
-    leaves = [t for t in model.parameters() if t.requires_grad] if model is not None else []
-    kernels = sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext()
-
-    def solve(change: float | None, initial: float | None) -> tuple[float, bool, int, float]:
-        if exact:
-            hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed, weights, shards)
-        else:
-            hessian = GradientDifferenceProducts(
-                loss_fns, params, dtype, seed, relative_length, change, where, initial, weights, shards, leaves, model
+    try:  # a failure on this process stops every process at its next checkpoint: none is left in a collective
+        if shards.sharded and model is None:
+            raise ValueError(
+                "sharded parameters need model=...: a failed forward's gathered weights are freed through it"
             )
+        devices = {p.device for p in params}
+        if len(devices) != 1:
+            raise ValueError(f"the parameters live on several devices ({sorted(map(str, devices))}); connmon needs one")
+        device = devices.pop()
+        where = torch.device("cpu") if storage == "cpu" else device
+        dtype = torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
+        scale = torch.cat(
+            [_root(size, p, dtype).to(where) for size, p in zip(geometry.step_sizes, params, strict=True)]
+        )
+        sizes = shards.sizes
+        exact = products == "double_backward"
+        inner = shards.dots if shards.world > 1 else None  # one process: the plain inner product, as before
+        leaves = [t for t in model.parameters() if t.requires_grad] if model is not None else []
+        kernels = sdpa_kernel(SDPBackend.MATH) if exact else contextlib.nullcontext()
 
-        def matvec(v: Tensor) -> Tensor:  # (1, N) -> U^1/2 (H + decay) U^1/2 v, no N-sized temporary held
-            product = hessian(v[0], scale)
-            for wd, out, part, root in zip(geometry.weight_decay, product.split(sizes), v[0].split(sizes),
-                                           scale.split(sizes), strict=True):  # fmt: skip
-                if wd:
-                    out.add_(part * root, alpha=wd)
-            return product.mul_(scale).unsqueeze(0)
+        def solve(change: float | None, initial: float | None) -> tuple[float, bool, int, float]:
+            if exact:
+                hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed, weights, shards)
+            else:
+                hessian = GradientDifferenceProducts(
+                    loss_fns,
+                    params,
+                    dtype,
+                    seed,
+                    relative_length,
+                    change,
+                    where,
+                    initial,
+                    weights,
+                    shards,
+                    leaves,
+                    model,
+                )
 
-        if shards.world > 1 or shards.sharded:
+            def matvec(v: Tensor) -> Tensor:  # (1, N) -> U^1/2 (H + decay) U^1/2 v, no N-sized temporary held
+                product = hessian(v[0], scale)
+                for wd, out, part, root in zip(geometry.weight_decay, product.split(sizes), v[0].split(sizes),
+                                               scale.split(sizes), strict=True):  # fmt: skip
+                    if wd:
+                        out.add_(part * root, alpha=wd)
+                return product.mul_(scale).unsqueeze(0)
+
             start = shards.start(seed, dtype, where)  # the same global vector whatever the layout
-        else:
-            start = torch.randn(1, scale.numel(), generator=torch.Generator().manual_seed(seed), dtype=dtype).to(where)
-        value, converged = largest_eigenvalue(matvec, start, steps, _TOL, dtype=dtype, inner=inner)
-        return float(value[0]), bool(converged[0]), hessian.evaluations, hessian.settled_length
+            value, converged = largest_eigenvalue(matvec, start, steps, _TOL, dtype=dtype, inner=inner)
+            return float(value[0]), bool(converged[0]), hessian.evaluations, hessian.settled_length
 
-    with _training_state_kept(model, device), kernels, torch.enable_grad():
-        eigenvalue, converged, evaluations, length = solve(gradient_change, initial_length)
-        if not exact and relative_length is None and noise_check:
-            # Round-off divided by h inflates a reading; a real curvature does not change with h. From ratio 0.5 on
-            # (where a reading moves the cadence or an alert), a reading that falls by more than 10% at a 10x larger
-            # gradient change was noise: the larger step's reading replaces it (at most twice, up to a change of 0.1).
-            change = gradient_change or GRADIENT_CHANGE.get(params[0].dtype, GRADIENT_CHANGE[torch.float32])
-            for _ in range(2):
-                change *= 10
-                if not (eigenvalue / geometry.constant >= NOISE_CHECK_FROM and change <= 0.1 + 1e-12):
-                    break
-                again, again_converged, more, again_length = solve(change, length * 10 if length > 0 else None)
-                evaluations += more
-                if not again < 0.9 * eigenvalue:
-                    break
-                eigenvalue, converged, length = again, again_converged, again_length / 10
+        with _training_state_kept(model, device), kernels, torch.enable_grad():
+            eigenvalue, converged, evaluations, length = solve(gradient_change, initial_length)
+            if not exact and relative_length is None and noise_check:
+                # Round-off divided by h inflates a reading; a real curvature does not change with h. From ratio 0.5
+                # on (where a reading moves the cadence or an alert), a reading that falls by more than 10% at a 10x
+                # larger gradient change was noise: the larger step's reading replaces it (at most twice, up to a
+                # change of 0.1).
+                change = gradient_change or GRADIENT_CHANGE.get(params[0].dtype, GRADIENT_CHANGE[torch.float32])
+                for _ in range(2):
+                    change *= 10
+                    if not (eigenvalue / geometry.constant >= NOISE_CHECK_FROM and change <= 0.1 + 1e-12):
+                        break
+                    again, again_converged, more, again_length = solve(change, length * 10 if length > 0 else None)
+                    evaluations += more
+                    if not again < 0.9 * eigenvalue:
+                        break
+                    eigenvalue, converged, length = again, again_converged, again_length / 10
+    except PeerFailure:
+        raise
+    except Exception:
+        shards.lockstep.announce()
+        raise
     return Sharpness(eigenvalue / geometry.constant, eigenvalue, geometry.constant, converged, evaluations, length)
 
 

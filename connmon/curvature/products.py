@@ -35,6 +35,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from connmon.curvature.lockstep import settle
 from connmon.curvature.shards import Shards, local
 
 Products = Literal["gradient_difference", "double_backward"]
@@ -196,22 +197,12 @@ class GradientDifferenceProducts:
     def _gradient(self) -> Tensor:
         """The step's loss's gradient over the global batch, flat (local parts; one buffer).
 
-        Every process takes part in one all-reduce per gradient (the plain parameters' parts averaged, and whether
-        any process failed), so that a failure on one process raises on all of them alike.
+        Across processes the plain parameters' parts are averaged (one all-reduce); a failure on any process stops
+        every process at its next checkpoint (:mod:`connmon.curvature.lockstep`).
         """
         flat = torch.zeros(sum(self.sizes), dtype=self.dtype, device=self.storage)
-        error = None
-        try:
-            self._add_gradient(flat)
-        except Exception as raised:  # reported after the processes agree that one failed
-            if self.shards.world == 1:
-                raise
-            error = raised
-        failures = self.shards.average_plain(flat, failed=error is not None)
-        if error is not None:
-            raise error
-        if failures:
-            raise RuntimeError("the loss or its gradient failed on another process (that process's warning says why)")
+        self._add_gradient(flat)
+        self.shards.average_plain(flat)
         self.evaluations += 1
         return flat
 
@@ -222,11 +213,14 @@ class GradientDifferenceProducts:
         which reduces the shards' gradients across processes (FSDP2 averages them), with every ``.grad`` it may
         touch set aside before and put back after, bitwise (the same tensors).
         """
+        lockstep = self.shards.lockstep
         if not self.shards.sharded:
             for loss_fn, weight in zip(self.loss_fns, self.weights, strict=True):
                 torch.manual_seed(self.seed)
-                with torch.enable_grad(), torch.autocast(self.params[0].device.type, enabled=False):
+                with lockstep.armed(self.model), torch.enable_grad(), torch.autocast(self.params[0].device.type,
+                                                                                        enabled=False):  # fmt: skip
                     loss = scalar_loss(loss_fn)
+                    lockstep.check()
                     grads = torch.autograd.grad(loss, self.params, allow_unused=True)
                 for part, grad in zip(flat.split(self.sizes), grads, strict=True):
                     if grad is not None:
@@ -237,15 +231,19 @@ class GradientDifferenceProducts:
         try:
             for t in self.leaves:
                 t.grad = None
-            for loss_fn, weight in zip(self.loss_fns, self.weights, strict=True):
-                torch.manual_seed(self.seed)
-                with torch.enable_grad(), torch.autocast(self.params[0].device.type, enabled=False):
-                    (scalar_loss(loss_fn) * weight).backward()
+            with lockstep.armed(self.model):
+                for loss_fn, weight in zip(self.loss_fns, self.weights, strict=True):
+                    torch.manual_seed(self.seed)
+                    with torch.enable_grad(), torch.autocast(self.params[0].device.type, enabled=False):
+                        loss = scalar_loss(loss_fn) * weight
+                        lockstep.check()  # the forward is done everywhere before any process's backward
+                        loss.backward()
+                    lockstep.check()
             for part, p in zip(flat.split(self.sizes), self.params, strict=True):
                 if p.grad is not None:
                     part.copy_(local(p.grad).reshape(-1))
         except BaseException:
-            _reshard(self.model)  # a forward cut short leaves FSDP2's gathered (perturbed) weights in the model
+            settle(self.model)  # a forward or backward cut short leaves FSDP2 mid-iteration, gathered (perturbed)
             raise
         finally:
             for t, grad in zip(self.leaves, kept, strict=True):
@@ -305,13 +303,6 @@ class DoubleBackwardProducts:
 
     def restore(self) -> None:
         """Nothing to restore: the parameters are never written."""
-
-
-def _reshard(model: torch.nn.Module | None) -> None:
-    """Free every FSDP2 module's gathered parameters: the next forward gathers the shards again."""
-    for module in model.modules() if model is not None else ():
-        if hasattr(module, "reshard") and type(module).__name__.startswith("FSDP"):
-            module.reshard()
 
 
 def _pieces(v: Tensor, scale: Tensor, sizes: list[int]) -> zip:

@@ -60,6 +60,7 @@ from connmon._options import check_int
 from connmon._ranks import warn_rank_zero
 from connmon.capture import paused
 from connmon.curvature import STORAGES, Storage, UpdateProbe, check_optimizer, sharpness_ratio
+from connmon.curvature.lockstep import PeerFailure
 
 if TYPE_CHECKING:  # the rules are handed in by the entry points: the curvature imports nothing from alerts/
     from connmon.alerts.rules import RuleSet
@@ -431,17 +432,20 @@ class SharpnessSampler(CopiesDetached):
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                     failure = "it ran out of memory"
+                except PeerFailure:
+                    failure = ""  # another process's failure, which it reports
                 except Exception as error:  # never end the training run
                     failure = f"{type(error).__name__}: {error}"
             self._probe, self._failure = None, None
             measured = failure is None
             total = torch.tensor([ratio if measured else 0.0, float(measured), float(not measured)],
                                  dtype=torch.float64, device=self._device)  # fmt: skip
-            if torch.distributed.is_available() and torch.distributed.is_initialized():
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if distributed:
                 torch.distributed.all_reduce(total)  # every process takes part in exactly one reduction per sample
             summed, count, failed = total.tolist()
             if failed:
-                self.turn_off(failure or "it failed on another process (that process's warning says why)")
+                self.turn_off(_first_reason(failure) if distributed else failure or "it failed")
                 return None
             ratio = summed / count
             self.samples += 1
@@ -488,6 +492,16 @@ class SharpnessSampler(CopiesDetached):
         self._probe = None
         self._drop_losses()
         warn_rank_zero(f"{self.owner} is off for the rest of this run: {why}")
+
+
+def _first_reason(mine: str | None) -> str:
+    """Why a sample failed, from the first process that failed itself (every process calls it: an all-gather)."""
+    reasons: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(reasons, mine)
+    for rank, reason in enumerate(reasons):
+        if reason:
+            return reason if len(reasons) == 1 else f"on process {rank}, {reason}"
+    return "it failed on another process"
 
 
 def _weights(kept: list[float | None]) -> list[float] | None:

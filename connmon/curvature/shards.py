@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from connmon.curvature.lockstep import Lockstep
+
 
 def local(tensor: Tensor) -> Tensor:
     """A ``DTensor``'s local part (its storage, under ``no_grad``), else the tensor itself."""
@@ -71,6 +73,8 @@ class Shards:
             self.copies.append(copies)
         self.sizes = [local(p).numel() for p in self.params]
         self.plain = [i for i, p in enumerate(self.params) if not hasattr(p, "device_mesh")]
+        device = local(self.params[0]).device if self.params else torch.device("cpu")
+        self.lockstep = Lockstep(self.world, device)  # checked before each of the collectives below
 
     def dot(self, x: Tensor, y: Tensor) -> float:
         """``<x, y>`` of two flat vectors of local parts, each global element counted once (float64)."""
@@ -86,6 +90,7 @@ class Shards:
                 for a, b, copies in zip(x.split(self.sizes, -1), y.split(self.sizes, -1), self.copies, strict=True)
             )
         if self.world > 1:
+            self.lockstep.check()
             dist.all_reduce(total)
         return total
 
@@ -113,24 +118,20 @@ class Shards:
         for part, copies in zip(parts, self.copies, strict=True):
             total = total + part.double().square().sum() / copies
         if self.world > 1:
+            self.lockstep.check()
             dist.all_reduce(total)
         return float(total)
 
-    def average_plain(self, flat: Tensor, failed: bool = False) -> int:
-        """Average the plain parameters' parts of a flat gradient across processes, in place (as DDP does).
-
-        ``failed`` (this process's gradient could not be taken) is added across processes in the same all-reduce,
-        so that every process raises together, never one waiting in a collective the others left. Returns how many
-        processes failed.
-        """
-        if self.world == 1:
-            return int(failed)
+    def average_plain(self, flat: Tensor) -> None:
+        """Average the plain parameters' parts of a flat gradient across processes, in place (as DDP does)."""
+        if self.world == 1 or not self.plain:
+            return
         pieces = flat.split(self.sizes)
         plain = [pieces[i] for i in self.plain]
-        buffer = torch.cat([*plain, torch.tensor([float(failed)], dtype=flat.dtype, device=flat.device)])
+        buffer = torch.cat(plain)
+        self.lockstep.check()
         dist.all_reduce(buffer)
         offset = 0
         for piece in plain:
             piece.copy_(buffer[offset : offset + piece.numel()]).div_(self.world)
             offset += piece.numel()
-        return round(buffer[-1].item())
