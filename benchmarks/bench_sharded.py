@@ -12,7 +12,11 @@ block's MLP column- then row-sharded) on 2 processes, each on the whole batch. P
   Lanczos's three vectors) in bytes on this process: its shards' elements times 6 times 4;
 * what a sample moves beyond a training step's own collectives: per gradient, one all-reduce of the plain
   (unsharded) parameters' gradient parts (none when every parameter is sharded) and, per inner product, one
-  all-reduce of a float64 (FSDP2's own gathers and reduce-scatters run in each gradient as in a training step).
+  all-reduce of a float64 (FSDP2's own gathers and reduce-scatters run in each gradient as in a training step);
+  the checkpoints that keep a failure on one process from leaving another waiting (one-number all-reduces,
+  ``connmon/curvature/lockstep.py``) are in the sample's time;
+* the default restore point at the end of the run (``write_restore_point``: ``torch.save`` on rank zero for one
+  process, ``torch.distributed.checkpoint`` sharded): the bytes this process wrote and the time to write it.
 
 Usage:
     python benchmarks/bench_sharded.py            # about a minute on 2 cores
@@ -34,6 +38,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import connmon
+from connmon.alerts.restore import write_restore_point
 from connmon.curvature import step_geometry
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.curvature.shards import Shards
@@ -87,6 +92,22 @@ def run(layout: str, rank: int, world: int, width: int, steps: int) -> dict:
         optimizer.zero_grad()
         seconds.append((time.perf_counter() - begin, sampler.clock.spent - spent))
     monitor.close()
+    folder = tempfile.mkdtemp() if rank == 0 else None
+    if world > 1:
+        shared = [folder]
+        dist.broadcast_object_list(shared)
+        folder = shared[0]
+    path = os.path.join(folder, "step=0.ckpt")
+    begin = time.perf_counter()
+    write_restore_point(path, steps, model, optimizer, monitor.state_dict())
+    if world > 1:
+        dist.barrier()
+    restore_seconds = time.perf_counter() - begin
+    if os.path.isdir(path):  # torch.distributed.checkpoint: each process's shards in its own files
+        mine = [f for f in os.listdir(path) if f.startswith(f"__{rank}_")]
+        restore_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in mine)
+    else:
+        restore_bytes = os.path.getsize(path) if rank == 0 else 0
     quiet = [total for total, sampled in seconds[1:] if sampled == 0]
     shards = Shards(step_geometry(optimizer).params)
     plain = sum(shards.sizes[i] for i in shards.plain) if world > 1 else 0
@@ -98,6 +119,8 @@ def run(layout: str, rank: int, world: int, width: int, steps: int) -> dict:
         "buffer_bytes": 6 * 4 * sum(shards.sizes),
         "plain_bytes_per_gradient": 4 * plain,
         "off": sampler.off,
+        "restore_bytes": restore_bytes,
+        "restore_seconds": restore_seconds,
     }
 
 
@@ -120,12 +143,16 @@ def main() -> None:
             mp.spawn(worker, args=(free_port(), out, layout, 2, args.width, args.steps), nprocs=2)
             rows += [json.loads(Path(out, f"{layout}{rank}.json").read_text()) for rank in range(2)]
     print(f"\nwidth {args.width}, 4 blocks, batch {BATCH} x {TOKENS}, float32, a sample every 4 steps\n")
-    print("| layout | process | sample (training steps) | gradients a sample | solve buffers | plain all-reduce |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| layout | process | sample (training steps) | gradients a sample | solve buffers | plain all-reduce "
+        "| restore point written | its time |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         print(
             f"| {row['layout']} | {row['rank']} | {row['sample_steps']:.1f} | {row['gradients']:.1f} | "
-            f"{row['buffer_bytes'] / 2**20:.2f} MiB | {row['plain_bytes_per_gradient'] / 2**10:.0f} KiB |"
+            f"{row['buffer_bytes'] / 2**20:.2f} MiB | {row['plain_bytes_per_gradient'] / 2**10:.0f} KiB | "
+            f"{row['restore_bytes'] / 2**20:.2f} MiB | {row['restore_seconds']:.3f} s |"
             + (f" off: {row['off']}" if row["off"] else "")
         )
 

@@ -28,6 +28,7 @@ from connmon._optimizer import unwrap_optimizer
 from connmon._probe import device_of, probing, read_beside, run_forward
 from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
 from connmon._saved_state import checked_state
+from connmon.alerts.restore import write_restore_point
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
 from connmon.capture.session import CaptureSession, Layer
@@ -275,9 +276,10 @@ class Monitor(CopiesDetached):
 
         :meth:`step` calls it at its start when one is due. With ``restore_points.save`` the path and step are handed
         to it on every process (save there whatever resumes your run: scheduler, data position, ...); without one,
-        rank zero writes ``{"step", "model", "optimizer", "connmon"}`` (the ``state_dict`` of each) with
-        ``torch.save``. Older restore points beyond ``keep`` are removed (rank zero). A save that fails is reported
-        and the run goes on. Returns the path, or None.
+        :func:`connmon.alerts.restore.write_restore_point` writes the model, the optimizer and this monitor's state
+        (a sharded model's with ``torch.distributed.checkpoint``, each process its shards), which
+        :func:`connmon.alerts.restore.load_restore_point` reads back. Older restore points beyond ``keep`` are
+        removed (rank zero). A save that fails is reported and the run goes on. Returns the path, or None.
 
         Examples:
             >>> import warnings
@@ -300,15 +302,8 @@ class Monitor(CopiesDetached):
         def write(path: str) -> None:
             if points.save is not None:
                 points.save(path, step)
-            elif is_rank_zero():
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                model = getattr(self._model, "_orig_mod", self._model)
-                torch.save({
-                    "step": step,
-                    "model": model.state_dict() if model is not None else None,
-                    "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
-                    "connmon": self.state_dict(),
-                }, path)  # fmt: skip
+            else:
+                write_restore_point(path, step, self._model, self._optimizer, self.state_dict())
 
         return points.save_due(step, rank_zeros(points.path(step)), write, _remove, owner=self.owner)
 

@@ -24,7 +24,7 @@ from connmon.alerts.detectors import (
     NonFinite,
     Threshold,
 )
-from connmon.alerts.restore import RestorePoints
+from connmon.alerts.restore import RestorePoints, load_restore_point, write_restore_point
 from connmon.alerts.rules import (
     LEVELS,
     Alert,
@@ -63,7 +63,9 @@ __all__ = [
     "attention_collapse_rules",
     "default_rules",
     "edge_of_stability_rule",
+    "load_restore_point",
     "logit_bound_rule",
+    "write_restore_point",
 ]
 
 

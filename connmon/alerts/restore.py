@@ -12,9 +12,14 @@ optimizer's state.
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch
+from torch import nn
 
 from connmon._options import check_callable, check_choice, check_number
 from connmon._ranks import rank_zeros, warn_rank_zero
@@ -45,8 +50,8 @@ class RestorePoints:
             ModelCheckpoint's ``checkpoints`` directory; plain loop: ``./connmon_restore_points``; Hugging Face: the
             ``Trainer``'s ``output_dir``).
         save: for :class:`connmon.Monitor` only, ``save(path, step)`` writes the restore point (called on every
-            process); None for ``torch.save`` of the model's and optimizer's ``state_dict`` and the monitor's state
-            on rank zero.
+            process); None for :func:`write_restore_point` (the model, the optimizer and the monitor's state; a
+            sharded model's with ``torch.distributed.checkpoint``), read back by :func:`load_restore_point`.
 
     Raises:
         ValueError: for an unknown level, a ``keep`` below 1, or a ``save`` that is not callable.
@@ -177,3 +182,107 @@ class RestorePoints:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.paths = [str(path) for path in state_dict.get("paths", [])]
+
+
+def sharded(model: nn.Module | None) -> bool:
+    """Whether ``model`` has a parameter sharded across processes (a ``DTensor``: FSDP2, tensor parallelism)."""
+    return model is not None and any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def write_restore_point(
+    path: str, step: int, model: nn.Module | None, optimizer: torch.optim.Optimizer | None, connmon_state: Any
+) -> None:
+    """Write a restore point of ``model``, ``optimizer`` and the monitor's state after ``step`` steps at ``path``.
+
+    Called on every process. A model with sharded parameters (FSDP2, tensor parallelism) is written the way its
+    ecosystem writes checkpoints: ``torch.distributed.checkpoint.save`` of the sharded state dicts
+    (``get_state_dict``), each process writing its own shards into the folder ``path`` (no process gathers the whole
+    model), rank zero the metadata, the step and the monitor's state. Any other model: rank zero writes one file,
+    ``torch.save`` of ``{"step", "model", "optimizer", "connmon"}`` (each a ``state_dict``). Either is read back,
+    into any layout, by :func:`load_restore_point`.
+
+    Examples:
+        >>> import os, tempfile, torch
+        >>> from connmon.alerts.restore import load_restore_point, write_restore_point
+        >>> model = torch.nn.Linear(2, 2)
+        >>> path = os.path.join(tempfile.mkdtemp(), "step=3.ckpt")
+        >>> write_restore_point(path, 3, model, None, {"samples": 1})
+        >>> load_restore_point(path, torch.nn.Linear(2, 2))
+        3
+    """
+    from connmon._ranks import is_rank_zero
+
+    model = getattr(model, "_orig_mod", model)
+    if not sharded(model):
+        if is_rank_zero():
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            torch.save({
+                "step": step,
+                "model": model.state_dict() if model is not None else None,
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "connmon": connmon_state,
+            }, path)  # fmt: skip
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    assert model is not None  # sharded(None) is False
+    optimizers = [optimizer] if optimizer is not None else []
+    model_state, optimizer_state = get_state_dict(model, optimizers)
+    extra = io.BytesIO(pickle.dumps({"step": step, "connmon": connmon_state}))
+    dcp.save({"model": model_state, "optimizer": optimizer_state, "extra": extra}, checkpoint_id=path)
+
+
+def load_restore_point(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    monitor: Any = None,
+) -> int:
+    """Load a restore point into ``model``, ``optimizer`` and ``monitor`` (a ``connmon.Monitor``); the step it is of.
+
+    Reads both forms :func:`write_restore_point` writes (a folder written by ``torch.distributed.checkpoint`` for a
+    sharded model, a ``torch.save`` file otherwise) into a model held in any layout: a sharded run's restore point
+    loads into the same sharding (call it on every process, after ``fully_shard``/``parallelize_module`` and with the
+    optimizer built), or into an unsharded model in one process; the training then goes on bitwise from where the
+    point was saved.
+
+    Examples:
+        >>> import os, tempfile, torch
+        >>> from connmon.alerts.restore import load_restore_point, write_restore_point
+        >>> model = torch.nn.Linear(2, 2)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> path = os.path.join(tempfile.mkdtemp(), "step=5.ckpt")
+        >>> write_restore_point(path, 5, model, optimizer, None)
+        >>> other = torch.nn.Linear(2, 2)
+        >>> load_restore_point(path, other, torch.optim.SGD(other.parameters(), lr=0.1)), torch.equal(other.weight, model.weight)
+        (5, True)
+    """  # noqa: E501
+    path = os.fspath(path)
+    model = getattr(model, "_orig_mod", model)
+    if os.path.isdir(path):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        optimizers = [optimizer] if optimizer is not None else []
+        model_state, optimizer_state = get_state_dict(model, optimizers)
+        state: dict[str, Any] = {"model": model_state, "extra": io.BytesIO()}
+        if optimizer is not None:
+            state["optimizer"] = optimizer_state
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+        state["extra"].seek(0)
+        saved = pickle.loads(state["extra"].read())
+    else:
+        saved = torch.load(path, weights_only=False)
+        if sharded(model):
+            raise ValueError(
+                f"{path} is a one-file restore point of an unsharded model: load it into the model as it was saved "
+                "(unsharded), or shard after loading"
+            )
+        model.load_state_dict(saved["model"])
+        if optimizer is not None and saved.get("optimizer") is not None:
+            optimizer.load_state_dict(saved["optimizer"])
+    if monitor is not None and saved.get("connmon") is not None:
+        monitor.load_state_dict(saved["connmon"])
+    return int(saved["step"])
