@@ -65,6 +65,13 @@ def test_bf16_autocast_reads_the_float32_loss_and_bf16_weights_are_refused_with_
     with torch.autocast("cpu", dtype=torch.bfloat16):
         autocast = sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model)
     assert autocast == plain  # bf16 gradient differences are round-off: the reading's forwards run in float32
+
+    def autocast_inside():  # a loss function that turns autocast on itself: refused, never a round-off reading
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return next_token(model, ids)
+
+    with pytest.raises(ValueError, match=r"the loss function runs the model under autocast \(torch\.bfloat16\)"):
+        sharpness_ratio(autocast_inside, optimizer, steps=8, model=model)
     model.bfloat16()
     with pytest.raises(ValueError, match=r"the parameters are torch\.bfloat16: a difference of two gradients"):
         sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model)

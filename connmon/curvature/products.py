@@ -28,8 +28,9 @@ taken while it is taken. With ``storage="cpu"`` all six live in host memory and 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -142,6 +143,9 @@ class GradientDifferenceProducts:
                 "the reading computes in float32), or use the double-backward products"
             )
         self.target = gradient_change or GRADIENT_CHANGE[params[0].dtype]
+        reason = _low_precision_policy(model)
+        if reason is not None:
+            raise ValueError(reason)
         with torch.no_grad():
             self.saved = [p.detach().clone() for p in params]
             theta = math.sqrt(self.shards.squares([local(p).detach() for p in params]))
@@ -217,8 +221,8 @@ class GradientDifferenceProducts:
         if not self.shards.sharded:
             for loss_fn, weight in zip(self.loss_fns, self.weights, strict=True):
                 torch.manual_seed(self.seed)
-                with lockstep.armed(self.model), torch.enable_grad(), torch.autocast(self.params[0].device.type,
-                                                                                        enabled=False):  # fmt: skip
+                with lockstep.armed(self.model), _autocast_inside(self.model), torch.enable_grad(), \
+                        torch.autocast(self.params[0].device.type, enabled=False):  # fmt: skip
                     loss = scalar_loss(loss_fn)
                     lockstep.check()
                     grads = torch.autograd.grad(loss, self.params, allow_unused=True)
@@ -231,7 +235,7 @@ class GradientDifferenceProducts:
         try:
             for t in self.leaves:
                 t.grad = None
-            with lockstep.armed(self.model):
+            with lockstep.armed(self.model), _autocast_inside(self.model):
                 for loss_fn, weight in zip(self.loss_fns, self.weights, strict=True):
                     torch.manual_seed(self.seed)
                     with torch.enable_grad(), torch.autocast(self.params[0].device.type, enabled=False):
@@ -303,6 +307,47 @@ class DoubleBackwardProducts:
 
     def restore(self) -> None:
         """Nothing to restore: the parameters are never written."""
+
+
+def _low_precision_policy(model: torch.nn.Module | None) -> str | None:
+    """Why ``model`` computes its forward below float32 whatever autocast says (FSDP2's policy), or None."""
+    for module in model.modules() if model is not None else ():
+        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        dtype = getattr(getattr(state, "_mp_policy", None), "param_dtype", None)
+        if dtype is not None and dtype not in GRADIENT_CHANGE:
+            return (
+                f"FSDP2's MixedPrecisionPolicy(param_dtype={dtype}) gathers the weights in {dtype} for every forward: "
+                "a difference of two such gradients is round-off (it read 56% low on the suite's model), and the "
+                "policy cannot be lifted for the reading; keep param_dtype=None (float32 forwards, or autocast, "
+                "under which the reading computes in float32) to read the curvature"
+            )
+    return None
+
+
+def _autocast_inside(model: torch.nn.Module | None) -> contextlib.AbstractContextManager[None]:
+    """Refuse a forward of ``model`` that runs under autocast the loss function turned on (a ValueError)."""
+    if model is None:
+        return contextlib.nullcontext()
+
+    def check(module: torch.nn.Module, args: object) -> None:
+        device = next((p.device.type for p in module.parameters()), "cpu")
+        if torch.is_autocast_enabled(device):
+            raise ValueError(
+                f"the loss function runs the model under autocast ({torch.get_autocast_dtype(device)}): a difference "
+                "of two low-precision gradients is round-off; leave autocast out of loss_fn (the reading turns the "
+                "training's autocast off itself and computes in float32)"
+            )
+
+    handle = model.register_forward_pre_hook(check, prepend=True)
+    return _removing(handle)
+
+
+@contextlib.contextmanager
+def _removing(handle: object) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        handle.remove()  # type: ignore[attr-defined]
 
 
 def _pieces(v: Tensor, scale: Tensor, sizes: list[int]) -> zip:

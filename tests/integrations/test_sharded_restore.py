@@ -113,6 +113,8 @@ def test_a_sharded_restore_point_holds_the_whole_state_and_resumes_bitwise(tmp_p
     for rank in range(WORLD[layout]):
         result = json.loads((tmp_path / f"{rank}.json").read_text())
         assert result["path"].endswith("step=3.ckpt") and os.path.isdir(result["path"]), result
-        assert result["step"] == 3 and result["samples"][0] == result["samples"][1] > 0, result  # the monitor's state came back too
+        assert result["step"] == 3 and result["samples"][0] == result["samples"][1] > 0, (
+            result
+        )  # the monitor's state came back too
         assert result["loaded"] and result["unsharded"], result  # every parameter whole, as at the point
         assert result["ahead"] and result["end"], result  # the resumed run goes on bitwise
