@@ -131,8 +131,13 @@ class StepGeometry:
     constant: float
 
 
-def step_geometry(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0) -> StepGeometry:
+def step_geometry(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0, measured_only: bool = False) -> StepGeometry:
     """The step sizes ``U``, coupled weight decay and stability constant ``c`` of ``optimizer`` after its latest step.
+
+    ``measured_only`` (Adam, AdamW): ``U = 0`` where the preconditioner is dominated by ``eps``
+    (``sqrt(v_hat) <= eps``): no gradient has given those coordinates a scale (an attention key's bias, whose gradient
+    is analytically zero: softmax ignores a shift shared by all keys), and their step ``lr (1 - beta1) / eps`` would
+    multiply the round-off of a gradient difference by ``1e5``-``1e7`` (:func:`sharpness_ratio` reads without them).
 
     Raises:
         ValueError: for an optimizer other than SGD, Adam and AdamW (or a subclass), ``maximize=True``, different
@@ -147,7 +152,7 @@ def step_geometry(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0) -> St
         ([0.1], 1.3571)
     """
     optimizer = unwrap_optimizer(optimizer)
-    sizes, constant = _step_sizes(optimizer, lr_scale)
+    sizes, constant = _step_sizes(optimizer, lr_scale, measured_only)
     params, step_sizes, decay = [], [], []
     for p, size, wd in sizes:
         params.append(p)
@@ -184,7 +189,7 @@ def _adam_constant(optimizer: torch.optim.Adam | torch.optim.AdamW) -> float:
 
 
 def _adam_sizes(
-    optimizer: torch.optim.Adam | torch.optim.AdamW, scale: float
+    optimizer: torch.optim.Adam | torch.optim.AdamW, scale: float, measured_only: bool = False
 ) -> Iterator[tuple[Tensor, Tensor, float]]:
     groups = optimizer.param_groups
     beta1, beta2 = (float(b) for b in _one(groups, "betas"))
@@ -195,12 +200,11 @@ def _adam_sizes(
             if not p.requires_grad or "exp_avg_sq" not in state:
                 continue  # a parameter the optimizer has not moved yet: not part of the step
             second = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
-            v_hat = second / (1 - beta2 ** float(state["step"]))
-            yield (
-                p,
-                float(group["lr"]) * scale * (1 - beta1) / (v_hat.sqrt() + group["eps"]),
-                (float(group["weight_decay"]) if coupled else 0.0),
-            )
+            root = (second / (1 - beta2 ** float(state["step"]))).sqrt()
+            size = float(group["lr"]) * scale * (1 - beta1) / (root + group["eps"])
+            if measured_only:
+                size = size.masked_fill(root <= group["eps"], 0.0)
+            yield p, size, (float(group["weight_decay"]) if coupled else 0.0)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -233,16 +237,17 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
 
 
 def _step_sizes(
-    optimizer: torch.optim.Optimizer, lr_scale: float = 1.0
+    optimizer: torch.optim.Optimizer, lr_scale: float = 1.0, measured_only: bool = False
 ) -> tuple[Iterator[tuple[Tensor, Tensor | float, float]], float]:
     """``(parameter, U, coupled weight decay)`` one parameter at a time (no list of ``U``), and ``c``.
 
     ``lr_scale`` multiplies every group's ``lr``: the rate the step applies where a back-off scales it.
+    ``measured_only``: see :func:`step_geometry`.
     """
     optimizer = unwrap_optimizer(optimizer)
     if _kind(optimizer) == "sgd":
         return _sgd_sizes(optimizer, lr_scale), _sgd_constant(optimizer)
-    return _adam_sizes(optimizer, lr_scale), _adam_constant(optimizer)
+    return _adam_sizes(optimizer, lr_scale, measured_only), _adam_constant(optimizer)
 
 
 @renamed_keywords(relative_step="relative_length", initial_step="initial_length")  # 0.1.0's names
@@ -261,6 +266,7 @@ def sharpness_ratio(
     noise_check: bool = True,
     weights: Sequence[float] | None = None,
     lr_scale: float = 1.0,
+    eps_dominated: Literal["exclude", "keep"] = "exclude",
 ) -> Sharpness:
     """``lambda_max(U^1/2 H U^1/2) / c`` on the loss ``loss_fn()``: 1 is the optimizer's edge of stability.
 
@@ -310,6 +316,10 @@ def sharpness_ratio(
         lr_scale: the factor on every group's ``lr`` that the next step applies beyond it (a
             :class:`connmon.alerts.LearningRateBackoff`'s ``pending_scale(optimizer)``), so that the ratio is of the
             rate the step applies.
+        eps_dominated: Adam's coordinates whose preconditioner is dominated by ``eps`` (``sqrt(v_hat) <= eps``: no
+            gradient has given them a scale, as an attention key's bias): ``"exclude"`` (the default) reads without
+            them, ``"keep"`` with their step ``lr (1 - beta1) / eps``, which multiplies a gradient difference's
+            round-off there by ``1e5``-``1e7`` (see :func:`step_geometry`).
 
     Raises:
         ValueError: for an unsupported optimizer (see :func:`step_geometry`), ``steps < 1``, a loss that is not a
@@ -337,6 +347,8 @@ def sharpness_ratio(
         raise ValueError(f"products must be one of {PRODUCTS}, got products={products!r}")
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got storage={storage!r}")
+    if eps_dominated not in ("exclude", "keep"):
+        raise ValueError(f"eps_dominated must be 'exclude' or 'keep', got eps_dominated={eps_dominated!r}")
     for name, value in (("relative_length", relative_length), ("gradient_change", gradient_change),
                         ("initial_length", initial_length)):  # fmt: skip
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1):
@@ -345,7 +357,7 @@ def sharpness_ratio(
     if not loss_fns or not all(callable(f) for f in loss_fns):
         raise ValueError("loss_fn must be a callable or a non-empty sequence of callables, each returning the loss")
     step_weights(loss_fns, weights)  # checked before any gradient is taken
-    geometry = step_geometry(optimizer, lr_scale)
+    geometry = step_geometry(optimizer, lr_scale, measured_only=eps_dominated == "exclude")
     params = geometry.params
     shards = Shards(params)  # an unsupported layout is refused here, before any forward
     try:  # a failure on this process stops every process at its next checkpoint: none is left in a collective
