@@ -82,6 +82,7 @@ class RestorePoints:
         self.due: int | None = None  # the step whose alert asked for a restore point not yet saved
         self.paths: list[str] = []  # the restore points saved and kept, oldest first
         self._others_said = False  # the warning that another run's restore points lie in the folder
+        self._writing: str | None = None  # the restore point being written (its own state lists it)
 
     def request(self, alerts: list[Alert], step: int) -> bool:
         """Ask for a restore point at ``step`` if one of ``alerts`` is at ``level`` or above; whether one was."""
@@ -155,11 +156,14 @@ class RestorePoints:
             )
             return None
         try:
+            self._writing = path  # the state written into it lists it: a run resumed from it rotates it too
             write(path)
         except Exception as error:  # a full disk or a failing hook must not end the training run
             self.due = None
             warn_rank_zero(f"{owner} could not save the restore point {path}: {type(error).__name__}: {error}")
             return None
+        finally:
+            self._writing = None
         for old in self.saved(path):
             if remove is not None:
                 remove(old)
@@ -176,8 +180,20 @@ class RestorePoints:
         return removed
 
     def state_dict(self) -> dict[str, Any]:
-        """The restore points kept (a resumed run goes on rotating them)."""
-        return {"paths": list(self.paths)}
+        """The restore points kept (a resumed run goes on rotating them), the one being written among them.
+
+        Examples:
+            >>> from connmon.alerts import RestorePoints
+            >>> points = RestorePoints(keep=2)
+            >>> points.paths = ["a.ckpt", "b.ckpt"]
+            >>> points._writing = "c.ckpt"  # what the state inside c.ckpt holds: c and the one before it
+            >>> points.state_dict()
+            {'paths': ['b.ckpt', 'c.ckpt']}
+        """
+        paths = list(self.paths)
+        if self._writing is not None:
+            paths = [p for p in paths if p != self._writing] + [self._writing]
+        return {"paths": paths[-self.keep :]}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""

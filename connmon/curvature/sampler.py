@@ -361,13 +361,15 @@ class SharpnessSampler(CopiesDetached):
     # --- state ------------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Samples taken, the budget's stride, the gradients spent and the next sampled step."""
+        """Samples taken, the budget's stride, the gradients spent, the next sampled step, the hold and the difference
+        length the gradient differences settled on (where the next sample's search starts)."""
         return {
             "samples": self.samples,
             "stride": self.stride,
             "gradients": self.gradients,
             "next_step": self.next_step,
             "held_until": self.held_until,
+            "difference_length": self._difference_length,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -378,6 +380,7 @@ class SharpnessSampler(CopiesDetached):
         next_step = state_dict.get("next_step")
         self.next_step = int(next_step) if next_step is not None else None
         self.held_until = int(state_dict.get("held_until", 0))
+        self._difference_length = float(state_dict.get("difference_length", math.nan))
 
     # --- workers ----------------------------------------------------------------------------------------------------
 
