@@ -349,3 +349,26 @@ def test_a_second_fit_into_the_same_folder_keeps_the_firsts_restore_points(tmp_p
     (first, before), (second, after) = contents
     assert [os.path.basename(p) for p in first + second] == ["step=4.ckpt", "step=4-v1.ckpt"]
     assert after["step=4.ckpt"] == before["step=4.ckpt"] and after["step=4-v1.ckpt"] != before["step=4.ckpt"]
+
+
+def test_keep_holds_across_a_resume_from_a_restore_point(tmp_path):
+    """The state inside a restore point lists the point itself: a run resumed from it rotates it away in turn."""
+    from connmon.alerts import RestorePoints
+
+    rule = Rule("any logit", LOGIT, Threshold(-1.0), cooldown=0)  # fires on every sample
+    folder = tmp_path / "points"
+
+    def alert():
+        return DriftAlert(rules=[rule], actions=("checkpoint",), restore_points=RestorePoints(keep=2, dirpath=folder))
+
+    first = alert()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit(tmp_path / "first", [monitor(), first], max_steps=6, module=AdamGPT())
+        assert len(first.runner.restore_points.paths) == 2 and len(os.listdir(folder)) == 2
+        again = alert()
+        fit(tmp_path / "again", [monitor(), again], max_steps=12, module=AdamGPT(),
+            ckpt_path=first.runner.restore_points.paths[-1])  # fmt: skip
+    kept = again.runner.restore_points.paths
+    assert again.total > first.total and len(kept) == 2
+    assert sorted(os.listdir(folder)) == sorted(os.path.basename(p) for p in kept)
