@@ -22,6 +22,7 @@ Usage:
     python benchmarks/bench_sharpness.py --batch-choice   # the next batch or the one just trained on (3 runs, ~12 min)
     python benchmarks/bench_sharpness.py --step-size --save /tmp/steps.jsonl   # gradient-difference step rules
     python benchmarks/bench_sharpness.py --probe-batch --save /tmp/probe.jsonl   # a fixed probe batch, warm started
+    python benchmarks/bench_sharpness.py --lanczos-depth --save /tmp/depth.jsonl   # 8 Lanczos steps against converged
     python benchmarks/bench_sharpness.py --update-every 5 --save /tmp/readings.json   # + the update readings (~20 min)
 """
 
@@ -270,6 +271,48 @@ def base_ramp(seed: int) -> tuple[dict, torch.Tensor, nn.Module, torch.optim.Opt
 STEP_POINTS = (200, 600, 1000, 1150, 1250, 1300)  # base ramp seed 0: learning, healthy, then up to its divergence
 RELATIVE_STEPS = (1e-3, 1e-4, 1e-5, 1e-6)  # ||h w|| / ||theta||, the rule the first measurements used
 GRADIENT_CHANGES = {"float32": (1e-4, 1e-3, 1e-2), "bf16 autocast": (1e-3, 1e-2, 1e-1, 3e-1)}
+
+
+DEPTHS = (4, 8, 12, 20)  # Lanczos steps of the default reading, against a converged exact one
+
+
+def lanczos_depth_study(seed: int = 0, points: tuple[int, ...] = STEP_POINTS) -> list[dict]:
+    """The default reading after 4, 8, 12 and 20 Lanczos steps against exact Lanczos run to convergence.
+
+    Gradient differences in float32 against 40 steps of double backward, at the same points of a base ramp run as the
+    step-size study: how far the default 8-step top Ritz value (a lower bound) stands below the top eigenvalue.
+    """
+    config, data, model, optimizer, gen = base_ramp(seed)
+    rows = []
+    for step in range(max(points) + 1):
+        idx, target, _ = next_batch(config, step, optimizer, data, gen)
+        if step in points:
+            batch = (idx, target)
+            row = {"step": step, "converged": ratio_of(model, batch, optimizer, 40, step), "depths": {}}
+            for depth in DEPTHS:
+                row["depths"][str(depth)] = sharpness_ratio(lambda batch=batch: gpt_loss(model, batch), optimizer,
+                                                            steps=depth, model=model, seed=step).ratio  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        model.train()
+        loss = gpt_loss(model, (idx, target))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return rows
+
+
+def lanczos_depth_table(rows: list[dict]) -> None:
+    print(
+        "\n| step | converged ratio (exact, 40 steps) | " + " | ".join(f"{d} steps / converged" for d in DEPTHS) + " |"
+    )
+    print("|---|---|" + "---|" * len(DEPTHS))
+    for row in rows:
+        cells = " | ".join(f"{row['depths'][str(d)] / row['converged']:.3f}" for d in DEPTHS)
+        print(f"| {row['step']} | {row['converged']:.4f} | {cells} |")
+    for d in DEPTHS:
+        worst = min(row["depths"][str(d)] / row["converged"] for row in rows)
+        print(f"{d} steps: at worst {100 * (1 - worst):.1f}% below the converged ratio")
 
 
 def step_size_study(seed: int = 0, points: tuple[int, ...] = STEP_POINTS) -> list[dict]:
@@ -734,7 +777,13 @@ def main() -> None:
         "--step-size", action="store_true", help="only measure the gradient-difference step rules against exact"
     )
     parser.add_argument("--probe-batch", action="store_true", help="only measure a fixed probe batch, warm started")
+    parser.add_argument(
+        "--lanczos-depth", action="store_true", help="only measure 4-20 Lanczos steps against a converged exact reading"
+    )
     args = parser.parse_args()
+    if args.lanczos_depth:
+        _study_rows(args, lanczos_depth_study, lanczos_depth_table)
+        return
     if args.probe_batch:
         _study_rows(args, probe_study, probe_table)
         return

@@ -226,6 +226,18 @@ def test_under_fsdp2_a_sample_that_fails_at_any_stage_leaves_every_shard_and_gra
     assert [json.loads((tmp_path / f"failures{r}.json").read_text()) > 4 for r in range(2)] == [True, True]
 
 
+class Gained(torch.nn.Module):
+    """The test GPT with a 63-token vocabulary behind a 3-element gain (the optimizer's first parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(3))
+        self.gpt = TinyGPT(vocab=63)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.gpt(idx) * self.gain.mean()
+
+
 def one_rank_worker(rank: int, port: int, out: str, device: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
@@ -238,10 +250,10 @@ def one_rank_worker(rank: int, port: int, out: str, device: str) -> None:
         readings = []
         for sharded in (False, True):
             torch.manual_seed(0)
-            model = TinyGPT().double().to(device)
+            model = Gained().double().to(device)  # a 3-element gain, then a 63-element bias: no multiples of 16
             if sharded:
                 mesh = init_device_mesh(device, (1,))
-                for block in model.blocks:
+                for block in model.gpt.blocks:
                     fully_shard(block, mesh=mesh)
                 fully_shard(model, mesh=mesh)
             optimizer, ids = prepared(model)
@@ -262,7 +274,9 @@ def one_rank_worker(rank: int, port: int, out: str, device: str) -> None:
 )
 def test_a_one_rank_mesh_reads_what_the_unsharded_model_reads(tmp_path, device):
     """FSDP2 on a one-rank device mesh: the sharded path (DTensor shards, the model's own backward) in one process;
-    benchmarks/gpu.sh runs it on CUDA, where the collectives are NCCL's."""
+    benchmarks/gpu.sh runs it on CUDA, where the collectives are NCCL's. The Lanczos start vector is the same global
+    vector whatever the layout (drawn parameter by parameter), also for parameters whose size is no multiple of 16,
+    where one draw of the whole vector differs from per-parameter draws."""
     mp.spawn(one_rank_worker, args=(free_port(), str(tmp_path), device), nprocs=1)
     unsharded, sharded = json.loads((tmp_path / "one_rank.json").read_text())
     assert sharded == pytest.approx(unsharded, rel=1e-9)
