@@ -47,13 +47,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from connmon._moved import renamed_keywords, renamed_name
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
-from connmon.curvature.lockstep import PeerFailure
+from connmon.curvature.lockstep import Lockstep, PeerFailure, settle
 from connmon.curvature.products import (
     GRADIENT_CHANGE,
     PRODUCTS,
@@ -579,20 +580,33 @@ class UpdateProbe:
         self._check()
         device = self.params[0].device if self.params else torch.device("cpu")
         losses = []
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        lockstep = Lockstep(world, _local(self.params[0]).device if self.params else device)
         with _training_state_kept(model, device), torch.no_grad():
             state = "now"  # which point the parameters hold: now, before (theta - u), ahead (theta + u)
             try:
-                losses.append(_scalar(loss_fn, seed))
-                for p, saved in zip(self.params, self._before, strict=True):  # the parameters at theta - u
-                    now = p.detach().clone()
-                    p.copy_(saved)
-                    saved.copy_(now)  # the probe's copy holds theta now
-                state = "before"
-                losses.append(_scalar(loss_fn, seed))
-                for p, saved in zip(self.params, self._before, strict=True):  # theta + u = 2 theta - (theta - u)
-                    p.neg_().add_(saved, alpha=2)
-                state = "ahead"
-                losses.append(_scalar(loss_fn, seed))
+                with lockstep.armed(model):  # a failure on one process stops all: none waits in a gather
+                    losses.append(_scalar(loss_fn, seed))
+                    lockstep.check()
+                    for p, saved in zip(self.params, self._before, strict=True):  # the parameters at theta - u
+                        now = p.detach().clone()
+                        p.copy_(saved)
+                        saved.copy_(now)  # the probe's copy holds theta now
+                    state = "before"
+                    losses.append(_scalar(loss_fn, seed))
+                    lockstep.check()
+                    for p, saved in zip(self.params, self._before, strict=True):  # theta + u = 2 theta - (theta - u)
+                        p.neg_().add_(saved, alpha=2)
+                    state = "ahead"
+                    losses.append(_scalar(loss_fn, seed))
+                    lockstep.check()
+            except PeerFailure:
+                settle(model)
+                raise
+            except Exception:
+                settle(model)
+                lockstep.announce()
+                raise
             finally:
                 if state != "now":
                     for p, saved in zip(self.params, self._before, strict=True):

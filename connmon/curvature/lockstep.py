@@ -137,7 +137,7 @@ def settle(model: nn.Module | None) -> None:
     """
     if model is None:
         return
-    fsdp = [m for m in model.modules() if hasattr(m, "reshard") and type(m).__name__.startswith("FSDP")]
+    fsdp: list[Any] = [m for m in model.modules() if hasattr(m, "reshard") and type(m).__name__.startswith("FSDP")]
     roots = [m for m in fsdp if hasattr(m, "reset_iter_state") and getattr(m._get_fsdp_state(), "_is_root", False)]
     if roots:
         for root in roots:

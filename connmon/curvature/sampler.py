@@ -361,8 +361,11 @@ class SharpnessSampler(CopiesDetached):
     # --- state ------------------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Samples taken, the budget's stride, the gradients spent, the next sampled step, the hold and the difference
-        length the gradient differences settled on (where the next sample's search starts)."""
+        """What a resumed run needs to go on as the uninterrupted one.
+
+        Samples taken, the budget's stride, the gradients spent, the next sampled step, the hold, and the difference
+        length the gradient differences settled on (where the next sample's search starts).
+        """
         return {
             "samples": self.samples,
             "stride": self.stride,

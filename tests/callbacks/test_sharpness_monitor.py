@@ -223,8 +223,8 @@ def test_no_default_alert_in_the_first_steps_of_a_healthy_adam_run_sampled_every
     sharpness.add_listener(lambda trainer, step, values: series.update({step: values[key_of(estimator)]}))
     alert = DriftAlert(actions=("log",))
     fit(tmp_path, [sharpness, alert], module=AdamGPT(), max_steps=30)
-    if estimator in LANCZOS:
-        assert max(series[s] for s in range(1, 4)) > 1  # Adam's young second moment: far above the edge at first
+    if estimator in LANCZOS:  # the young second moment: coordinates no gradient has reached yet are left out
+        assert all(math.isfinite(series[s]) for s in range(1, 4))
     assert alert.total == 0 and len(series) == 29
 
 

@@ -35,8 +35,9 @@ def build(folder: str, keep: int = 3):
     model = TinyGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
     rule = Rule("edge", keys.SHARPNESS_RATIO, Threshold(0.02), cooldown=4)
-    runner = AlertRunner([rule], actions=("backoff", "checkpoint"), backoff=LearningRateBackoff(factor=0.8, cooldown=4, rules=("edge",)),
-                         restore_points=RestorePoints(keep=keep, dirpath=folder))  # fmt: skip
+    backoff = LearningRateBackoff(factor=0.8, cooldown=4, rules=("edge",))
+    points = RestorePoints(keep=keep, dirpath=folder)
+    runner = AlertRunner([rule], actions=("backoff", "checkpoint"), backoff=backoff, restore_points=points)
     log: dict[int, dict[str, float]] = {}
     monitor = connmon.Monitor(
         model, every_n_steps=5, diagnostics=("walk",), optimizer=optimizer, loss_fn=loss_fn, alerts=runner,
