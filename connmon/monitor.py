@@ -276,9 +276,9 @@ class Monitor(CopiesDetached):
 
         :meth:`step` calls it at its start when one is due. With ``restore_points.save`` the path and step are handed
         to it on every process (save there whatever resumes your run: scheduler, data position, ...); without one,
-        :func:`connmon.alerts.restore.write_restore_point` writes the model, the optimizer and this monitor's state
+        :func:`connmon.alerts.write_restore_point` writes the model, the optimizer and this monitor's state
         (a sharded model's with ``torch.distributed.checkpoint``, each process its shards), which
-        :func:`connmon.alerts.restore.load_restore_point` reads back. Older restore points beyond ``keep`` are
+        :func:`connmon.alerts.load_restore_point` reads back. Older restore points beyond ``keep`` are
         removed (rank zero). A save that fails is reported and the run goes on. Returns the path, or None.
 
         Examples:
