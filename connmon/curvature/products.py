@@ -313,13 +313,21 @@ def _low_precision_policy(model: torch.nn.Module | None) -> str | None:
     """Why ``model`` computes its forward below float32 whatever autocast says (FSDP2's policy), or None."""
     for module in model.modules() if model is not None else ():
         state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-        dtype = getattr(getattr(state, "_mp_policy", None), "param_dtype", None)
+        policy = getattr(state, "_mp_policy", None)
+        dtype = getattr(policy, "param_dtype", None)
         if dtype is not None and dtype not in GRADIENT_CHANGE:
             return (
                 f"FSDP2's MixedPrecisionPolicy(param_dtype={dtype}) gathers the weights in {dtype} for every forward: "
                 "a difference of two such gradients is round-off (it read 56% low on the suite's model), and the "
                 "policy cannot be lifted for the reading; keep param_dtype=None (float32 forwards, or autocast, "
                 "under which the reading computes in float32) to read the curvature"
+            )
+        reduced = getattr(policy, "reduce_dtype", None)
+        if reduced is not None and reduced not in GRADIENT_CHANGE:
+            return (
+                f"FSDP2's MixedPrecisionPolicy(reduce_dtype={reduced}) reduces every gradient in {reduced}: a "
+                "difference of two such gradients is round-off; keep reduce_dtype=None or torch.float32 to read the "
+                "curvature"
             )
     return None
 
