@@ -187,7 +187,7 @@ class SharpnessMonitor(Callback):
             self._restored = False
 
     def state_dict(self) -> dict[str, Any]:
-        """Samples taken and the budget's stride."""
+        """The sampler's state (:meth:`connmon.curvature.sampler.SharpnessSampler.state_dict`)."""
         return self.sampler.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -372,3 +372,27 @@ def test_keep_holds_across_a_resume_from_a_restore_point(tmp_path):
     kept = again.runner.restore_points.paths
     assert again.total > first.total and len(kept) == 2
     assert sorted(os.listdir(folder)) == sorted(os.path.basename(p) for p in kept)
+
+
+def test_a_run_resumed_from_a_checkpoint_logs_the_uninterrupted_runs_curvature(tmp_path):
+    """The sampler's state carries its difference length: a resumed run's samples read what the uninterrupted run's
+    read (the search for the length starts where the uninterrupted run's did)."""
+    from connmon.callbacks import SharpnessMonitor
+    from tests.callbacks.test_sharpness_monitor import gpt_loss
+
+    def run(name, max_steps, ckpt_path=None, extra=()):
+        series = {}
+        sampler = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
+        sampler.add_listener(lambda trainer, step, values: series.update({step: values["connmon/sharpness_ratio"]}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit(tmp_path / name, [sampler], max_steps=max_steps, module=AdamGPT(), data=ResumableLoader(),
+                ckpt_path=ckpt_path, extra=extra)  # fmt: skip
+        return series, sampler
+
+    whole, _ = run("whole", 10)
+    control = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=5, save_top_k=-1)
+    _, first = run("first", 5, extra=[control])
+    assert 0 < first.sampler.state_dict()["difference_length"] < 0.1
+    resumed, _ = run("resumed", 10, ckpt_path=next((tmp_path / "ckpt").iterdir()))
+    assert sorted(resumed) == [6, 8] and resumed == {step: whole[step] for step in (6, 8)}
