@@ -89,16 +89,17 @@ def first_above(series: list[float], bound: float) -> int | None:
 
 
 def table(runs: list[dict]) -> None:
-    print(
-        "\n| arm | rate | seed | divergence | max logit at 0, 50, 100 | logit > 1e2 at | logit > 1e3 at | final loss |"
-    )
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| arm | rate | seed | divergence | max logit at 0, 50, 100 | > 1e2 at | > 1e3 at | best (step) | final |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for run_ in runs:
         peak = [max(max(head for head in layer) for layer in step) for step in run_["max_logit"]]
         at = ", ".join(f"{peak[s]:.3g}" if s < len(peak) else "-" for s in (0, 50, 100))
         div = divergence(run_["loss"])
+        smooth = [sum(run_["loss"][max(0, s - 9) : s + 1]) / len(run_["loss"][max(0, s - 9) : s + 1])
+                  for s in range(len(run_["loss"]))]  # fmt: skip
+        best = min(range(len(smooth)), key=smooth.__getitem__)
         print(f"| {run_['arm']} | {run_['rate']:g} | {run_['seed']} | {div} | {at} | {first_above(peak, 1e2)} | "
-              f"{first_above(peak, 1e3)} | {run_['loss'][-1]:.3f} |")  # fmt: skip
+              f"{first_above(peak, 1e3)} | {smooth[best]:.3f} ({best}) | {run_['loss'][-1]:.3f} |")  # fmt: skip
 
 
 def main() -> None:
