@@ -332,10 +332,12 @@ def _low_precision_policy(model: torch.nn.Module | None) -> str | None:
     return None
 
 
-def _autocast_inside(model: torch.nn.Module | None) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _autocast_inside(model: torch.nn.Module | None) -> Iterator[None]:
     """Refuse a forward of ``model`` that runs under autocast the loss function turned on (a ValueError)."""
     if model is None:
-        return contextlib.nullcontext()
+        yield
+        return
 
     def check(module: torch.nn.Module, args: object) -> None:
         device = next((p.device.type for p in module.parameters()), "cpu")
@@ -347,15 +349,10 @@ def _autocast_inside(model: torch.nn.Module | None) -> contextlib.AbstractContex
             )
 
     handle = model.register_forward_pre_hook(check, prepend=True)
-    return _removing(handle)
-
-
-@contextlib.contextmanager
-def _removing(handle: object) -> Iterator[None]:
     try:
         yield
     finally:
-        handle.remove()  # type: ignore[attr-defined]
+        handle.remove()
 
 
 def _pieces(v: Tensor, scale: Tensor, sizes: list[int]) -> zip:

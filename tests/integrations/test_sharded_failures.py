@@ -18,25 +18,12 @@ import connmon
 from connmon.curvature.sampler import SharpnessSampler
 from tests.capture.models import TinyGPT
 from tests.gloo import free_port, leave, spawn
+from tests.integrations.test_sharded_curvature import FailingBackward, loss_fn
 
 STEPS = 3  # the sample is at step 2
 LANCZOS = 2
 WORLD = {"fsdp2": 2, "tp": 2, "2d": 4}
 WHERE = ("start", "forward", "backward")
-
-
-class FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("injected failure in a backward")
-
-
-def loss_fn(model, ids):
-    return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
 
 
 def failing(call: int, where: str, failing_rank: int):

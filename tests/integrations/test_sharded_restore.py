@@ -15,12 +15,9 @@ import connmon
 from connmon.alerts import AlertRunner, RestorePoints, load_restore_point
 from tests.capture.models import TinyGPT
 from tests.gloo import free_port, leave, spawn
+from tests.integrations.test_sharded_curvature import loss_fn
 
 WORLD = {"fsdp2": 2, "2d": 4}
-
-
-def loss_fn(model, ids):
-    return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
 
 
 def build(layout: str, seed: int):
