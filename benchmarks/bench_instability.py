@@ -69,6 +69,8 @@ from connmon.alerts import (
     edge_of_stability_rule,
 )
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
+from connmon.capture.session import paused
+from connmon.capture.max_logit import HeadMaxLogits
 from connmon.curvature import sharpness_ratio
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
@@ -123,11 +125,20 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """The example's tiny GPT, with optional qk-layernorm."""
 
-    def __init__(self, vocab: int, tokens: int, qk_norm: bool, n_layer: int = 4, n_embd: int = 128) -> None:
+    def __init__(
+        self, vocab: int, tokens: int, qk_norm: bool, n_layer: int = 4, n_embd: int = 128, init: str = "torch"
+    ) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(tokens, n_embd)
         self.blocks = nn.ModuleList(Block(n_embd, 4, qk_norm) for _ in range(n_layer))
         self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab)
+        if init == "gpt2":  # nanoGPT's: N(0, 0.02), residual projections 0.02 / sqrt(2 n_layer), zero biases
+            for name, parameter in self.named_parameters():
+                if name.endswith("bias"):
+                    nn.init.zeros_(parameter)
+                elif parameter.dim() == 2:
+                    scale = 1 / math.sqrt(2 * n_layer) if name.endswith(("c_proj.weight", "mlp.2.weight")) else 1
+                    nn.init.normal_(parameter, std=0.02 * scale)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """``(B, T)`` token ids -> ``(B, T, V)`` logits."""
@@ -255,7 +266,10 @@ def train(
     data = corpus(config, example)
     torch.manual_seed(config["seed"])
     depth = config["depth"]
-    model = GPT(example.VOCAB, example.TOKENS, config["qk_norm"], n_layer=depth, n_embd=config["width"])
+    model = GPT(example.VOCAB, example.TOKENS, config["qk_norm"], depth, config["width"], config.get("init", "torch"))
+    logits = HeadMaxLogits([block.attn for block in model.blocks], [f"L{i}" for i in range(depth)])
+    if config.get("head_logits"):  # every step's per-head max logit, connmon's own reader
+        logits.watch()
     if config["optimizer"] == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=config["peak"], momentum=0.9)
     else:
@@ -264,7 +278,7 @@ def train(
     transport.measure_edges = False
     groups = [WalkMetrics(depth), transport, DriftMetrics(depth), *([SpectrumMetrics(depth)] if spectrum else [])]
     gen = torch.Generator().manual_seed(config["seed"])
-    losses, grad_norms, samples, ratios = [], [], {}, {}
+    losses, grad_norms, samples, ratios, head_logits = [], [], {}, {}, []
     start = time.perf_counter()
     for step in range(steps):
         idx, target, _ = next_batch(config, step, optimizer, data, gen)
@@ -273,7 +287,8 @@ def train(
         if sharpness_every and step and step % sharpness_every == 0:  # as SharpnessMonitor: on the batch about to
             loss_fn = functools.partial(next_token_loss, model, idx, target)  # be trained on, before its step
             try:
-                ratios[step] = sharpness_ratio(loss_fn, optimizer, steps=8, model=model, seed=step).ratio
+                with paused():  # as SharpnessMonitor: its forwards are not the training's
+                    ratios[step] = sharpness_ratio(loss_fn, optimizer, steps=8, model=model, seed=step).ratio
             except Exception as error:  # SharpnessMonitor turns itself off here; so does the suite
                 sharpness_every, ratios["off"] = 0, repr(error)
         loss = next_token_loss(model, idx, target)
@@ -281,6 +296,8 @@ def train(
         loss.backward()
         grad_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
         losses.append(loss.item())
+        if config.get("head_logits"):
+            head_logits.append([[float(f"{v:.4g}") for v in row] for row in logits.read().tolist()])
         if not math.isfinite(losses[-1]):
             break
         optimizer.step()
@@ -290,6 +307,7 @@ def train(
         "grad_norm": grad_norms,
         "samples": samples,
         "sharpness": ratios,
+        "head_logits": head_logits,
         "seconds": time.perf_counter() - start,
     }
 

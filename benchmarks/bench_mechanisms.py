@@ -1,128 +1,217 @@
-"""Which mechanism makes a run diverge, and when its signals show: attention-logit growth against its QK-norm twin.
+"""Which mechanism makes a run fail, and which rule says so first: attention-logit growth, the edge, healthy runs.
 
-A first step of issue 47's mechanisms benchmark (its rules, leads, false alarms and cost come next): the suite's
-pre-LN GPT (``bench_instability.py``: 4 layers, width 128, 4 heads, the example's Markov corpus, batch 16 x 64,
-AdamW, no clipping) with a linear warmup over ``--warmup`` steps to a constant learning rate, without QK-norm
-(``logit growth``) and with it (``qk-norm twin``: LayerNorm on q and k, the same rate and seed), and at an ordinary rate
-(``healthy``). Every step it records the loss and the exact max attention logit over the whole batch, per layer and
-head (``q k^T / sqrt(d_h)`` inside the causal mask, from a forward hook on each attention: no connmon involved), so
-the table says when the logits pass 1e2 and 1e3 against the divergence step (the suite's rule,
-``bench_instability.divergence``).
+The suite's pre-LN GPT (``bench_instability.py``: 4 layers, 4 heads, batch 16 x 64, AdamW, no clipping) in arms
+that each isolate one mechanism, every run recording what the README's recipe feeds the alert rules: the attention
+sample every 25 steps (``connmon/<metric>/L<ll>``, two sequences), the curvature ratio every 40 steps
+(``connmon/sharpness_ratio``, SharpnessMonitor's default cadence) and every step's per-head max logit over the whole
+batch (:class:`connmon.capture.max_logit.HeadMaxLogits`, as a Monitor logs it), and the loss every step.
+
+* ``logit growth``: no QK-norm, a linear warmup to a high constant learning rate (``--growth``: rate, warmup, task,
+  init), several seeds and widths. Its max logit climbs by orders of magnitude.
+* ``qk-norm twin``: the same run (rate, seed, width, task) with LayerNorm on q and k: it lives at Adam's adaptive
+  edge at the same rate, and stays healthy.
+* ``healthy``: an ordinary rate (1e-3, warmup 100) on both tasks: logits triple early as attention learns.
+* ``ramp`` / ``ramp twin`` / ``control``: the suite's exponential LR ramp (1e-3 to 1e-1 over 1500 steps) without
+  QK-norm, with it at the same ramp, and its healthy control (QK-norm, peak 3e-3).
+
+Failure is the suite's divergence rule (``bench_instability.divergence``: NaN, or the smoothed loss above 1.5x its
+running minimum for 10 steps once the run has learned). A run that never learns while its QK-norm twin does (final
+smoothed loss above the twin's by more than 25% of the twin's drop below the unigram plateau) is a failure too,
+``stuck`` in the table, from the step it falls behind the twin by that margin for good: an alert up to 300 steps before
+then warns of it, and any alert on a run that neither diverges nor sticks is a false alarm. For every rule set the table gives
+the first alert (rule, step), the lead (``failure step - alert step``), and the false alarms.
 
 Usage:
-    python benchmarks/bench_mechanisms.py --rates 1e-2 3e-2 --steps 600 --save /tmp/mechanisms.json
-    python benchmarks/bench_mechanisms.py --load /tmp/mechanisms.json
+    python benchmarks/bench_mechanisms.py --save /tmp/mechanisms.json     # about 25 minutes on 2 quiet CPU cores
+    python benchmarks/bench_mechanisms.py --load /tmp/mechanisms.json     # the tables again, no training
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
+import statistics
 import sys
+from collections.abc import Callable
 from multiprocessing import get_context
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_instability import GPT, corpus, divergence, example_module
+from bench_instability import SHARPNESS_EVERY, _train, divergence, example_module
 
-WIDTH, DEPTH, BATCH = 128, 4, 16
+from connmon import keys
+from connmon.alerts import Growth, NonFinite, Rule, RuleSet, default_rules, edge_of_stability_rule
 
-
-def max_logits(model: torch.nn.Module) -> tuple[list, list]:
-    """Forward hooks that keep each attention layer's per-head max logit of the latest forward; and their handles."""
-    seen: list = [None] * len(model.blocks)
-    handles = []
-    for index, block in enumerate(model.blocks):
-        attention = block.attn
-
-        def hook(module, args, output, index=index):
-            (x,) = args
-            B, T, C = x.shape
-            heads = module.n_head
-            with torch.no_grad():
-                q, k, _ = module.c_attn(x).split(module.n_embd, dim=2)
-                q, k = (t.view(B, T, heads, C // heads).transpose(1, 2) for t in (q, k))
-                q, k = module.q_norm(q), module.k_norm(k)
-                scores = (q @ k.transpose(-1, -2)) / math.sqrt(C // heads)
-                scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-                seen[index] = scores.amax(dim=(0, 2, 3)).tolist()  # (heads,): over the batch, queries and keys
-
-        handles.append(attention.register_forward_hook(hook))
-    return seen, handles
+ATTENTION_EVERY = 25  # the README's recipe: a light attention sample every 25 steps
+SMOOTH = 20  # steps in the final smoothed loss
+RAMP_ARMS, RAMP_STEPS = ("ramp", "ramp twin", "control"), 1500  # the suite's ramp reaches its peak at step 1500
 
 
-def run(job: tuple) -> dict:
-    arm, rate, seed, steps, warmup = job
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    example = example_module()
-    config = {"corpus": "markov"}
-    data = corpus(config, example)
-    torch.manual_seed(seed)
-    model = GPT(example.VOCAB, example.TOKENS, arm == "qk-norm twin", n_layer=DEPTH, n_embd=WIDTH)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=rate, weight_decay=0.0)
-    seen, handles = max_logits(model)
-    generator = torch.Generator().manual_seed(seed)
-    losses, logits = [], []
-    for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = rate * min(1.0, (step + 1) / warmup)
-        batch = data[torch.randint(0, len(data), (BATCH,), generator=generator)]
-        loss = torch.nn.functional.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
-        losses.append(loss.item())
-        logits.append([list(layer) for layer in seen])
-        if not math.isfinite(losses[-1]):
-            break
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    for handle in handles:
-        handle.remove()
-    return {"arm": arm, "rate": rate, "seed": seed, "warmup": warmup, "loss": losses, "max_logit": logits}
+def configs(args: argparse.Namespace) -> list[dict]:
+    runs = []
+    for seed in range(args.seeds):
+        for rate, warmup, task, init, width in args.growth:
+            common = {"seed": seed, "start": 0.0, "peak": rate, "ramp": warmup, "shape": "warmup", "corpus": task,
+                      "init": init, "width": width, "depth": 4, "optimizer": "adamw"}  # fmt: skip
+            runs.append({"arm": "logit growth", **common, "qk_norm": False})
+            runs.append({"arm": "qk-norm twin", **common, "qk_norm": True})
+        for task in ("markov", "copy"):
+            runs.append({"arm": "healthy", "seed": seed, "start": 0.0, "peak": 1e-3, "ramp": 100, "shape": "warmup",
+                         "corpus": task, "init": "gpt2", "width": 128, "qk_norm": False})  # fmt: skip
+        if args.ramp:
+            ramp = {"seed": seed, "start": 1e-3, "ramp": 1500, "shape": "exp", "corpus": "markov", "width": 128}
+            runs.append({"arm": "ramp", **ramp, "peak": 1e-1, "qk_norm": False})
+            runs.append({"arm": "ramp twin", **ramp, "peak": 1e-1, "qk_norm": True})
+            runs.append({"arm": "control", **ramp, "peak": 3e-3, "qk_norm": True})
+    for run in runs:
+        run["head_logits"] = True
+    return runs
 
 
-def first_above(series: list[float], bound: float) -> int | None:
-    return next((step for step, value in enumerate(series) if value > bound), None)
+def smoothed(losses: list[float], at: int | None = None) -> float:
+    end = len(losses) if at is None else at + 1
+    window = losses[max(0, end - SMOOTH) : end]
+    return statistics.fmean(window)
+
+
+def failure(run: dict, twins: dict) -> tuple[int | None, str]:
+    """The step and kind of the run's failure: ``"diverged"``, ``"stuck"`` or ``""`` (healthy)."""
+    div = divergence(run["loss"])
+    if div is not None:
+        return div, "diverged"
+    twin = twins.get(_twin_key(run))
+    if run["arm"] == "logit growth" and twin is not None:
+        margin = 0.25 * (run["loss"][0] - smoothed(twin["loss"]))
+        steps = min(len(run["loss"]), len(twin["loss"]))
+        behind = [smoothed(run["loss"], s) - smoothed(twin["loss"], s) > margin for s in range(steps)]
+        if behind[-1]:  # behind its twin at the end: from the first step it stays behind for good
+            return next(s for s in range(steps) if all(behind[s:])), "stuck"
+    return None, ""
+
+
+def _twin_key(run: dict) -> tuple:
+    return (run["seed"], run["peak"], run["ramp"], run["corpus"], run.get("init"), run["width"])
+
+
+def fed(run: dict) -> dict[int, dict[str, float]]:
+    """What the recipe's DriftAlert sees, step by step (the logit window since the last attention sample)."""
+    series: dict[int, dict[str, float]] = {}
+    window: list[list[float]] | None = None
+    for step, table in enumerate(run["head_logits"]):
+        window = table if window is None else [[max(a, b) for a, b in zip(w, t)] for w, t in zip(window, table)]
+        if step % ATTENTION_EVERY == 0:
+            values = dict(run["samples"].get(str(step), run["samples"].get(step, {})))
+            for index, row in enumerate(window):
+                values[keys.metric_key(keys.STEP_MAX_LOGIT, index)] = max(row)
+                values.update({keys.head_key(index, head): value for head, value in enumerate(row)})
+            series[step] = values
+            window = None
+    for step, ratio in run.get("sharpness", {}).items():
+        if step != "off" and int(step) % SHARPNESS_EVERY == 0:
+            series.setdefault(int(step), {})[keys.SHARPNESS_RATIO] = ratio
+    return dict(sorted(series.items()))
+
+
+def first_alerts(rules: Callable[[], RuleSet], series: dict[int, dict[str, float]]) -> list[tuple[int, str, str]]:
+    ruleset = rules()
+    return [(step, a.rule, a.key) for step in series for a in ruleset.update(series[step], step)]
+
+
+def previous_defaults() -> RuleSet:
+    """The default rules before issue 47: non-finite logits, logits tripled by step 50, the edge on two samples."""
+    logits = keys.every_layer("max_attention_logit")
+    return RuleSet([
+        Rule("non-finite attention", logits, NonFinite(), level="ERROR", cooldown=0),
+        Rule("attention logits growing early", logits, Growth(3.0), until=50, cooldown=1000),
+        edge_of_stability_rule(),
+    ])  # fmt: skip
+
+
+RULE_SETS: dict[str, Callable[[], RuleSet]] = {
+    "previous defaults": previous_defaults,
+    "defaults": lambda: RuleSet(default_rules()),
+}
+WINDOW = 300  # as the suite: an alert at most this many steps before the failure warns of it
 
 
 def table(runs: list[dict]) -> None:
-    print("\n| arm | rate | seed | divergence | max logit at 0, 50, 100 | > 1e2 at | > 1e3 at | best (step) | final |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for run_ in runs:
-        peak = [max(max(head for head in layer) for layer in step) for step in run_["max_logit"]]
-        at = ", ".join(f"{peak[s]:.3g}" if s < len(peak) else "-" for s in (0, 50, 100))
-        div = divergence(run_["loss"])
-        smooth = [sum(run_["loss"][max(0, s - 9) : s + 1]) / len(run_["loss"][max(0, s - 9) : s + 1])
-                  for s in range(len(run_["loss"]))]  # fmt: skip
-        best = min(range(len(smooth)), key=smooth.__getitem__)
-        print(f"| {run_['arm']} | {run_['rate']:g} | {run_['seed']} | {div} | {at} | {first_above(peak, 1e2)} | "
-              f"{first_above(peak, 1e3)} | {smooth[best]:.3f} ({best}) | {run_['loss'][-1]:.3f} |")  # fmt: skip
+    twins = {_twin_key(r): r for r in runs if r["arm"] == "qk-norm twin"}
+    for name, rules in RULE_SETS.items():
+        print(f"\n### {name}\n")
+        print("| arm | LR | warmup | task | init | width | seed | failure (step) | first alert (rule, key, step) | lead "
+              "| false alarms | best / final loss | max logit: start, peak (step) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        warned, failed, false_alarms, leads = 0, 0, 0, []
+        for run in runs:
+            fail, kind = failure(run, twins)
+            alerts = first_alerts(rules, fed(run))
+            if fail is None:
+                lead, false = None, len(alerts)
+            else:
+                failed += 1
+                warnings = [a for a in alerts if fail - WINDOW <= a[0] <= fail]
+                lead = fail - warnings[0][0] if warnings else None
+                false = sum(a[0] < fail - WINDOW for a in alerts)
+                warned += lead is not None
+                leads += [lead] if lead is not None else []
+            false_alarms += false
+            first = next(iter(warnings if fail is not None and warnings else alerts), None)
+            alert = "-" if first is None else f"{first[1]}, {first[2].removeprefix('connmon/')}, {first[0]}"
+            peaks = [max(max(layer) for layer in step) for step in run["head_logits"]]
+            top = max(range(len(peaks)), key=peaks.__getitem__)
+            best = min(smoothed(run["loss"], s) for s in range(len(run["loss"])))
+            cells = [run["arm"], f"{run['peak']:g}", str(run["ramp"]), run["corpus"], run.get("init", "torch"),
+                     str(run["width"]), str(run["seed"]), f"{kind} ({fail})" if kind else "-", alert,
+                     "-" if lead is None else str(lead), str(false), f"{best:.2f} / {smoothed(run['loss']):.2f}",
+                     f"{peaks[0]:.3g}, {peaks[top]:.3g} ({top})"]  # fmt: skip
+            print("| " + " | ".join(cells) + " |")
+        median = statistics.median(leads) if leads else "-"
+        print(f"\n{name}: {warned}/{failed} failures warned, median lead {median}, {false_alarms} false alarms")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=float, nargs="+", default=[1e-2, 3e-2])
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--healthy-rate", type=float, default=1e-3)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument(
+        "--growth",
+        type=lambda text: (
+            float(text.split(",")[0]),
+            int(text.split(",")[1]),
+            *text.split(",")[2:4],
+            int(text.split(",")[4]),
+        ),  # fmt: skip
+        nargs="*",
+        default=[
+            (1e-2, 100, "markov", "torch", 128),
+            (3e-2, 400, "markov", "torch", 128),
+            (3e-3, 100, "copy", "gpt2", 128),
+            (1e-2, 100, "markov", "gpt2", 64),
+        ],  # fmt: skip
+        help="logit-growth settings, each 'rate,warmup,task,init,width'",
+    )
+    parser.add_argument("--no-ramp", dest="ramp", action="store_false", help="leave out the suite's LR ramp arms")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path, nargs="*")
     args = parser.parse_args()
     if args.load:
-        runs = [r for path in args.load for r in json.loads(path.read_text())]
+        runs = [run for path in args.load for run in json.loads(path.read_text())]
     else:
-        jobs = [(arm, rate, seed, args.steps, args.warmup) for seed in range(args.seeds) for rate in args.rates
-                for arm in ("logit growth", "qk-norm twin")]  # fmt: skip
-        jobs += [("healthy", args.healthy_rate, seed, args.steps, args.warmup) for seed in range(args.seeds)]
+        example_module()  # fails early if the example moved
+        jobs = [(config, RAMP_STEPS if config["arm"] in RAMP_ARMS else args.steps, ATTENTION_EVERY, False, False,
+                 SHARPNESS_EVERY) for config in configs(args)]  # fmt: skip
+        jobs.sort(key=lambda job: (job[0]["seed"], -job[1]))  # the first seed of every arm first, long runs first
+        runs = []
         with get_context("spawn").Pool(args.processes) as pool:
-            runs = pool.map(run, jobs)
-        if args.save:
-            args.save.write_text(json.dumps(runs))
+            for run in pool.imap_unordered(_train, jobs):
+                runs.append(run)
+                print(
+                    f"{run['arm']} {run['peak']:g} {run['corpus']} seed {run['seed']}: {run['seconds']:.0f} s",
+                    flush=True,
+                )
+                if args.save:
+                    args.save.write_text(json.dumps(runs))
     table(runs)
 
 

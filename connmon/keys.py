@@ -23,6 +23,10 @@ UPDATE_SHARPNESS_EIGENVALUE = "connmon/update_sharpness_eigenvalue"
 CURVATURE_INTERVAL = "connmon/curvature_interval"
 CURVATURE_GRADIENTS = "connmon/overhead/curvature_gradients"
 
+# every head's max attention logit over the whole batch of every step (connmon.capture.max_logit)
+STEP_MAX_LOGIT = "step_max_logit"  # a metric name: connmon/step_max_logit/L<ll>, the max over the layer's heads
+HEAD_MAX_LOGIT = "connmon/head_max_logit/"  # connmon/head_max_logit/L<ll>H<hh>: shown to the rules, not logged
+
 # what the monitors cost
 OVERHEAD = "connmon/overhead"
 
@@ -41,6 +45,17 @@ FIGURES = "connmon/figures"
 def metric_key(metric: str, index: int | None = None) -> str:
     """``connmon/<metric>/L<ll>`` for layer ``index``, or ``connmon/<metric>/all`` for the mean over layers."""
     return f"{PREFIX}{metric}/{'all' if index is None else f'L{index:02d}'}"
+
+
+def head_key(index: int, head: int) -> str:
+    """``connmon/head_max_logit/L<ll>H<hh>``: one head's max logit (what the per-head rules watch).
+
+    Examples:
+        >>> from connmon import keys
+        >>> keys.head_key(2, 3)
+        'connmon/head_max_logit/L02H03'
+    """
+    return f"{HEAD_MAX_LOGIT}L{index:02d}H{head:02d}"
 
 
 def every_layer(metric: str) -> str:

@@ -31,6 +31,7 @@ from connmon._saved_state import checked_state
 from connmon.alerts.restore import write_restore_point
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
+from connmon.capture.max_logit import HeadMaxLogits
 from connmon.capture.session import CaptureSession, Layer
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
@@ -66,7 +67,8 @@ class Monitor(CopiesDetached):
         model: the model whose attention is read (None: call :meth:`attach` later).
         every_n_steps: with ``num_sequences``, ``max_tokens``, ``layers``, ``diagnostics``, ``spectrum_k``,
             ``probe``, ``probe_fn``, ``log_histograms``, ``figures_every_n_samples``, ``edge_samples``,
-            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps`` and ``budget``: the sampling options,
+            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps``,
+            ``budget`` and ``logit_every_n_steps``: the sampling options,
             documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
             ``probe`` is recorded at the start of :meth:`step`, on the model after ``step`` optimizer steps).
         options: a :class:`~connmon.sampling.SamplingOptions` instead of the keywords above (an entry point builds
@@ -135,6 +137,7 @@ class Monitor(CopiesDetached):
         full_every_n_samples: int = 25,
         edge_lanczos_steps: int | None = 32,
         budget: float | None = None,
+        logit_every_n_steps: int | None = 1,
         log: LogFn | None = None,
         wandb: Any = None,
         alerts: AlertRunner | None = None,
@@ -153,7 +156,7 @@ class Monitor(CopiesDetached):
                 diagnostics=diagnostics, spectrum_k=spectrum_k, probe=probe, probe_fn=probe_fn,
                 log_histograms=log_histograms, figures_every_n_samples=figures_every_n_samples,
                 edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
-                edge_lanczos_steps=edge_lanczos_steps, budget=budget,
+                edge_lanczos_steps=edge_lanczos_steps, budget=budget, logit_every_n_steps=logit_every_n_steps,
             )  # fmt: skip
         elif not isinstance(options, SamplingOptions):
             raise ValueError(f"options must be a connmon.sampling.SamplingOptions, got {type(options).__name__}")
@@ -214,6 +217,11 @@ class Monitor(CopiesDetached):
         self._optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self._step_now = 0  # the step of the latest monitor.step(): the one optimizer.step() completes
         self._pre_hook: Any = None
+        self.logits: HeadMaxLogits | None = None  # every head's max logit over the whole batch of a step
+        self.qk_clip = alerts.qk_clip if alerts is not None else None  # DriftAlert hands its own to a Lightning run
+        self._logit_step: int | None = None  # the step whose forwards the logits read now
+        self._clip_said_at: int | None = None  # the step of the last QK-clip line
+        self._logit_window: Tensor | None = None  # (layers, H): the max since the last sample, for the rules
         if model is not None:
             self.attach(model)
 
@@ -242,6 +250,36 @@ class Monitor(CopiesDetached):
             raise ValueError(f"step must be the optimizer steps taken so far, an integer >= 0, got step={step!r}")
         model = self._model
         self._step_now = step
+        self.begin_step(step)
+        with self.watching_logits(), self._step(step, model, rule_values, batch, loss_weight) as sampled:
+            yield sampled
+
+    @contextlib.contextmanager
+    def watching_logits(self) -> Iterator[None]:
+        """:meth:`watch_logits` for the block: what :meth:`step` does around its forward."""
+        self.watch_logits()
+        try:
+            yield
+        finally:
+            self.unwatch_logits()
+
+    def watch_logits(self) -> None:
+        """Read the per-head max logits of the forwards that follow, if this step's are read, until
+        :meth:`unwatch_logits` (its hooks exist only in between; the entry points call them around each micro-batch).
+        """
+        if self.logits is not None and self._logit_step is not None:
+            self.logits.watch()
+
+    def unwatch_logits(self) -> None:
+        """Remove the max logits' hooks (a no-op when none)."""
+        if self.logits is not None:
+            self.logits.unwatch()
+
+    @contextlib.contextmanager
+    def _step(
+        self, step: int, model: nn.Module | None, rule_values: Mapping[str, float] | None, batch: Any,
+        loss_weight: float | None,
+    ) -> Iterator[bool]:  # fmt: skip
         if (
             self.alerts is not None
             and self.alerts.restore_points is not None
@@ -340,6 +378,14 @@ class Monitor(CopiesDetached):
             "drift": lambda: DriftMetrics(num_layers),
         }
         self.metrics = {name: groups[name]() for name in self.diagnostics}
+        if self.logits is not None:
+            self.logits.unwatch()
+        self.logits = None
+        if self.logit_every_n_steps is not None or self.qk_clip is not None:
+            self.logits = HeadMaxLogits(
+                [layer.module for layer in self.selected], [layer.name for layer in self.selected]
+            )
+        self._logit_step, self._logit_window = None, None
         self.to(device_of(model))
         self.clock.start()
         self._start_step = None
@@ -366,8 +412,10 @@ class Monitor(CopiesDetached):
         return self
 
     def close(self) -> None:
-        """Remove every hook (the capture's, the optimizer's) and stop the cost clocks (the run is over)."""
+        """Remove every hook (the capture's, the max logits', the optimizer's) and stop the cost clocks (run over)."""
         self.disarm()
+        if self.logits is not None:
+            self.logits.unwatch()
         if self._pre_hook is not None:
             self._pre_hook.remove()
             self._pre_hook = None
@@ -444,6 +492,42 @@ class Monitor(CopiesDetached):
         self._listeners.append(listener)
 
     # --- the pieces the integrations drive ------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        """Optimizer step ``step`` begins (its first micro-batch): read the last step's max logits, watch this one's.
+
+        The previous step's per-head max logits (every forward of it, MAX-reduced across processes: every process
+        calls this at the same steps) join the window the rules see at the next sample; with the ``"qk_clip"``
+        action, the heads above its threshold are scaled now, after that step's optimizer step and before this
+        step's forward. Called by :meth:`step` and by the entry points; a second call for the same step does nothing.
+        """
+        if self.logits is None or step == self._logit_step:
+            return
+        with self.clock.measuring():
+            if self._logit_step is not None:
+                table = self.logits.read()
+                window = self._logit_window
+                self._logit_window = table if window is None or window.shape != table.shape else window.maximum(table)
+                if self.qk_clip is not None:
+                    layouts = [self.logits.layout(index) for index in range(len(self.logits.modules))]
+                    clips = self.qk_clip.apply(self.logits.modules, table, layouts)
+                    if clips and is_rank_zero():
+                        self._say_clips(step, clips)
+            every = self.logit_every_n_steps
+            watch = self.qk_clip is not None or (every is not None and step % every == 0)
+            self._logit_step = step if watch else None
+
+    def _say_clips(self, step: int, clips: list[tuple[int, int, float]]) -> None:
+        said = self._clip_said_at
+        if self.qk_clip is None or self.logits is None or (said is not None and step - said < 100):
+            return  # at most one line per 100 steps
+        self._clip_said_at = step
+        heads = ", ".join(f"{self.logits.names[layer]} head {head} ({logit:.4g})" for layer, head, logit in clips[:4])
+        more = f" and {len(clips) - 4} more" if len(clips) > 4 else ""
+        warn_rank_zero(
+            f"{self.owner}: QK-clip at step {step}: {heads}{more} above {self.qk_clip.threshold:g}, their query and "
+            f"key rows scaled by sqrt(threshold / max logit) ({self.qk_clip.clipped} head clips so far)"
+        )
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` is sampled (a step is sampled once, however many micro-batches it has)."""
@@ -555,9 +639,11 @@ class Monitor(CopiesDetached):
             broken |= {index for index, count in enumerate(counts) if count > 0}
         broken_layers = {layer.index for layer in self.selected if layer.index in broken}
         scalars = self._scalars(values, broken_layers)
+        heads = self._logit_values()
+        scalars.update({key: value for key, value in heads.items() if not key.startswith(keys.HEAD_MAX_LOGIT)})
         scalars.update(overhead_values(self.clock, step - (self._start_step if self._start_step is not None else step)))
         if self.alerts is not None:
-            alerts, stop = self.alerts.run({**(rule_values or {}), **scalars}, step, wandb=self.sink)
+            alerts, stop = self.alerts.run({**(rule_values or {}), **heads, **scalars}, step, wandb=self.sink)
             self.should_stop = self.should_stop or stop
             scalars.update(self.alerts.counts(alerts))
         self._emit(step, scalars, values, full, broken_layers)
@@ -623,6 +709,20 @@ class Monitor(CopiesDetached):
                     self.sink.scalars(step, values)
             except Exception as error:  # a logger must not end the training run
                 warn_rank_zero(f"connmon: log(values, step={step}) raised {type(error).__name__}: {error}")
+
+    def _logit_values(self) -> dict[str, float]:
+        """The max-logit window since the last sample: per layer (logged) and per head (for the rules); then reset."""
+        window, self._logit_window = self._logit_window, None
+        if window is None:
+            return {}
+        out = {}
+        for layer, row in zip(self.selected, window.tolist(), strict=True):
+            index = layer.index
+            finite = [(head, value) for head, value in enumerate(row) if math.isfinite(value)]
+            if finite:
+                out[keys.metric_key(keys.STEP_MAX_LOGIT, index)] = max(value for _, value in finite)
+                out.update({keys.head_key(index, head): value for head, value in finite})
+        return out
 
     def _consume(self, record: AttentionRecord) -> None:
         with torch.inference_mode(False):  # states stay normal tensors under a caller's inference mode

@@ -48,6 +48,10 @@ class SamplingOptions:
             monitor sets ``full_every_n_samples`` from the measured costs of its light and full samples and the
             training step's time (the largest figures across processes, so the same everywhere; saved in its
             ``state_dict``; said once per change).
+        logit_every_n_steps: read every head's max attention logit over the whole batch of every this-many-th
+            optimizer step (every training forward of it, MAX-reduced across processes:
+            :mod:`connmon.capture.max_logit`), shown to the alert rules and logged at each sample as
+            ``connmon/step_max_logit/L<ll>``; None for never. The ``"qk_clip"`` action reads it on every step.
 
     Raises:
         ValueError: for an invalid option (the message names it and the valid values).
@@ -77,11 +81,14 @@ class SamplingOptions:
     full_every_n_samples: int = 25
     edge_lanczos_steps: int | None = 32
     budget: float | None = None
+    logit_every_n_steps: int | None = 1
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "num_sequences", "spectrum_k", "full_every_n_samples"):
             check_int(name, getattr(self, name))
-        for name in ("max_tokens", "figures_every_n_samples", "edge_samples", "edge_queries", "edge_lanczos_steps"):
+        optional = ("max_tokens", "figures_every_n_samples", "edge_samples", "edge_queries", "edge_lanczos_steps",
+                    "logit_every_n_steps")  # fmt: skip
+        for name in optional:
             check_int(name, getattr(self, name), optional=True)
         check_budget(self.budget)
         if self.probe_fn is not None and not callable(self.probe_fn):

@@ -24,6 +24,7 @@ from connmon.alerts.detectors import (
     NonFinite,
     Threshold,
 )
+from connmon.alerts.qk_clip import QKClip
 from connmon.alerts.restore import RestorePoints, load_restore_point, write_restore_point
 from connmon.alerts.rules import (
     LEVELS,
@@ -56,6 +57,7 @@ __all__ = [
     "LearningRateBackoff",
     "Level",
     "NonFinite",
+    "QKClip",
     "RestorePoints",
     "Rule",
     "RuleSet",

@@ -15,12 +15,13 @@ from connmon._moved import renamed_name
 from connmon._options import check_callable, check_choice, check_items, check_number
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.backoff import LearningRateBackoff
+from connmon.alerts.qk_clip import QKClip
 from connmon.alerts.restore import RestorePoints
 from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules
 
-Action = Literal["log", "wandb", "stop", "backoff", "checkpoint"]
-DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # "backoff" and "checkpoint" are opt-in
-KNOWN_ACTIONS: tuple[Action, ...] = (*DEFAULT_ACTIONS, "backoff", "checkpoint")
+Action = Literal["log", "wandb", "stop", "backoff", "checkpoint", "qk_clip"]
+DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # "backoff", "checkpoint" and "qk_clip" are opt-in
+KNOWN_ACTIONS: tuple[Action, ...] = (*DEFAULT_ACTIONS, "backoff", "checkpoint", "qk_clip")
 
 
 class AlertRunner:
@@ -32,12 +33,15 @@ class AlertRunner:
     learning rate scaled down when the edge-of-stability rule fires (:class:`connmon.alerts.LearningRateBackoff`:
     the entry points attach it to the optimizer; logged as ``connmon/lr_scale``); ``"checkpoint"`` (opt-in), a
     restore point asked for when its level is at least ``restore_points.level`` (:class:`connmon.alerts.RestorePoints`:
-    the entry points save it; ``restore_points.due`` says the step). ``on_alert(alert)`` is called on every process;
-    an exception there is reported, never raised.
+    the entry points save it; ``restore_points.due`` says the step); ``"qk_clip"`` (opt-in), not an answer to an
+    alert but a step-by-step action: after every optimizer step, each head whose max logit over the step's whole
+    batch exceeds ``qk_clip.threshold`` has its query and key projections scaled down (:class:`connmon.alerts.QKClip`;
+    the entry points read the logits and apply it). ``on_alert(alert)`` is called on every process; an exception
+    there is reported, never raised.
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
-        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``.
+        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``, ``"qk_clip"``.
         stop_level: the lowest level that requests a stop.
         on_alert: called with every :class:`connmon.alerts.Alert`.
         wait_duration: seconds W&B waits before sending another alert with the same title.
@@ -45,6 +49,7 @@ class AlertRunner:
         backoff: the :class:`connmon.alerts.LearningRateBackoff` for ``"backoff"`` (None: its defaults, factor 0.5).
         restore_points: the :class:`connmon.alerts.RestorePoints` for ``"checkpoint"`` (None: its defaults, level
             ``"WARN"``, the last 3 kept).
+        qk_clip: the :class:`connmon.alerts.QKClip` for ``"qk_clip"`` (None: its defaults, threshold 100).
 
     Raises:
         ValueError: for an unknown action or level, a history that is not an integer >= 0, a wait that is not a
@@ -71,6 +76,7 @@ class AlertRunner:
         history: int = 100,
         backoff: LearningRateBackoff | None = None,
         restore_points: RestorePoints | None = None,
+        qk_clip: QKClip | None = None,
     ) -> None:
         if isinstance(actions, (str, bytes)) or not isinstance(actions, (list, tuple)):
             raise ValueError(f"actions must be a list or tuple of {KNOWN_ACTIONS}, got actions={actions!r}")
@@ -80,6 +86,8 @@ class AlertRunner:
             raise ValueError(f"backoff must be a connmon.alerts.LearningRateBackoff or None, got {backoff!r}")
         if restore_points is not None and not isinstance(restore_points, RestorePoints):
             raise ValueError(f"restore_points must be a connmon.alerts.RestorePoints or None, got {restore_points!r}")
+        if qk_clip is not None and not isinstance(qk_clip, QKClip):
+            raise ValueError(f"qk_clip must be a connmon.alerts.QKClip or None, got {qk_clip!r}")
         check_choice("stop_level", stop_level, LEVELS)
         check_number("history", history, low=0, integer=True)
         check_number("wait_duration", wait_duration, low=0)
@@ -95,6 +103,7 @@ class AlertRunner:
         self.total = 0
         self.backoff = (backoff or LearningRateBackoff()) if "backoff" in self.actions else None
         self.restore_points = (restore_points or RestorePoints()) if "checkpoint" in self.actions else None
+        self.qk_clip = (qk_clip or QKClip()) if "qk_clip" in self.actions else None
 
     def run(self, values: Mapping[str, float], step: int, wandb: Any = None) -> tuple[list[Alert], bool]:
         """Feed one sample's values; returns the alerts raised and whether they ask the run to stop.
@@ -170,12 +179,14 @@ class AlertRunner:
         return counts
 
     def state_dict(self) -> dict[str, Any]:
-        """The rules' state, the alert count, the back-off's scale and the restore points kept."""
+        """The rules' state, the alert count, the back-off's scale, the restore points kept and the QK-clip count."""
         state = {"rules": self.rules.state_dict(), "total": self.total}
         if self.backoff is not None:
             state["backoff"] = self.backoff.state_dict()
         if self.restore_points is not None:
             state["restore_points"] = self.restore_points.state_dict()
+        if self.qk_clip is not None:
+            state["qk_clip"] = self.qk_clip.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -186,6 +197,8 @@ class AlertRunner:
             self.backoff.load_state_dict(state_dict["backoff"])
         if self.restore_points is not None and state_dict.get("restore_points") is not None:
             self.restore_points.load_state_dict(state_dict["restore_points"])
+        if self.qk_clip is not None and state_dict.get("qk_clip") is not None:
+            self.qk_clip.load_state_dict(state_dict["qk_clip"])
 
 
 def _rule_hint(item: object) -> str:

@@ -31,7 +31,8 @@ class ConnectionMonitor(CopiesDetached, Callback):
     Args:
         every_n_steps: with ``num_sequences``, ``max_tokens``, ``layers``, ``diagnostics``, ``spectrum_k``,
             ``probe``, ``probe_fn``, ``log_histograms``, ``figures_every_n_samples``, ``edge_samples``,
-            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps`` and ``budget``: the sampling options,
+            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps``,
+            ``budget`` and ``logit_every_n_steps``: the sampling options,
             documented and checked once in :class:`connmon.sampling.SamplingOptions` (on a
             gradient-accumulation step, the first micro-batch is sampled; ``probe_fn`` gets the LightningModule).
             With the defaults the full diagnostics are logged every 2500 steps, the rest every 100: a full sample
@@ -70,13 +71,14 @@ class ConnectionMonitor(CopiesDetached, Callback):
         full_every_n_samples: int = 25,
         edge_lanczos_steps: int | None = 32,
         budget: float | None = None,
+        logit_every_n_steps: int | None = 1,
     ) -> None:
         options = SamplingOptions(
             every_n_steps=every_n_steps, num_sequences=num_sequences, max_tokens=max_tokens, layers=layers,
             diagnostics=diagnostics, spectrum_k=spectrum_k, probe=probe, probe_fn=probe_fn,
             log_histograms=log_histograms, figures_every_n_samples=figures_every_n_samples,
             edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
-            edge_lanczos_steps=edge_lanczos_steps, budget=budget,
+            edge_lanczos_steps=edge_lanczos_steps, budget=budget, logit_every_n_steps=logit_every_n_steps,
         )  # fmt: skip
         self.monitor = Monitor(options=options, owner="ConnectionMonitor", log=self._log_to_loggers)
         self.monitor.add_listener(self._notify)
@@ -148,6 +150,9 @@ class ConnectionMonitor(CopiesDetached, Callback):
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Arm the capture on the first micro-batch of a sampled optimizer step (training-forward mode)."""
         self._step_at_batch_start = trainer.global_step
+        if self._first_micro_batch:
+            self.monitor.begin_step(trainer.global_step)  # the last step's max logits: QK-clip acts now
+        self.monitor.watch_logits()
         if self.options.probe is None and self._first_micro_batch and self.monitor.due(trainer.global_step):
             self._sample_step = trainer.global_step  # the step whose forward is recorded
             self.monitor.arm(pl_module)
@@ -158,6 +163,7 @@ class ConnectionMonitor(CopiesDetached, Callback):
         """Disarm and log the training-forward sample; in probe mode, run the probe after a sampled step."""
         stepped = trainer.global_step != self._step_at_batch_start  # Lightning's own count: the optimizer stepped
         self._first_micro_batch = stepped
+        self.monitor.unwatch_logits()
         if self.monitor.is_armed:
             self.monitor.disarm()
             self.monitor.finish(self._sample_step)
@@ -172,10 +178,12 @@ class ConnectionMonitor(CopiesDetached, Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove every hook and forget a partial sample if the run fails."""
         self.monitor.discard()
+        self.monitor.unwatch_logits()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove every hook at the end of the run."""
         self.monitor.disarm()
+        self.monitor.unwatch_logits()
         if stage == "fit":
             self._restored = False  # the next fit starts afresh unless a checkpoint is loaded into it
             self._trainer = None

@@ -19,6 +19,7 @@ from connmon.alerts import (
     AllOf,
     LearningRateBackoff,
     Level,
+    QKClip,
     RestorePoints,
     Rule,
     RuleSet,
@@ -66,7 +67,8 @@ class DriftAlert(Callback):
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
-        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``.
+        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``, ``"qk_clip"`` (the
+            trainer's ConnectionMonitor reads the logits and applies it after every optimizer step).
         stop_level: the lowest level that stops the run (with ``"stop"`` in ``actions``).
         on_alert: called with every :class:`connmon.alerts.Alert`.
         wait_duration: seconds W&B waits before sending another alert with the same title.
@@ -74,6 +76,7 @@ class DriftAlert(Callback):
         backoff: the :class:`connmon.alerts.LearningRateBackoff` of ``"backoff"`` (None: factor 0.5, cooldown 100).
         restore_points: the :class:`connmon.alerts.RestorePoints` of ``"checkpoint"`` (None: level ``"WARN"``, 3
             kept, beside ModelCheckpoint's directory).
+        qk_clip: the :class:`connmon.alerts.QKClip` of ``"qk_clip"`` (None: threshold 100).
 
     Raises:
         ValueError: for an unknown action or level, or duplicate rule names.
@@ -96,8 +99,11 @@ class DriftAlert(Callback):
         history: int = 100,
         backoff: LearningRateBackoff | None = None,
         restore_points: RestorePoints | None = None,
+        qk_clip: QKClip | None = None,
     ) -> None:
-        self.runner = AlertRunner(rules, actions, stop_level, on_alert, wait_duration, history, backoff, restore_points)
+        self.runner = AlertRunner(
+            rules, actions, stop_level, on_alert, wait_duration, history, backoff, restore_points, qk_clip
+        )
         self._listening: ConnectionMonitor | None = None
         self._listening_curvature: SharpnessMonitor | None = None
         self._wandb: Any = None
@@ -131,6 +137,7 @@ class DriftAlert(Callback):
         if monitors:  # the regime rules' early samples, whatever the monitor's cadence
             sampler = monitors[0].monitor
             sampler.extra_steps = self.rules.regime_steps(sampler.every_n_steps)
+            sampler.qk_clip = self.runner.qk_clip  # read and applied where the logits are: the monitor's steps
         if curvature and self._listening_curvature is not curvature[0]:
             curvature[0].add_listener(self._on_curvature)
             self._listening_curvature = curvature[0]

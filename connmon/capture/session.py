@@ -63,6 +63,22 @@ def _paused() -> int:
     return getattr(_PAUSED, "depth", 0)
 
 
+def remove_mode(mode: object) -> None:
+    """Take ``mode`` off this thread's torch-function mode stack wherever it is; the modes above it stay, in order.
+
+    Two readers of the same forward (a capture and the per-step max logit) push their modes in hook order, which
+    need not be the reverse of the order their post-hooks run in.
+    """
+    above = []
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
 def busy() -> int:
     """Above 0 while connmon's own recording work runs in this thread (its torch calls are not the model's)."""
     return getattr(_BUSY, "depth", 0)

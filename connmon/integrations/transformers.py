@@ -54,7 +54,8 @@ class ConnectionMonitorCallback(TrainerCallback):
         trainer: the Trainer whose ``log`` carries the values (the callback is added with ``trainer.add_callback``).
         every_n_steps: with ``num_sequences``, ``max_tokens``, ``layers``, ``diagnostics``, ``spectrum_k``,
             ``probe``, ``probe_fn``, ``log_histograms``, ``figures_every_n_samples``, ``edge_samples``,
-            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps`` and ``budget``: the sampling options,
+            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps``,
+            ``budget`` and ``logit_every_n_steps``: the sampling options,
             documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
             ``probe`` is a dict of the model's inputs, e.g. a tokenizer's output, recorded after the sampled
             optimizer steps; ``probe_fn`` defaults to ``model(**probe)``).
@@ -106,6 +107,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         full_every_n_samples: int = 25,
         edge_lanczos_steps: int | None = 32,
         budget: float | None = None,
+        logit_every_n_steps: int | None = 1,
         alerts: AlertRunner | None = None,
         sharpness: SharpnessSampler | None = None,
         loss_fn: Callable[[Any, dict], torch.Tensor] | None = None,
@@ -124,7 +126,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             diagnostics=diagnostics, spectrum_k=spectrum_k, probe=probe, probe_fn=probe_fn,
             log_histograms=log_histograms, figures_every_n_samples=figures_every_n_samples,
             edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
-            edge_lanczos_steps=edge_lanczos_steps, budget=budget,
+            edge_lanczos_steps=edge_lanczos_steps, budget=budget, logit_every_n_steps=logit_every_n_steps,
         )  # fmt: skip
         # Trainer.log runs on every process, and its reporters pick rank zero
         self.monitor = Monitor(
@@ -179,6 +181,8 @@ class ConnectionMonitorCallback(TrainerCallback):
             self._batch_hook = model.register_forward_pre_hook(self._read_curvature, with_kwargs=True, prepend=True)
             self._curvature_step = state.global_step
         step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
+        self.monitor.begin_step(step)  # the last step's max logits: QK-clip acts now
+        self.monitor.watch_logits()  # every micro-batch of this step, until on_step_end
         if model is not None and self.monitor.probe is None and self.monitor.due(step):
             self._pending = step
             self.monitor.arm(model)
@@ -222,6 +226,7 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Log the sample of this optimizer step and act on its alerts."""
         self._forward_done()
+        self.monitor.unwatch_logits()
         self._drop_batch_hook()
         if self._pending >= 0:
             step, self._pending = self._pending, -1
@@ -255,6 +260,7 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Remove every hook; log and say what connmon cost."""
         self._forward_done()
+        self.monitor.unwatch_logits()
         self._drop_batch_hook()
         if self.monitor.alerts is not None:
             self.monitor.alerts.detach()

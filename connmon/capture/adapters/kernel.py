@@ -40,7 +40,7 @@ from connmon.capture.adapters import flex, handwritten
 from connmon.capture.adapters._discovery import calls_attention_kernel
 from connmon.capture.adapters._values import find_value, matching_columns, same
 from connmon.capture.adapters.base import Adapter, transport_maps
-from connmon.capture.session import CaptureSession, assembled, busy, warn_once
+from connmon.capture.session import CaptureSession, assembled, busy, remove_mode, warn_once
 from connmon.curvature.shards import local
 
 _CROSS_KWARGS = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
@@ -128,7 +128,7 @@ def _release_reader() -> None:
     reader = getattr(_LOCAL, "reader", None)
     if reader is not None:
         _LOCAL.reader = None
-        reader.__exit__(None, None, None)
+        remove_mode(reader)
 
 
 class _Reader(TorchFunctionMode):

@@ -1,0 +1,399 @@
+"""The largest attention logit of every head, over the whole batch of every training forward, read every step.
+
+The logit is ``scale * q . k`` over the query-key pairs the mask allows: the quantity Kimi K2's QK-Clip bounds
+(the soft-cap, position bias and additive mask values are not part of it, and neither are the pairs a mask blocks).
+It is computed from the exact ``query`` and ``key`` each ``scaled_dot_product_attention`` call of an attention
+module receives (after RoPE, qk-norm and GQA), blockwise over queries in float32 under ``no_grad``, so no ``(B, H,
+L, S)`` map of the whole batch is ever made, and the model's own computation is untouched (the call runs first,
+unchanged). :class:`HeadMaxLogits` keeps the running max per layer and head over every training forward (all
+micro-batches of a step) until it is read; :meth:`HeadMaxLogits.read` reduces it across processes with one MAX
+all-reduce (data-parallel replicas; under tensor parallelism each process's own heads are first gathered in their
+group).
+
+While it watches a layer's first forward, it also finds which output rows of which projection weight make each
+head's query and key (from the data: the projection's output at position 0, where RoPE is the identity, equals the
+query bitwise), the layout :class:`connmon.alerts.QKClip` scales.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from connmon.capture.scores import allowed_by
+from connmon.capture.session import _paused, busy, remove_mode, warn_once
+
+__all__ = ["HeadMaxLogits", "QKLayout", "head_max_logit"]
+
+BLOCK_ELEMENTS = 1 << 22  # scores per block: 16 MiB of float32
+
+
+def head_max_logit(
+    query: Tensor,
+    key: Tensor,
+    mask: Tensor | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    block_elements: int = BLOCK_ELEMENTS,
+) -> Tensor:
+    """``(H,)``: each head's largest ``scale * q . k`` over the batch and the allowed query-key pairs, blockwise.
+
+    Args:
+        query: ``(B, H, L, E)`` (or ``(H, L, E)``).
+        key: ``(B, H_kv, S, E)``, ``H_kv`` divides ``H`` (a key head serves ``H / H_kv`` query heads, GQA).
+        mask: bool (True: may attend) or additive float mask (a key is blocked at or below ``-1e4``), broadcastable
+            to ``(B, H, L, S)``.
+        scale: the score scale; default ``1 / sqrt(E)``.
+        is_causal: the upper-left aligned lower triangle, as in ``scaled_dot_product_attention``.
+        block_elements: the most scores held at once (queries are taken in blocks).
+
+    Returns:
+        float32 ``(H,)`` (float64 for float64 input); ``-inf`` for a head with no allowed pair.
+
+    Examples:
+        >>> import torch
+        >>> from connmon.capture.max_logit import head_max_logit
+        >>> q, k = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8)
+        >>> dense = (q @ k.repeat_interleave(2, dim=1).mT / 8**0.5).amax(dim=(0, 2, 3))
+        >>> torch.allclose(head_max_logit(q, k, block_elements=64), dense)
+        True
+    """
+    if query.dim() == 3:
+        query, key = query.unsqueeze(0), key.unsqueeze(0)
+    query, key = query.flatten(0, -4), key.flatten(0, -4)
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    batch, heads, length, dim = query.shape
+    keys = key.to(dtype)
+    if keys.shape[-3] != heads:
+        keys = keys.repeat_interleave(heads // keys.shape[-3], dim=-3)
+    scale = 1 / math.sqrt(dim) if scale is None else scale
+    allowed = None if mask is None else allowed_by(mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)))
+    rows = max(1, block_elements // max(1, batch * heads * keys.shape[-2]))
+    best = torch.full((heads,), float("-inf"), dtype=dtype, device=query.device)
+    for start in range(0, length, rows):
+        scores = (query[..., start : start + rows, :].to(dtype) @ keys.mT).mul_(scale)  # (B, H, r, S)
+        if is_causal:
+            positions = torch.arange(start, start + scores.shape[-2], device=query.device)[:, None]
+            scores.masked_fill_(torch.arange(scores.shape[-1], device=query.device) > positions, float("-inf"))
+        if allowed is not None:
+            block = allowed[..., start : start + rows, :] if allowed.shape[-2] > 1 else allowed
+            scores.masked_fill_(~block, float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+    return best
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One side (queries or keys) of a layer: the parameters that make it and its output features per head.
+
+    Attributes:
+        weight: the weight's name in the attention module (``"c_attn.weight"``, ``"in_proj_weight"``).
+        bias: the bias's name, or None.
+        rows: ``(heads, d_h)`` output features per head (``H`` query heads, ``H_kv`` key heads).
+        transposed: the weight is ``(in, out)`` (GPT-2's ``Conv1D``), not ``(out, in)``.
+    """
+
+    weight: str
+    bias: str | None
+    rows: Tensor
+    transposed: bool = False
+    bias_rows: Tensor | None = None  # the bias's entries per head, where they are not ``rows`` (MHA's separate weights)
+    local: bool = False  # rows count in this process's part of a tensor-parallel weight (its own heads)
+
+
+@dataclass(frozen=True)
+class QKLayout:
+    """Where one layer's queries and keys come from (found from the data at its first training forward)."""
+
+    query: Projection
+    key: Projection
+
+
+class HeadMaxLogits:
+    """Reads attention modules' SDPA calls in training forwards: each head's max logit, and its q/k layout.
+
+    Forwards are read while :meth:`watching` (its hooks exist only inside the block, as the capture's); the maxima
+    add up across blocks (the micro-batches of a step) until :meth:`read`.
+
+    Args:
+        modules: the attention modules, in layer order.
+        names: their names (for warnings).
+        block_elements: the most scores held at once per call.
+
+    Examples:
+        >>> import torch
+        >>> from connmon.capture.max_logit import HeadMaxLogits
+        >>> layer = torch.nn.TransformerEncoderLayer(16, 4, dropout=0.0, batch_first=True)
+        >>> tracker = HeadMaxLogits([layer.self_attn], ["self_attn"])
+        >>> with tracker.watching():
+        ...     _ = layer(torch.randn(2, 5, 16)).sum().backward()
+        >>> tracker.read().shape, tracker.layout(0).key.weight, tracker.layout(0).key.rows[0].tolist()
+        (torch.Size([1, 4]), 'in_proj_weight', [16, 17, 18, 19])
+    """
+
+    def __init__(self, modules: Sequence[nn.Module], names: Sequence[str], block_elements: int = BLOCK_ELEMENTS):
+        self.modules = list(modules)
+        self.names = list(names)
+        self.block_elements = block_elements
+        self._running: list[Tensor | None] = [None] * len(self.modules)
+        self._layouts: list[QKLayout | None] = [None] * len(self.modules)
+        self._seen_call = [False] * len(self.modules)
+        self._handles: list = []
+        self._modes: list[_Watch] = []
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Read the training forwards run inside the block (re-entrant; every hook is removed when it ends)."""
+        if self._handles:
+            yield
+            return
+        self.watch()
+        try:
+            yield
+        finally:
+            self.unwatch()
+
+    def watch(self) -> None:
+        """Hook the modules (until :meth:`unwatch`); a no-op while hooked."""
+        if self._handles:
+            return
+        for index, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_pre_hook(self._enter(index)))
+            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+
+    def unwatch(self) -> None:
+        """Remove every hook (a forward running now keeps its reading until it ends)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _enter(self, index: int):
+        def enter(module: nn.Module, args: tuple) -> None:
+            if not module.training or not torch.is_grad_enabled() or busy() or _paused():
+                return
+            if torch.compiler.is_compiling():  # inside a graph: nothing to read, and nothing traced
+                return
+            watch = _Watch(self, index, module)
+            watch.__enter__()
+            self._modes.append(watch)
+
+        return enter
+
+    def _leave(self, module: nn.Module, *args: object) -> None:
+        if self._modes and self._modes[-1].module is module:
+            watch = self._modes.pop()
+            remove_mode(watch)
+            watch.finish()
+
+    def observe(self, index: int, value: Tensor) -> None:
+        """Fold one call's ``(H,)`` maxima into layer ``index``'s running max."""
+        running = self._running[index]
+        if running is not None and running.shape != value.shape:
+            value = torch.maximum(running.max(), value.max()).expand(running.shape)  # heads differ: keep the layer max
+        self._running[index] = value if running is None else torch.maximum(running, value)
+
+    def read(self, group: object = None) -> Tensor | None:
+        """``(layers, H)``, every head's max logit since the last read, MAX-reduced over ``group``; then reset.
+
+        ``-inf`` for a layer that ran no SDPA call (and for heads beyond a layer's own count). None when no layer
+        ran one at all on any process (every process must call it at the same steps under ``torch.distributed``).
+        """
+        heads = max((r.numel() for r in self._running if r is not None), default=0)
+        device = next((r.device for r in self._running if r is not None), None)
+        if device is None:
+            device = next((p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
+        table = torch.full((len(self.modules), max(heads, 1)), float("-inf"), device=device)
+        for index, running in enumerate(self._running):
+            if running is not None:
+                table[index, : running.numel()] = running.float()
+        self._running = [None] * len(self.modules)
+        if dist.is_available() and dist.is_initialized():
+            size = torch.tensor([table.shape[1]], device=device)
+            dist.all_reduce(size, dist.ReduceOp.MAX, group=group)
+            if int(size) > table.shape[1]:
+                table = torch.cat([table, table.new_full((table.shape[0], int(size) - table.shape[1]), -math.inf)], 1)
+            dist.all_reduce(table, dist.ReduceOp.MAX, group=group)
+        return None if bool(torch.isneginf(table).all()) else table
+
+    def layout(self, index: int) -> QKLayout | None:
+        """Where layer ``index``'s queries and keys come from, found at its first training forward (None: not found)."""
+        return self._layouts[index]
+
+
+class _Watch(TorchFunctionMode):
+    """One attention module's forward: reads its SDPA calls, and its projections until its layout is known."""
+
+    def __init__(self, tracker: HeadMaxLogits, index: int, module: nn.Module) -> None:
+        super().__init__()
+        self.tracker, self.index, self.module = tracker, index, module
+        self.find_layout = tracker._layouts[index] is None and not tracker._seen_call[index]
+        self.own = {id(p): n for n, p in module.named_parameters()} if self.find_layout else {}
+        self.projections: list[tuple] = []  # (weight name, bias name, output, transposed, weight is a DTensor)
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if (
+            func is torch.nn.functional.scaled_dot_product_attention
+            or func is torch._C._nn.scaled_dot_product_attention
+        ):
+            self._sdpa(args, kwargs)
+        elif func is torch.nn.functional.multi_head_attention_forward:  # it runs as one call: its inside is not seen
+            self._multi_head(args, kwargs)
+        elif self.find_layout and isinstance(result, Tensor):
+            self._projection(func, args, kwargs, result)
+        return result
+
+    def _sdpa(self, args: tuple, kwargs: dict) -> None:
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        call = dict(zip(names, args, strict=False)) | kwargs
+        query, key = _local(call["query"]).detach(), _local(call["key"]).detach()
+        mask = call.get("attn_mask")
+        mask = None if mask is None else _local(mask).detach()
+        with torch.no_grad():
+            best = head_max_logit(query, key, mask, scale=call.get("scale"), is_causal=bool(call.get("is_causal")),
+                                  block_elements=self.tracker.block_elements)  # fmt: skip
+        self.tracker.observe(self.index, best)
+        self.calls += 1
+        if self.find_layout and self.calls == 1:
+            self.tracker._layouts[self.index] = _layout(self.projections, query, key)
+
+    def _multi_head(self, args: tuple, kwargs: dict) -> None:
+        """``nn.MultiheadAttention``'s self-attention: its queries and keys from its own input projection."""
+        call = dict(zip(_MHA_ARGS, args, strict=False)) | kwargs
+        if call.get("bias_k") is not None or call.get("add_zero_attn") or call["query"] is not call["key"]:
+            return  # extra key slots or cross-attention: finish() says it is not read
+        heads, x = call["num_heads"], call["query"].detach()  # (L, B, E) (or (L, E) unbatched)
+        if x.dim() == 2:
+            x = x.unsqueeze(1)
+        width = x.shape[-1]
+        bias = call.get("in_proj_bias")
+        biases = (None, None) if bias is None else (bias[:width], bias[width : 2 * width])  # views: scaled in place
+        if call.get("use_separate_proj_weight"):
+            weights = (call["q_proj_weight"], call["k_proj_weight"])
+        else:
+            weights = (call["in_proj_weight"][:width], call["in_proj_weight"][width : 2 * width])
+        with torch.no_grad():
+            sides = [torch.nn.functional.linear(x, w, b).view(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
+                     for w, b in zip(weights, biases, strict=True)]  # fmt: skip  # (B, H, L, d)
+            mask = _mha_mask(call.get("attn_mask"), call.get("key_padding_mask"))
+            best = head_max_logit(*sides, mask, is_causal=bool(call.get("is_causal")) and mask is None,
+                                  block_elements=self.tracker.block_elements)  # fmt: skip
+        self.tracker.observe(self.index, best)
+        self.calls += 1
+        if self.find_layout and self.calls == 1:
+            rows = torch.arange(width, device=x.device).view(heads, -1)
+            if call.get("use_separate_proj_weight"):
+                query, key = Projection("q_proj_weight", None, rows), Projection("k_proj_weight", None, rows)
+            else:
+                query, key = Projection("in_proj_weight", None, rows), Projection("in_proj_weight", None, rows + width)
+            if bias is not None:
+                query, key = (replace(side, bias="in_proj_bias", bias_rows=side_rows)
+                              for side, side_rows in ((query, rows), (key, rows + width)))  # fmt: skip
+            self.tracker._layouts[self.index] = QKLayout(query, key)
+
+    def _projection(self, func, args: tuple, kwargs: dict, out: Tensor) -> None:
+        if func is torch.nn.functional.linear or func is torch._C._nn.linear:
+            weight = args[1] if len(args) > 1 else kwargs.get("weight")
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if isinstance(weight, Tensor) and id(weight) in self.own:
+                names = self.own[id(weight)], self.own.get(id(bias))
+                self.projections.append((*names, _local(out).detach(), False, hasattr(weight, "device_mesh")))
+        elif func is torch.addmm and len(args) >= 3 and id(args[2]) in self.own:  # GPT-2's Conv1D: b + x W
+            names = self.own[id(args[2])], self.own.get(id(args[0]))
+            self.projections.append((*names, _local(out).detach(), True, hasattr(args[2], "device_mesh")))
+
+    def finish(self) -> None:
+        """After the module's forward: say once why a layer gave no reading."""
+        tracker = self.tracker
+        if self.calls:
+            tracker._seen_call[self.index] = True
+            if self.find_layout and tracker._layouts[self.index] is None:
+                warn_once(
+                    f"connmon: {tracker.names[self.index]}: its queries or keys are not output rows of one of its "
+                    "projections (a norm, a latent or a rotation between them), so QK-clip cannot scale them there",
+                    key=("qk-layout", id(self.module)),
+                )
+        elif not tracker._seen_call[self.index]:
+            warn_once(
+                f"connmon: {tracker.names[self.index]} calls no scaled_dot_product_attention in its training forward "
+                "(hand-written, flex or fused attention), so its per-step max logit is not read",
+                key=("no-sdpa", id(self.module)),
+            )
+
+
+_MHA_ARGS = (
+    "query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias", "bias_k", "bias_v",
+    "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training", "key_padding_mask", "need_weights",
+    "attn_mask", "use_separate_proj_weight", "q_proj_weight", "k_proj_weight", "v_proj_weight", "static_k",
+    "static_v", "average_attn_weights", "is_causal",
+)  # fmt: skip
+
+
+def _mha_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None) -> Tensor | None:
+    """``nn.MultiheadAttention``'s masks (a bool True *blocks* there) as one allowed-pairs bool ``(B | 1, 1, L, S)``."""
+    allowed = None
+    if attn_mask is not None:
+        allowed = ~attn_mask if attn_mask.dtype == torch.bool else allowed_by(attn_mask)
+        allowed = allowed.reshape((1,) * (4 - allowed.dim()) + tuple(allowed.shape))
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask if key_padding_mask.dtype == torch.bool else allowed_by(key_padding_mask)
+        keep = keep.reshape(-1, 1, 1, keep.shape[-1])
+        allowed = keep if allowed is None else allowed & keep
+    return allowed
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if hasattr(tensor, "device_mesh") else tensor
+
+
+def _layout(projections: list, query: Tensor, key: Tensor) -> QKLayout | None:
+    """Which projection rows are each head's query and key, matched bitwise against the projections' outputs.
+
+    Every position is tried first; then position 0 alone, where RoPE is the identity.
+    """
+    found = []
+    for side in (query, key):
+        if side.dim() != 4:
+            return None
+        match = _rows(projections, side)
+        if match is None:
+            return None
+        found.append(match)
+    return QKLayout(*found)
+
+
+def _rows(projections: list, side: Tensor) -> Projection | None:
+    from connmon.capture.adapters._values import matching_columns
+
+    batch, _, length, _ = side.shape
+    for weight, bias, out, transposed, local in reversed(projections):  # the nearest projection first
+        if not out.is_floating_point() or out.dim() < 2:
+            continue
+        if out.dim() == 2 and out.shape[0] == batch * length:  # addmm's flattened (B n, F)
+            candidates = [out.view(batch, length, -1)]
+        elif out.dim() == 3:  # (B, n, F), or (n, B, F) inside nn.MultiheadAttention
+            candidates = [out, out.transpose(0, 1)]
+        else:
+            continue
+        for columns in candidates:
+            if columns.shape[:2] != (batch, length):
+                continue
+            rows = matching_columns(columns, side)
+            if rows is None:
+                first, at = columns[:, :1], side[:, :, :1]
+                if batch == 1:  # matching needs two tokens: the same one twice
+                    first, at = first.expand(2, -1, -1), at.expand(2, -1, -1, -1)
+                rows = matching_columns(first, at)
+            if rows is not None:
+                return Projection(weight, bias, rows, transposed, local=local)
+    return None
