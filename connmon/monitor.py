@@ -264,8 +264,9 @@ class Monitor(CopiesDetached):
             self.unwatch_logits()
 
     def watch_logits(self) -> None:
-        """Read the per-head max logits of the forwards that follow, if this step's are read, until
-        :meth:`unwatch_logits` (its hooks exist only in between; the entry points call them around each micro-batch).
+        """Read the per-head max logits of the forwards that follow (if this step's are read) until unwatched.
+
+        The hooks exist only in between; the entry points call it and :meth:`unwatch_logits` around each micro-batch.
         """
         if self.logits is not None and self._logit_step is not None:
             self.logits.watch()

@@ -1,4 +1,4 @@
-"""Every head's max logit over the whole batch, every step: exact against float64, on the families and code users run."""
+"""Every head's max logit over the whole batch, every step: exact against float64, on the families users run."""
 
 from __future__ import annotations
 
