@@ -40,7 +40,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_instability import SHARPNESS_EVERY, _train, divergence, example_module
 
 from connmon import keys
-from connmon.alerts import Growth, NonFinite, Rule, RuleSet, default_rules, edge_of_stability_rule
+from connmon.alerts import (
+    AllOf,
+    Growth,
+    NonFinite,
+    Rule,
+    RuleSet,
+    Surge,
+    Threshold,
+    default_rules,
+    edge_of_stability_rule,
+)
 
 ATTENTION_EVERY = 25  # the README's recipe: a light attention sample every 25 steps
 SMOOTH = 20  # steps in the final smoothed loss
@@ -98,14 +108,14 @@ def fed(run: dict) -> dict[int, dict[str, float]]:
     series: dict[int, dict[str, float]] = {}
     window: list[list[float]] | None = None
     for step, table in enumerate(run["head_logits"]):
-        window = table if window is None else [[max(a, b) for a, b in zip(w, t)] for w, t in zip(window, table)]
-        if step % ATTENTION_EVERY == 0:
+        if step % ATTENTION_EVERY == 0:  # as a Monitor: the window of the steps before this sample's
             values = dict(run["samples"].get(str(step), run["samples"].get(step, {})))
-            for index, row in enumerate(window):
+            for index, row in enumerate(window or []):
                 values[keys.metric_key(keys.STEP_MAX_LOGIT, index)] = max(row)
                 values.update({keys.head_key(index, head): value for head, value in enumerate(row)})
             series[step] = values
             window = None
+        window = table if window is None else [[max(a, b) for a, b in zip(w, t)] for w, t in zip(window, table)]
     for step, ratio in run.get("sharpness", {}).items():
         if step != "off" and int(step) % SHARPNESS_EVERY == 0:
             series.setdefault(int(step), {})[keys.SHARPNESS_RATIO] = ratio
@@ -169,6 +179,63 @@ def table(runs: list[dict]) -> None:
         print(f"\n{name}: {warned}/{failed} failures warned, median lead {median}, {false_alarms} false alarms")
 
 
+def candidates() -> dict[str, Callable[[], RuleSet]]:
+    """One rule at a time: per-head logit levels and surges, and the edge rule at several bounds."""
+    heads = keys.HEAD_MAX_LOGIT + "*"
+    out: dict[str, Callable[[], RuleSet]] = {}
+    for bound in (30.0, 50.0, 100.0, 200.0):
+        out[f"head logit > {bound:g}"] = _one(Rule("c", heads, Threshold(bound), cooldown=1000))
+    for factor in (2.0, 3.0, 5.0, 10.0):
+        for span in (2, 4):
+            for floor in (20.0, 30.0, 50.0, 100.0):
+                name = f"head logit x{factor:g} in {span * ATTENTION_EVERY} steps, > {floor:g}"
+                out[name] = _one(Rule("c", heads, Surge(factor, span, floor), cooldown=1000))
+    for factor in (1.25, 1.5, 2.0):
+        for floor in (10.0, 20.0):
+            for consecutive in (1, 2):
+                logits = Rule("logits", heads, Surge(factor, 4, floor))
+                edge = edge_of_stability_rule(1.0, consecutive)
+                name = f"ratio > 1 on {consecutive} and head logit x{factor:g} in 100 steps, > {floor:g}"
+                out[name] = _one(AllOf("c", [edge, logits], within=100, cooldown=1000))
+    for bound in (1.0, 2.0, 3.0, 4.0, 5.0, 8.0):
+        for consecutive in (1, 2):
+            rule = edge_of_stability_rule(bound, consecutive, cooldown=1000)
+            out[f"ratio > {bound:g} on {consecutive} samples"] = _one(rule)
+    return out
+
+
+def _one(rule: Rule | AllOf) -> Callable[[], RuleSet]:
+    return lambda: RuleSet([rule])
+
+
+def search(runs: list[dict]) -> None:
+    """Every candidate alone: failures warned (and how far ahead), false alarms on the runs that stay healthy."""
+    twins = {_twin_key(r): r for r in runs if r["arm"] == "qk-norm twin"}
+    outcomes = [(run, *failure(run, twins), fed(run)) for run in runs]
+    print("\n### Candidates, one rule at a time\n")
+    print("| rule | failures warned | leads | false alarms (arms) |")
+    print("|---|---|---|---|")
+    for name, rules in candidates().items():
+        leads, false, where = [], 0, []
+        for run, fail, kind, series in outcomes:
+            alerts = [a[0] for a in first_alerts(rules, series)]
+            if fail is None:
+                false += len(alerts)
+                where += [run["arm"]] * len(alerts)
+                continue
+            if kind == "stuck":  # failing from its start: any alert is a warning, said by its step
+                leads.append(f"at {alerts[0]}" if alerts else None)
+                continue
+            warned = [s for s in alerts if fail - WINDOW <= s <= fail]
+            leads.append(fail - warned[0] if warned else None)
+            early = [s for s in alerts if s < fail - WINDOW]
+            false += len(early)
+            where += [run["arm"]] * len(early)
+        got = [lead for lead in leads if lead is not None]
+        arms = ", ".join(f"{arm} {where.count(arm)}" for arm in sorted(set(where)))
+        print(f"| {name} | {len(got)}/{len(leads)} | {', '.join(map(str, got))} | {false} ({arms}) |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
@@ -192,6 +259,7 @@ def main() -> None:
     )
     parser.add_argument("--no-ramp", dest="ramp", action="store_false", help="leave out the suite's LR ramp arms")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--search", action="store_true", help="also every candidate rule alone")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path, nargs="*")
     args = parser.parse_args()
@@ -213,6 +281,8 @@ def main() -> None:
                 if args.save:
                     args.save.write_text(json.dumps(runs))
     table(runs)
+    if args.search:
+        search(runs)
 
 
 if __name__ == "__main__":

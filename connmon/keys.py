@@ -34,7 +34,9 @@ OVERHEAD = "connmon/overhead"
 ALERT_COUNT = "connmon/alerts/count"
 ALERT_TOTAL = "connmon/alerts/total"
 LR_SCALE = "connmon/lr_scale"
-EDGE_RULE = "past the edge of stability"  # the rule the back-off acts on by default
+EDGE_RULE = "crossing the edge of stability"  # the default edge rule (curvature and logits); the back-off acts on it
+PAST_EDGE_RULE = "past the edge of stability"  # the curvature alone (opt-in); the back-off acts on it too
+LOGIT_RULE = "attention logits exploding"
 
 # W&B histograms and figures
 HEAD_ISOMETRY_GAP_HIST = "connmon/head_isometry_gap_hist"
@@ -56,6 +58,24 @@ def head_key(index: int, head: int) -> str:
         'connmon/head_max_logit/L02H03'
     """
     return f"{HEAD_MAX_LOGIT}L{index:02d}H{head:02d}"
+
+
+def describe(key: str, value: float) -> str:
+    """A logged key and its value in words, for an alert: which head or layer, which quantity.
+
+    Examples:
+        >>> from connmon import keys
+        >>> keys.describe("connmon/head_max_logit/L02H03", 640.0), keys.describe(SHARPNESS_RATIO, 1.58)
+        ('L02 head 3: max logit 640', "curvature along the step 1.58x the optimizer's edge of stability")
+        >>> keys.describe("connmon/max_attention_logit/L01", float("nan"))
+        'connmon/max_attention_logit/L01 = nan'
+    """
+    if key.startswith(HEAD_MAX_LOGIT):
+        layer, head = key.removeprefix(HEAD_MAX_LOGIT).removeprefix("L").split("H")
+        return f"L{layer} head {int(head)}: max logit {value:.4g}"
+    if key in (SHARPNESS_RATIO, UPDATE_SHARPNESS_RATIO):
+        return f"curvature along the step {value:.3g}x the optimizer's edge of stability"
+    return f"{key} = {value:.4g}"
 
 
 def every_layer(metric: str) -> str:

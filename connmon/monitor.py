@@ -489,7 +489,11 @@ class Monitor(CopiesDetached):
             self.attach(self._model)  # fresh accumulators: no drift reference
 
     def add_listener(self, listener: Callable[[int, dict[str, float]], None]) -> None:
-        """Call ``listener(step, values)`` on every process after each sample is logged (values as logged)."""
+        """Call ``listener(step, values)`` on every process after each sample is logged.
+
+        ``values``: as logged, and every head's max logit since the previous sample
+        (``connmon/head_max_logit/L<ll>H<hh>``, for the alert rules; not logged).
+        """
         self._listeners.append(listener)
 
     # --- the pieces the integrations drive ------------------------------------------------------------------------
@@ -653,8 +657,9 @@ class Monitor(CopiesDetached):
         self.last_sampled_step = step
         self.samples += 1
         self.last_values = scalars
+        heads = {key: value for key, value in heads.items() if key.startswith(keys.HEAD_MAX_LOGIT)}
         for listener in self._listeners:
-            listener(step, scalars)
+            listener(step, {**heads, **scalars})
         return scalars
 
     # --- workers --------------------------------------------------------------------------------------------------

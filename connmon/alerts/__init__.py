@@ -22,6 +22,7 @@ from connmon.alerts.detectors import (
     EWMAZScore,
     Growth,
     NonFinite,
+    Surge,
     Threshold,
 )
 from connmon.alerts.qk_clip import QKClip
@@ -35,8 +36,10 @@ from connmon.alerts.rules import (
     RuleSet,
     attention_collapse_rules,
     default_rules,
+    edge_crossing_rule,
     edge_of_stability_rule,
     logit_bound_rule,
+    logit_explosion_rule,
 )
 from connmon.alerts.runner import DEFAULT_ACTIONS, KNOWN_ACTIONS, Action, AlertRunner
 
@@ -61,12 +64,15 @@ __all__ = [
     "RestorePoints",
     "Rule",
     "RuleSet",
+    "Surge",
     "Threshold",
     "attention_collapse_rules",
     "default_rules",
+    "edge_crossing_rule",
     "edge_of_stability_rule",
     "load_restore_point",
     "logit_bound_rule",
+    "logit_explosion_rule",
     "write_restore_point",
 ]
 

@@ -75,7 +75,9 @@ class LearningRateBackoff(CopiesDetached):
 
     _not_copied = (("_handles", list), ("_optimizers", list), ("_saved", dict))  # a copy is attached to nothing
 
-    def __init__(self, factor: float = 0.5, cooldown: int = 100, rules: Sequence[str] = (keys.EDGE_RULE,)) -> None:
+    def __init__(
+        self, factor: float = 0.5, cooldown: int = 100, rules: Sequence[str] = (keys.EDGE_RULE, keys.PAST_EDGE_RULE)
+    ) -> None:
         check_number("factor", factor, low=0, high=1, low_open=True, high_open=True)
         check_number("cooldown", cooldown, low=0, integer=True)
         if isinstance(rules, str) or not all(isinstance(rule, str) for rule in rules):

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from connmon._options import check_choice, check_int, check_number
 
-__all__ = ["CUSUM", "Detection", "Detector", "Direction", "EWMAZScore", "Growth", "NonFinite", "Threshold"]
+__all__ = ["CUSUM", "Detection", "Detector", "Direction", "EWMAZScore", "Growth", "NonFinite", "Surge", "Threshold"]
 
 Direction = Literal["rise", "fall", "both"]
 _DIRECTIONS = ("rise", "fall", "both")
@@ -152,6 +152,50 @@ class Growth(Detector):
         rose = self.direction != "fall" and ratio > self.factor
         fell = self.direction != "rise" and ratio < 1 / self.factor
         return Detection(ratio, self.factor if rose else 1 / self.factor, self.first) if rose or fell else None
+
+
+class Surge(Detector):
+    """Fires on a value at least ``floor`` and ``factor`` times the smallest of the ``span`` values before it.
+
+    A level and a sustained rate together: the value must be large in itself, and must have multiplied within the
+    window the last ``span`` samples cover (at 25 steps a sample, 4 samples: 100 steps). A series that lives high
+    and steady never fires; one that multiplies from a small level never fires until it is large. Needs ``span``
+    values before it can fire.
+
+    Args:
+        factor: the growth over the window that fires (> 1).
+        span: how many earlier values the window holds (>= 1).
+        floor: the smallest value that fires.
+
+    Examples:
+        >>> from connmon.alerts import Surge
+        >>> detector = Surge(4.0, span=2, floor=100.0)
+        >>> [detector.update(v) is not None for v in (2.0, 20.0, 60.0, 150.0, 160.0)]
+        [False, False, False, True, False]
+        >>> detector = Surge(4.0, span=2, floor=100.0)
+        >>> [detector.update(v) is not None for v in (120.0, 130.0, 125.0, 140.0)]  # high and steady
+        [False, False, False, False]
+    """
+
+    def __init__(self, factor: float, span: int = 4, floor: float = 0.0) -> None:
+        check_number("factor", factor, low=1, low_open=True)
+        check_int("span", span)
+        check_number("floor", floor)
+        self.factor, self.span, self.floor = float(factor), span, float(floor)
+        self.window: list[float] = []
+
+    def update(self, value: float) -> Detection | None:  # noqa: D102
+        if not math.isfinite(value):
+            return None
+        low = min(self.window) if len(self.window) == self.span else None
+        self.window = [*self.window, value][-self.span :]
+        if low is None or value < self.floor or value < self.factor * low:
+            return None
+        return Detection(value / low if low > 0 else math.inf, self.factor, low)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: D102
+        super().load_state_dict(state)
+        self.window = list(self.window)
 
 
 class _Baseline(Detector):

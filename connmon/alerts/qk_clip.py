@@ -64,9 +64,7 @@ class QKClip:
     last: list[tuple[int, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        check_number("threshold", self.threshold, low=0)
-        if self.threshold == 0:
-            raise ValueError("threshold must be > 0, got threshold=0")
+        check_number("threshold", self.threshold, low=0, low_open=True)
 
     @torch.no_grad()
     def apply(self, modules: Sequence[nn.Module], table: Tensor, layouts: Sequence[QKLayout | None]) -> list[tuple]:

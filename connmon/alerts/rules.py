@@ -14,13 +14,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fnmatch
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from connmon import keys
 from connmon._options import check_choice, check_items, check_number
-from connmon.alerts.detectors import Detector, EWMAZScore, Growth, NonFinite, Threshold
+from connmon.alerts.detectors import Detector, EWMAZScore, NonFinite, Surge, Threshold
 
 __all__ = [
     "Alert",
@@ -30,8 +31,10 @@ __all__ = [
     "RuleSet",
     "attention_collapse_rules",
     "default_rules",
+    "edge_crossing_rule",
     "edge_of_stability_rule",
     "logit_bound_rule",
+    "logit_explosion_rule",
 ]
 
 Level = Literal["INFO", "WARN", "ERROR"]
@@ -51,6 +54,7 @@ class Alert:
         threshold: the bound the statistic crossed.
         baseline: the value's baseline (None for threshold and non-finite tests).
         level: ``"INFO"``, ``"WARN"`` or ``"ERROR"``.
+        evidence: for a conjunction (:class:`AllOf`), what its other rules saw, in words.
     """
 
     rule: str
@@ -61,6 +65,7 @@ class Alert:
     threshold: float
     baseline: float | None
     level: Level
+    evidence: str = ""
 
     @property
     def title(self) -> str:
@@ -69,12 +74,25 @@ class Alert:
 
     @property
     def text(self) -> str:
-        """One line with the evidence."""
-        baseline = "" if self.baseline is None else f", baseline {self.baseline:.4g}"
-        return (
-            f"{self.key} = {self.value:.4g} at step {self.step}{baseline} "
-            f"(statistic {self.statistic:.4g} > {self.threshold:.4g})"
-        )
+        """One line with the evidence: what was seen where, at which step, against what.
+
+        Examples:
+            >>> from connmon.alerts import Alert
+            >>> Alert("attention logits exploding", "connmon/head_max_logit/L02H03", 300, 640.0, 40.0, 10.0, 16.0,
+            ...       "WARN").text
+            'L02 head 3: max logit 640 at step 300, x40 its lowest of the samples before (16)'
+        """
+        text = f"{keys.describe(self.key, self.value)} at step {self.step}"
+        base = self.baseline
+        if base is not None and base > 0 and math.isclose(self.value / base, self.statistic, rel_tol=1e-6):
+            text += f", x{self.statistic:.3g} its lowest of the samples before ({base:.4g})"
+        elif base is not None:
+            text += f", baseline {base:.4g} (statistic {self.statistic:.4g} > {self.threshold:.4g})"
+        elif self.statistic != self.value:
+            text += f" (statistic {self.statistic:.4g} > {self.threshold:.4g})"
+        elif math.isfinite(self.threshold):
+            text += f" (bound {self.threshold:.4g})"
+        return f"{text}; {self.evidence}" if self.evidence else text
 
 
 @dataclass
@@ -281,13 +299,13 @@ class RuleSet:
     def regime_steps(self, every_n_steps: int) -> frozenset[int]:
         """The steps a monitor sampling every ``every_n_steps`` adds so that its regime rules can fire.
 
-        A rule that watches only the first steps (``until=U``, such as the default ``attention logits growing early``)
-        needs samples in ``[0, U]`` to compare: where the cadence puts fewer than three there (step 0 included), steps
-        ``U // 2`` and ``U`` are sampled too, the cadence the rule was measured at (every 25 steps for ``U = 50``).
+        A rule that watches only the first steps (``until=U``) needs samples in ``[0, U]`` to compare: where the cadence
+        puts fewer than three there (step 0 included), steps ``U // 2`` and ``U`` are sampled too.
 
         Examples:
-            >>> from connmon.alerts import RuleSet, default_rules
-            >>> sorted(RuleSet(default_rules()).regime_steps(100)), sorted(RuleSet(default_rules()).regime_steps(25))
+            >>> from connmon.alerts import Growth, Rule, RuleSet
+            >>> early = RuleSet([Rule("logits tripled early", "connmon/max_attention_logit/L*", Growth(3.0), until=50)])
+            >>> sorted(early.regime_steps(100)), sorted(early.regime_steps(25))
             ([25, 50], [])
         """
         check_number("every_n_steps", every_n_steps, low=1, integer=True)
@@ -308,7 +326,12 @@ class RuleSet:
                 state.members[member.name].last_hit = hit
                 completing = completing or hit
         recent = all(m.last_hit is not None and step - m.last_hit.step <= rule.within for m in state.members.values())
-        return completing if recent else None
+        if not recent or completing is None:
+            return None
+        others = [m.last_hit for m in state.members.values() if m.last_hit is not None and m.last_hit is not completing]
+        return dataclasses.replace(
+            completing, evidence="; ".join(dataclasses.replace(o, evidence="").text for o in others)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Detector states, last alert steps and counts per rule (plain Python values)."""
@@ -361,43 +384,97 @@ def _feed(rule: Rule, state: _RuleState, values: Mapping[str, float], step: int)
     return fired
 
 
-def default_rules() -> list[Rule]:
-    """DriftAlert's default rules: scale-free, none tuned to one model's level.
+def default_rules() -> list[Rule | AllOf]:
+    """DriftAlert's default rules: each names its mechanism and where it saw it; none fires on a run that stays healthy.
 
-    Chosen on the instability suite of ``benchmarks/bench_instability.py`` (benchmarks/README.md has the tables):
-    widths, depths, AdamW and SGD with momentum, a Markov corpus and a copy task whose induction head forms in a
-    healthy phase change, smooth and staircase LR ramps, qk-norm controls and warmup runs.
+    Chosen on ``benchmarks/bench_mechanisms.py`` (benchmarks/README.md and docs/monitoring.md have the tables): runs
+    that fail by attention-logit growth (no QK-norm: a warmup to a high constant rate, or the suite's slow LR ramp,
+    whose QK-norm twin at the same ramp does not diverge), their QK-norm twins living at Adam's edge of stability at
+    the same rates, and healthy runs whose logits grow tenfold as attention learns (the copy task's induction head).
 
-    * ``non-finite attention`` (ERROR, stops the run): a layer's max attention logit is NaN or infinite, which
-      only a non-finite forward produces.
-    * ``attention logits growing early`` (WARN, steps <= 50 only): a layer's max logit has tripled since the first
-      sample, the sign of an LR too high for the run to learn well (the regime alert: on the suite it fired by step
-      25 on every constant-LR run that ended on a worse plateau, sampling attention every 5 or 25 steps, and on no
-      good one; watching until step 100, it also fired once while a copy-task run's induction head formed).
-    * ``past the edge of stability`` (WARN, :func:`edge_of_stability_rule`): the optimizer's step is past its edge
-      of stability on two samples in a row. It watches ``connmon/sharpness_ratio``, which only the opt-in
-      :class:`connmon.callbacks.SharpnessMonitor` logs, so without one it never fires.
+    * ``non-finite attention`` (ERROR, stops the run): a layer's max attention logit (the sample's, or the step's
+      whole batch) is NaN or infinite, which only a non-finite forward produces.
+    * ``attention logits exploding`` (WARN, :func:`logit_explosion_rule`): a head's max logit over the whole batch
+      has multiplied tenfold within two samples and is above 30.
+    * ``crossing the edge of stability`` (WARN, :func:`edge_crossing_rule`): the curvature along the optimizer's
+      step is past its edge on two samples in a row (``connmon/sharpness_ratio``, from a
+      :class:`~connmon.curvature.sampler.SharpnessSampler`) while some head's max logit grows (x1.5 within four
+      samples, above 20): the edge crossed because attention sharpens, not a run living at the edge.
 
-    With a SharpnessMonitor at its defaults they warned every divergence of ``bench_sharpness.py``'s suite ahead of it,
-    with no alert on a healthy run, the copy task's phase change included (the leads and the tables:
-    docs/monitoring.md and benchmarks/README.md). The attention rules of earlier versions, entropy collapsing and
-    logits surging, are opt-in (:func:`attention_collapse_rules`): they warned later and fired during that phase
-    change.
-    The fixed bound of the first version (max logit above 30) is opt-in too (:func:`logit_bound_rule`): a healthy
-    pretrained all-MiniLM-L6-v2 sits near 34 in layer 0. No geometric diagnostic, the connection spectrum
-    included, led divergence without false alarms, so none is a default.
+    The rules of earlier versions are opt-in: the curvature alone (:func:`edge_of_stability_rule`) also fires on
+    runs that live at the edge and never diverge (the QK-norm twins); logits that tripled by step 50 fired on every
+    run, healthy ones included; entropy collapsing and logits surging (:func:`attention_collapse_rules`) fire during
+    a healthy phase change; a fixed bound (:func:`logit_bound_rule`) depends on the model's own level. No geometric
+    diagnostic, the connection spectrum included, led divergence without false alarms, so none is a default.
 
     Examples:
         >>> from connmon.alerts import default_rules
         >>> [rule.name for rule in default_rules()]
-        ['non-finite attention', 'attention logits growing early', 'past the edge of stability']
+        ['non-finite attention', 'attention logits exploding', 'crossing the edge of stability']
     """
-    logits = keys.every_layer("max_attention_logit")
     return [
-        Rule("non-finite attention", logits, NonFinite(), level="ERROR", cooldown=0),
-        Rule("attention logits growing early", logits, Growth(3.0), until=50, cooldown=1000),
-        edge_of_stability_rule(),
+        Rule("non-finite attention", f"{keys.PREFIX}*max*_logit/L*", NonFinite(), level="ERROR", cooldown=0),
+        logit_explosion_rule(),
+        edge_crossing_rule(),
     ]
+
+
+def logit_explosion_rule(
+    factor: float = 10.0, samples: int = 2, floor: float = 30.0, level: Level = "WARN", cooldown: int = 1000
+) -> Rule:
+    """Alerts when a head's max logit over the whole batch is above ``floor`` and ``factor`` times its recent low.
+
+    Watches ``connmon/head_max_logit/L<ll>H<hh>`` (every head of every layer, the window of steps since the previous
+    sample: :mod:`connmon.capture.max_logit`), each against the smallest of its previous ``samples`` values
+    (:class:`Surge`). On the mechanisms benchmark (attention sampled every 25 steps) tenfold within two samples
+    above 30 fired on every run whose logits exploded and which failed, and on no run that stayed healthy: the
+    copy task's induction head multiplies its logits tenfold too, but to about 20, and a run whose logits grew to
+    100 and fell back grew more slowly. The answer to it is :class:`QKClip` (``actions=("qk_clip",)``).
+
+    Examples:
+        >>> from connmon.alerts import RuleSet, logit_explosion_rule
+        >>> rules = RuleSet([logit_explosion_rule()])
+        >>> key = "connmon/head_max_logit/L02H03"
+        >>> [[a.text for a in rules.update({key: v}, s)] for s, v in [(0, 3.0), (25, 9.0), (50, 60.0)]]
+        [[], [], ['L02 head 3: max logit 60 at step 50, x20 its lowest of the samples before (3)']]
+    """
+    return Rule(keys.LOGIT_RULE, keys.HEAD_MAX_LOGIT + "*", Surge(factor, samples, floor), level, cooldown)
+
+
+def edge_crossing_rule(
+    bound: float = 1.0,
+    consecutive: int = 2,
+    growth: float = 1.5,
+    samples: int = 4,
+    floor: float = 20.0,
+    within: int = 100,
+    level: Level = "WARN",
+    cooldown: int = 100,
+) -> AllOf:
+    """Alerts when the curvature is past the edge of stability while attention logits grow: the edge being crossed.
+
+    Both within ``within`` steps: :func:`edge_of_stability_rule` (``connmon/sharpness_ratio`` above ``bound`` on
+    ``consecutive`` samples in a row) and some head's max logit at least ``growth`` times the smallest of its
+    previous ``samples`` values and above ``floor``. A run that lives at Adam's adaptive edge (Cohen et al. 2022)
+    has its ratio above 1 for long stretches without diverging; with QK-norm its logits stay bounded, and on the
+    mechanisms benchmark the conjunction fired on none of those, where the ratio alone fired on the QK-norm twins of
+    the diverging runs. What it costs: a lead shorter than the ratio alone on the suite's LR ramp (53 steps against
+    73 on its seed 0), and it needs the per-step logits (``logit_every_n_steps``, on by default).
+
+    Examples:
+        >>> from connmon.alerts import RuleSet, edge_crossing_rule
+        >>> rules = RuleSet([edge_crossing_rule()])
+        >>> head, ratio = "connmon/head_max_logit/L00H01", "connmon/sharpness_ratio"
+        >>> logits = [(step, {head: value}) for step, value in zip(range(0, 101, 25), (16.0, 16.5, 17.0, 20.0, 26.0))]
+        >>> series = sorted(logits + [(80, {ratio: 1.3}), (120, {ratio: 1.6})], key=lambda item: item[0])
+        >>> fired = [(step, a.text) for step, values in series for a in rules.update(values, step)]
+        >>> fired  # doctest: +NORMALIZE_WHITESPACE
+        [(120, "curvature along the step 1.6x the optimizer's edge of stability at step 120 (bound 1);
+          L00 head 1: max logit 26 at step 100, x1.62 its lowest of the samples before (16)")]
+    """
+    edge = edge_of_stability_rule(bound, consecutive)
+    logits = Rule("attention logits growing", keys.HEAD_MAX_LOGIT + "*", Surge(growth, samples, floor))
+    return AllOf(keys.EDGE_RULE, [edge, logits], within=within, level=level, cooldown=cooldown)
 
 
 def attention_collapse_rules(level: Level = "WARN") -> list[Rule]:
@@ -460,7 +537,7 @@ def edge_of_stability_rule(
         [[], [], [], [200]]
     """
     detector = Threshold(bound, consecutive=consecutive)
-    return Rule(keys.EDGE_RULE, keys.SHARPNESS_RATIO, detector, level, cooldown, since=since)
+    return Rule(keys.PAST_EDGE_RULE, keys.SHARPNESS_RATIO, detector, level, cooldown, since=since)
 
 
 def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int = 500) -> Rule:

@@ -140,7 +140,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         if sharpness is not None:
             sharpness.owner = "ConnectionMonitorCallback (sharpness)"
         self._pending = -1  # the step whose forward is armed
-        self._guard: Any = None  # the model's forward hook that disarms
+        self._guard: Any = None  # the model's forward hook that disarms and ends the max logits' reading
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
@@ -182,12 +182,12 @@ class ConnectionMonitorCallback(TrainerCallback):
             self._curvature_step = state.global_step
         step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
         self.monitor.begin_step(step)  # the last step's max logits: QK-clip acts now
-        self.monitor.watch_logits()  # every micro-batch of this step, until on_step_end
         if model is not None and self.monitor.probe is None and self.monitor.due(step):
             self._pending = step
             self.monitor.arm(model)
             # the Trainer has no exception hook: disarm when this forward ends, also when it raises
             self._guard = model.register_forward_hook(self._forward_ended, always_call=True)
+        self._watch_logits(model)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -222,11 +222,11 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """The first micro-batch of an accumulation is done: stop recording (the curvature keeps every batch)."""
         self._forward_done()
+        self._watch_logits(kwargs.get("model"))  # the next micro-batch's max logits
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Log the sample of this optimizer step and act on its alerts."""
         self._forward_done()
-        self.monitor.unwatch_logits()
         self._drop_batch_hook()
         if self._pending >= 0:
             step, self._pending = self._pending, -1
@@ -260,7 +260,6 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
         """Remove every hook; log and say what connmon cost."""
         self._forward_done()
-        self.monitor.unwatch_logits()
         self._drop_batch_hook()
         if self.monitor.alerts is not None:
             self.monitor.alerts.detach()
@@ -274,6 +273,12 @@ class ConnectionMonitorCallback(TrainerCallback):
         if self.sharpness is not None:
             self.sharpness.detach()
 
+    def _watch_logits(self, model: Any) -> None:
+        """Read the max logits of the model's next forward (one micro-batch); the hooks go when it ends or raises."""
+        self.monitor.watch_logits()
+        if model is not None and self._guard is None:
+            self._guard = model.register_forward_hook(self._forward_ended, always_call=True)
+
     def _forward_ended(self, model: Any, args: tuple, output: Any) -> None:
         """The guard on the model's forward: no output means it raised, and its partial sample is discarded."""
         if output is None and not self._reading and self.monitor.is_armed:
@@ -285,6 +290,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         if self._reading:
             return  # a forward of the curvature reading, inside the training forward's pre-hook
         self.monitor.disarm()
+        self.monitor.unwatch_logits()
         if self._guard is not None:
             self._guard.remove()
             self._guard = None

@@ -6,12 +6,14 @@ import pytest
 from connmon.alerts import (
     AllOf,
     EWMAZScore,
+    Growth,
     NonFinite,
     Rule,
     RuleSet,
     Threshold,
     attention_collapse_rules,
     default_rules,
+    edge_of_stability_rule,
 )
 
 
@@ -149,11 +151,21 @@ def test_attention_collapse_rules_are_opt_in_and_fire_on_a_collapse_not_on_a_war
 
 
 def test_a_checkpoint_of_the_earlier_default_rules_resumes_under_the_current_ones():
-    earlier = RuleSet(default_rules() + attention_collapse_rules())  # what DriftAlert() held before they were opt-in
+    logits = "connmon/max_attention_logit/L*"
+    earlier = RuleSet(  # DriftAlert()'s rules before issue 47, with the opt-in rules of before that
+        [Rule("non-finite attention", logits, NonFinite(), level="ERROR", cooldown=0),
+         Rule("attention logits growing early", logits, Growth(3.0), until=50, cooldown=1000),
+         edge_of_stability_rule(), *attention_collapse_rules()]
+    )  # fmt: skip
     earlier.update({"connmon/max_attention_logit/L00": 1.0, "connmon/attention_entropy/L00": 4.0}, 0)
+    earlier.update({"connmon/max_attention_logit/L00": math.nan}, 5)
     current = RuleSet(default_rules())
-    current.load_state_dict(json.loads(json.dumps(earlier.state_dict())))
-    assert current.update({"connmon/max_attention_logit/L00": 2.0}, 5) == []
-    assert [a.rule for a in current.update({"connmon/max_attention_logit/L00": 3.5}, 10)] == [
-        "attention logits growing early"  # the restored baseline (1.0 at step 0), not a fresh one
-    ]
+    current.load_state_dict(json.loads(json.dumps(earlier.state_dict())))  # rules it does not know are ignored
+    assert current.counts == {"non-finite attention": 1, "attention logits exploding": 0,
+                              "crossing the edge of stability": 0}  # fmt: skip
+    head = "connmon/head_max_logit/L00H00"
+    assert [current.update({head: value}, step) for step, value in [(25, 2.0), (50, 4.0)]] == [[], []]
+    saved = json.loads(json.dumps(current.state_dict()))
+    resumed = RuleSet(default_rules())
+    resumed.load_state_dict(saved)  # the surge's window comes back: 40 is 20x the window's low (2.0)
+    assert [a.rule for a in resumed.update({head: 40.0}, 75)] == ["attention logits exploding"]

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import warnings
 
 import lightning as L
@@ -182,29 +183,38 @@ def test_an_all_of_rule_combines_the_logged_loss_with_a_geometric_key(tmp_path):
     assert sorted(saved["members"]) == ["logit", "loss seen"] and saved["count"] == 3
 
 
-class SharperAtStep10(LitGPT):
-    """Its query and key weights double at step 10 (attention logits x4): what an LR too high does early."""
+class ExplodingAt20(LitGPT):
+    """Its query and key weights are multiplied by 8 at step 20 (attention logits x64): a logit explosion."""
 
     def on_train_batch_start(self, batch, batch_idx):
-        if self.trainer.global_step == 10 and batch_idx == 10:
+        if self.trainer.global_step == 20 and not getattr(self, "exploded", False):
+            self.exploded = True
             n_embd = self.model.blocks[0].attn.n_embd
             with torch.no_grad():
                 for block in self.model.blocks:
-                    block.attn.c_attn.weight[: 2 * n_embd] *= 2
+                    block.attn.c_attn.weight[: 2 * n_embd] *= 8
 
 
-@pytest.mark.parametrize("module", [LitGPT, SharperAtStep10])
-def test_the_quick_starts_cadence_feeds_the_early_logit_rule(tmp_path, module):
-    """ConnectionMonitor(every_n_steps=100) with DriftAlert(): steps 25 and 50 are sampled too, so the default
-    'attention logits growing early' rule can compare; it fires where the logits quadrupled and stays quiet where
-    they did not."""
-    sampler = ConnectionMonitor(every_n_steps=100, diagnostics=("walk",), figures_every_n_samples=None)
-    alert = DriftAlert(actions=())
-    fit(tmp_path, [sampler, alert], max_steps=60, module=module())
-    sampled = [int(r["step"]) for r in read_csv(tmp_path) if r.get("connmon/max_attention_logit/L00")]
-    assert sampled == [0, 25, 50]
-    fired = [(a.rule, a.step) for a in alert.alerts]
-    assert fired == ([("attention logits growing early", 25)] if module is SharperAtStep10 else [])
+@pytest.mark.parametrize("module", [LitGPT, ExplodingAt20])
+def test_the_default_logit_rule_reads_every_steps_whole_batch_and_names_the_head(tmp_path, module):
+    """ConnectionMonitor and DriftAlert() at their defaults: each sample logs the largest logit of every step since
+    the previous one; 'attention logits exploding' fires on the explosion, naming layer and head, and never on the
+    plain run."""
+    sampler = ConnectionMonitor(every_n_steps=10, diagnostics=("walk",), figures_every_n_samples=None)
+    alert = DriftAlert(actions=("log",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(tmp_path, [sampler, alert], max_steps=40, module=module())
+    rows = {int(r["step"]): r for r in read_csv(tmp_path) if r.get("connmon/step_max_logit/L00")}
+    assert sorted(rows) == [10, 20, 30]  # step 0's sample: no step read before it
+    peaks = [float(rows[s]["connmon/step_max_logit/L00"]) for s in (10, 20, 30)]
+    said = [str(w.message) for w in caught if "attention logits exploding" in str(w.message)]
+    if module is ExplodingAt20:
+        assert peaks[2] > 30 * peaks[1]  # the window of steps 20-29
+        assert [(a.rule, a.step) for a in alert.alerts] == [("attention logits exploding", 30)]
+        assert len(said) == 1 and re.search(r"\[WARN\]: L0\d head \d: max logit [\d.]+ at step 30, x\d+", said[0])
+    else:
+        assert list(alert.alerts) == [] and said == [] and max(peaks) < 3 * min(peaks)
 
 
 class ScheduledGPT(LitGPT):

@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from connmon.alerts import RuleSet, default_rules, edge_of_stability_rule
 from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
 from connmon.curvature import sharpness_ratio
 from connmon.curvature.sampler import adaptive_interval
@@ -198,13 +199,15 @@ def test_sampled_once_per_optimizer_step_on_every_micro_batch_under_gradient_acc
     assert logged(tmp_path) == pytest.approx(direct.ratios, rel=1e-6)  # the mean loss of each step's two batches
 
 
-def test_drift_alert_default_rules_warn_past_the_edge_of_stability_on_two_samples_in_a_row(tmp_path):
+def test_the_curvature_rule_warns_past_the_edge_of_stability_on_two_samples_in_a_row(tmp_path):
     series = {}
     sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1)
     sharpness.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
-    alert = DriftAlert(actions=("log",))
-    with pytest.warns(UserWarning, match=r"connmon: past the edge of stability \[WARN\]: connmon/sharpness_ratio"):
+    alert = DriftAlert(rules=[edge_of_stability_rule()], actions=("log",))  # the curvature alone (opt-in)
+    with pytest.warns(UserWarning, match=r"connmon: past the edge of stability \[WARN\]: curvature along the step [\d.]+x the optimizer's edge"):
         fit(tmp_path, [sharpness, alert], module=LitGPT(lr=2.0), max_steps=26)
+    defaults = RuleSet(default_rules())  # crossing the edge needs growing logits too: the curvature alone is quiet
+    assert not any(defaults.update({RATIO: ratio}, step) for step, ratio in sorted(series.items()))
     steps = [s for s in sorted(series) if s >= 20]  # the rule starts at step 20
     expected = next(s for prev, s in itertools.pairwise(steps) if series[prev] > 1 and series[s] > 1)
     assert [a.step for a in alert.alerts] == [expected]  # the cooldown (100 steps) keeps it to one

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import connmon
-from connmon.alerts import AlertRunner, Rule, Threshold
+from connmon.alerts import AlertRunner, Growth, Rule, Threshold
 from connmon.metrics import TransportMetrics, WalkMetrics
 from tests.capture.models import TinyGPT
 from tests.integrations.wandb_read import read_run
@@ -651,9 +651,10 @@ def test_captured_models_are_not_kept_alive_by_the_adapter():
 
 def test_alert_rules_that_watch_the_first_steps_get_their_samples_at_any_cadence():
     model = TinyGPT()
-    with_rules = connmon.Monitor(model, every_n_steps=100, alerts=AlertRunner(actions=()))
-    alone = connmon.Monitor(model, every_n_steps=100)
-    dense = connmon.Monitor(model, every_n_steps=25, alerts=AlertRunner(actions=()))
+    early = [Rule("logits tripled early", "connmon/max_attention_logit/L*", Growth(3.0), until=50)]
+    with_rules = connmon.Monitor(model, every_n_steps=100, alerts=AlertRunner(early, actions=()))
+    alone = connmon.Monitor(model, every_n_steps=100, alerts=AlertRunner(actions=()))  # the defaults watch no start
+    dense = connmon.Monitor(model, every_n_steps=25, alerts=AlertRunner(early, actions=()))
     assert [s for s in range(201) if with_rules.due(s)] == [0, 25, 50, 100, 200]
     assert [s for s in range(201) if alone.due(s)] == [0, 100, 200]
     assert [s for s in range(101) if dense.due(s)] == [0, 25, 50, 75, 100]
