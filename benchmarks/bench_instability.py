@@ -61,6 +61,7 @@ from connmon.alerts import (
     CUSUM,
     AllOf,
     EWMAZScore,
+    QKClip,
     Rule,
     RuleSet,
     Threshold,
@@ -69,8 +70,8 @@ from connmon.alerts import (
     edge_of_stability_rule,
 )
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
-from connmon.capture.session import paused
 from connmon.capture.max_logit import HeadMaxLogits
+from connmon.capture.session import paused
 from connmon.curvature import sharpness_ratio
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
@@ -270,6 +271,7 @@ def train(
     logits = HeadMaxLogits([block.attn for block in model.blocks], [f"L{i}" for i in range(depth)])
     if config.get("head_logits"):  # every step's per-head max logit, connmon's own reader
         logits.watch()
+    clip = QKClip(config["qk_clip"]) if config.get("qk_clip") else None
     if config["optimizer"] == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=config["peak"], momentum=0.9)
     else:
@@ -296,11 +298,14 @@ def train(
         loss.backward()
         grad_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
         losses.append(loss.item())
-        if config.get("head_logits"):
-            head_logits.append([[float(f"{v:.4g}") for v in row] for row in logits.read().tolist()])
+        table = logits.read() if config.get("head_logits") else None
+        if table is not None:
+            head_logits.append([[float(f"{v:.4g}") for v in row] for row in table.tolist()])
         if not math.isfinite(losses[-1]):
             break
         optimizer.step()
+        if clip is not None and table is not None:  # K2's QK-clip: this step's logits, after its update
+            clip.apply(logits.modules, table, [logits.layout(i) for i in range(depth)])
     return {
         **config,
         "loss": losses,

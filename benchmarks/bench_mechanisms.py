@@ -17,8 +17,8 @@ batch (:class:`connmon.capture.max_logit.HeadMaxLogits`, as a Monitor logs it), 
 Failure is the suite's divergence rule (``bench_instability.divergence``: NaN, or the smoothed loss above 1.5x its
 running minimum for 10 steps once the run has learned). A run that never learns while its QK-norm twin does (final
 smoothed loss above the twin's by more than 25% of the twin's drop below the unigram plateau) is a failure too,
-``stuck`` in the table, from the step it falls behind the twin by that margin for good: an alert up to 300 steps before
-then warns of it, and any alert on a run that neither diverges nor sticks is a false alarm. For every rule set the table gives
+``stuck`` in the table (any alert warns of it; the table gives the step it falls behind the twin by that margin for
+good), and any alert on a run that neither diverges nor sticks is a false alarm. For every rule set the table gives
 the first alert (rule, step), the lead (``failure step - alert step``), and the false alarms.
 
 Usage:
@@ -65,6 +65,8 @@ def configs(args: argparse.Namespace) -> list[dict]:
                       "init": init, "width": width, "depth": 4, "optimizer": "adamw"}  # fmt: skip
             runs.append({"arm": "logit growth", **common, "qk_norm": False})
             runs.append({"arm": "qk-norm twin", **common, "qk_norm": True})
+            for tau in args.qk_clip:
+                runs.append({"arm": f"qk-clip {tau:g}", **common, "qk_norm": False, "qk_clip": tau})
         for task in ("markov", "copy"):
             runs.append({"arm": "healthy", "seed": seed, "start": 0.0, "peak": 1e-3, "ramp": 100, "shape": "warmup",
                          "corpus": task, "init": "gpt2", "width": 128, "qk_norm": False})  # fmt: skip
@@ -73,6 +75,8 @@ def configs(args: argparse.Namespace) -> list[dict]:
             runs.append({"arm": "ramp", **ramp, "peak": 1e-1, "qk_norm": False})
             runs.append({"arm": "ramp twin", **ramp, "peak": 1e-1, "qk_norm": True})
             runs.append({"arm": "control", **ramp, "peak": 3e-3, "qk_norm": True})
+            for tau in args.qk_clip:
+                runs.append({"arm": f"ramp qk-clip {tau:g}", **ramp, "peak": 1e-1, "qk_norm": False, "qk_clip": tau})
     for run in runs:
         run["head_logits"] = True
     return runs
@@ -115,7 +119,11 @@ def fed(run: dict) -> dict[int, dict[str, float]]:
                 values.update({keys.head_key(index, head): value for head, value in enumerate(row)})
             series[step] = values
             window = None
-        window = table if window is None else [[max(a, b) for a, b in zip(w, t)] for w, t in zip(window, table)]
+        window = (
+            table
+            if window is None
+            else [[max(a, b) for a, b in zip(w, t, strict=True)] for w, t in zip(window, table, strict=True)]
+        )
     for step, ratio in run.get("sharpness", {}).items():
         if step != "off" and int(step) % SHARPNESS_EVERY == 0:
             series.setdefault(int(step), {})[keys.SHARPNESS_RATIO] = ratio
@@ -144,39 +152,58 @@ RULE_SETS: dict[str, Callable[[], RuleSet]] = {
 WINDOW = 300  # as the suite: an alert at most this many steps before the failure warns of it
 
 
+def score(alerts: list[tuple[int, str, str]], fail: int | None, kind: str) -> tuple[str, int, tuple | None]:
+    """The lead cell, the false alarms and the alert that warned (or the first alert) of one run.
+
+    A divergence is warned by an alert at most ``WINDOW`` steps before it (earlier ones are false alarms); a run
+    stuck from its start by any alert (the cell gives its step); every alert on a run that does not fail is false.
+    """
+    if fail is None:
+        return "-", len(alerts), alerts[0] if alerts else None
+    if kind == "stuck":
+        return (f"at {alerts[0][0]}" if alerts else "-"), 0, alerts[0] if alerts else None
+    warnings = [a for a in alerts if fail - WINDOW <= a[0] <= fail]
+    false = sum(a[0] < fail - WINDOW for a in alerts)
+    return (str(fail - warnings[0][0]) if warnings else "-"), false, warnings[0] if warnings else None
+
+
+def behind(run: dict, twins: dict) -> str:
+    """How far behind its QK-norm twin a run ended, as a share of the twin's drop below the first loss."""
+    twin = twins.get(_twin_key(run))
+    if twin is None or twin is run:
+        return "-"
+    drop = run["loss"][0] - smoothed(twin["loss"])
+    return f"{(smoothed(run['loss']) - smoothed(twin['loss'])) / drop:.0%}"
+
+
 def table(runs: list[dict]) -> None:
     twins = {_twin_key(r): r for r in runs if r["arm"] == "qk-norm twin"}
     for name, rules in RULE_SETS.items():
         print(f"\n### {name}\n")
-        print("| arm | LR | warmup | task | init | width | seed | failure (step) | first alert (rule, key, step) | lead "
-              "| false alarms | best / final loss | max logit: start, peak (step) |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        print("| arm | LR | warmup | task | init | width | seed | failure (step) | alert (rule, key, step) | lead "
+              "| false alarms | best / final loss | behind twin | max logit: start, peak (step) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         warned, failed, false_alarms, leads = 0, 0, 0, []
         for run in runs:
             fail, kind = failure(run, twins)
             alerts = first_alerts(rules, fed(run))
-            if fail is None:
-                lead, false = None, len(alerts)
-            else:
-                failed += 1
-                warnings = [a for a in alerts if fail - WINDOW <= a[0] <= fail]
-                lead = fail - warnings[0][0] if warnings else None
-                false = sum(a[0] < fail - WINDOW for a in alerts)
-                warned += lead is not None
-                leads += [lead] if lead is not None else []
+            lead, false, shown = score(alerts, fail, kind)
+            failed += fail is not None
+            warned += lead != "-"
+            leads += [int(lead)] if lead.isdigit() else []
             false_alarms += false
-            first = next(iter(warnings if fail is not None and warnings else alerts), None)
-            alert = "-" if first is None else f"{first[1]}, {first[2].removeprefix('connmon/')}, {first[0]}"
+            alert = "-" if shown is None else f"{shown[1]}, {shown[2].removeprefix('connmon/')}, {shown[0]}"
             peaks = [max(max(layer) for layer in step) for step in run["head_logits"]]
             top = max(range(len(peaks)), key=peaks.__getitem__)
             best = min(smoothed(run["loss"], s) for s in range(len(run["loss"])))
             cells = [run["arm"], f"{run['peak']:g}", str(run["ramp"]), run["corpus"], run.get("init", "torch"),
-                     str(run["width"]), str(run["seed"]), f"{kind} ({fail})" if kind else "-", alert,
-                     "-" if lead is None else str(lead), str(false), f"{best:.2f} / {smoothed(run['loss']):.2f}",
+                     str(run["width"]), str(run["seed"]), f"{kind} ({fail})" if kind else "-", alert, lead,
+                     str(false), f"{best:.2f} / {smoothed(run['loss']):.2f}", behind(run, twins),
                      f"{peaks[0]:.3g}, {peaks[top]:.3g} ({top})"]  # fmt: skip
             print("| " + " | ".join(cells) + " |")
         median = statistics.median(leads) if leads else "-"
-        print(f"\n{name}: {warned}/{failed} failures warned, median lead {median}, {false_alarms} false alarms")
+        print(f"\n{name}: {warned}/{failed} failures warned (divergence leads: {sorted(leads)}, median {median}), "
+              f"{false_alarms} false alarms")  # fmt: skip
 
 
 def candidates() -> dict[str, Callable[[], RuleSet]]:
@@ -218,19 +245,11 @@ def search(runs: list[dict]) -> None:
     for name, rules in candidates().items():
         leads, false, where = [], 0, []
         for run, fail, kind, series in outcomes:
-            alerts = [a[0] for a in first_alerts(rules, series)]
-            if fail is None:
-                false += len(alerts)
-                where += [run["arm"]] * len(alerts)
-                continue
-            if kind == "stuck":  # failing from its start: any alert is a warning, said by its step
-                leads.append(f"at {alerts[0]}" if alerts else None)
-                continue
-            warned = [s for s in alerts if fail - WINDOW <= s <= fail]
-            leads.append(fail - warned[0] if warned else None)
-            early = [s for s in alerts if s < fail - WINDOW]
-            false += len(early)
-            where += [run["arm"]] * len(early)
+            lead, wrong, _ = score(first_alerts(rules, series), fail, kind)
+            false += wrong
+            where += [run["arm"]] * wrong
+            if fail is not None:
+                leads.append(None if lead == "-" else lead)
         got = [lead for lead in leads if lead is not None]
         arms = ", ".join(f"{arm} {where.count(arm)}" for arm in sorted(set(where)))
         print(f"| {name} | {len(got)}/{len(leads)} | {', '.join(map(str, got))} | {false} ({arms}) |")
@@ -258,6 +277,8 @@ def main() -> None:
         help="logit-growth settings, each 'rate,warmup,task,init,width'",
     )
     parser.add_argument("--no-ramp", dest="ramp", action="store_false", help="leave out the suite's LR ramp arms")
+    parser.add_argument("--qk-clip", type=float, nargs="*", default=[], help="QK-clip arms at these thresholds")
+    parser.add_argument("--only", nargs="*", help="train only these arms")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--search", action="store_true", help="also every candidate rule alone")
     parser.add_argument("--save", type=Path)
@@ -267,8 +288,9 @@ def main() -> None:
         runs = [run for path in args.load for run in json.loads(path.read_text())]
     else:
         example_module()  # fails early if the example moved
-        jobs = [(config, RAMP_STEPS if config["arm"] in RAMP_ARMS else args.steps, ATTENTION_EVERY, False, False,
-                 SHARPNESS_EVERY) for config in configs(args)]  # fmt: skip
+        chosen = [config for config in configs(args) if not args.only or config["arm"] in args.only]
+        jobs = [(config, RAMP_STEPS if config["arm"] in RAMP_ARMS or config["arm"].startswith("ramp") else args.steps,
+                 ATTENTION_EVERY, False, False, SHARPNESS_EVERY) for config in chosen]  # fmt: skip
         jobs.sort(key=lambda job: (job[0]["seed"], -job[1]))  # the first seed of every arm first, long runs first
         runs = []
         with get_context("spawn").Pool(args.processes) as pool:

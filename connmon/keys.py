@@ -34,8 +34,9 @@ OVERHEAD = "connmon/overhead"
 ALERT_COUNT = "connmon/alerts/count"
 ALERT_TOTAL = "connmon/alerts/total"
 LR_SCALE = "connmon/lr_scale"
-EDGE_RULE = "crossing the edge of stability"  # the default edge rule (curvature and logits); the back-off acts on it
-PAST_EDGE_RULE = "past the edge of stability"  # the curvature alone (opt-in); the back-off acts on it too
+EDGE_RULE = "crossing the edge of stability"  # the curvature far past the edge; the back-off acts on the edge rules
+LOGIT_EDGE_RULE = "attention logits pushing past the edge"  # the curvature past the edge while logits grow
+PAST_EDGE_RULE = "past the edge of stability"  # the curvature just past the edge (opt-in)
 LOGIT_RULE = "attention logits exploding"
 
 # W&B histograms and figures

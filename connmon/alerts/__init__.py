@@ -39,6 +39,7 @@ from connmon.alerts.rules import (
     edge_crossing_rule,
     edge_of_stability_rule,
     logit_bound_rule,
+    logit_edge_rule,
     logit_explosion_rule,
 )
 from connmon.alerts.runner import DEFAULT_ACTIONS, KNOWN_ACTIONS, Action, AlertRunner
@@ -72,6 +73,7 @@ __all__ = [
     "edge_of_stability_rule",
     "load_restore_point",
     "logit_bound_rule",
+    "logit_edge_rule",
     "logit_explosion_rule",
     "write_restore_point",
 ]

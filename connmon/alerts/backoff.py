@@ -53,7 +53,7 @@ class LearningRateBackoff(CopiesDetached):
     Args:
         factor: the scale each back-off multiplies in, in (0, 1).
         cooldown: steps after a back-off during which another alert does not scale again.
-        rules: the names of the rules that back off (default: the edge-of-stability rule).
+        rules: the names of the rules that back off (default: the edge-of-stability rules).
 
     Raises:
         ValueError: for a factor outside (0, 1), a negative cooldown, or rules that are not names.
@@ -76,7 +76,10 @@ class LearningRateBackoff(CopiesDetached):
     _not_copied = (("_handles", list), ("_optimizers", list), ("_saved", dict))  # a copy is attached to nothing
 
     def __init__(
-        self, factor: float = 0.5, cooldown: int = 100, rules: Sequence[str] = (keys.EDGE_RULE, keys.PAST_EDGE_RULE)
+        self,
+        factor: float = 0.5,
+        cooldown: int = 100,
+        rules: Sequence[str] = (keys.EDGE_RULE, keys.LOGIT_EDGE_RULE, keys.PAST_EDGE_RULE),
     ) -> None:
         check_number("factor", factor, low=0, high=1, low_open=True, high_open=True)
         check_number("cooldown", cooldown, low=0, integer=True)

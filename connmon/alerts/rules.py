@@ -34,6 +34,7 @@ __all__ = [
     "edge_crossing_rule",
     "edge_of_stability_rule",
     "logit_bound_rule",
+    "logit_edge_rule",
     "logit_explosion_rule",
 ]
 
@@ -397,9 +398,10 @@ def default_rules() -> list[Rule | AllOf]:
     * ``attention logits exploding`` (WARN, :func:`logit_explosion_rule`): a head's max logit over the whole batch
       has multiplied tenfold within two samples and is above 30.
     * ``crossing the edge of stability`` (WARN, :func:`edge_crossing_rule`): the curvature along the optimizer's
-      step is past its edge on two samples in a row (``connmon/sharpness_ratio``, from a
-      :class:`~connmon.curvature.sampler.SharpnessSampler`) while some head's max logit grows (x1.5 within four
-      samples, above 20): the edge crossed because attention sharpens, not a run living at the edge.
+      step (``connmon/sharpness_ratio``, from a :class:`~connmon.curvature.sampler.SharpnessSampler`) at 4 times its
+      edge on two samples in a row: far past where runs that live at the edge hover.
+    * ``attention logits pushing past the edge`` (WARN, :func:`logit_edge_rule`): the curvature past the edge on two
+      samples in a row while some head's max logit grows (x1.5 within four samples, above 20).
 
     The rules of earlier versions are opt-in: the curvature alone (:func:`edge_of_stability_rule`) also fires on
     runs that live at the edge and never diverge (the QK-norm twins); logits that tripled by step 50 fired on every
@@ -409,13 +411,15 @@ def default_rules() -> list[Rule | AllOf]:
 
     Examples:
         >>> from connmon.alerts import default_rules
-        >>> [rule.name for rule in default_rules()]
-        ['non-finite attention', 'attention logits exploding', 'crossing the edge of stability']
+        >>> [rule.name for rule in default_rules()]  # doctest: +NORMALIZE_WHITESPACE
+        ['non-finite attention', 'attention logits exploding', 'crossing the edge of stability',
+         'attention logits pushing past the edge']
     """
     return [
         Rule("non-finite attention", f"{keys.PREFIX}*max*_logit/L*", NonFinite(), level="ERROR", cooldown=0),
         logit_explosion_rule(),
         edge_crossing_rule(),
+        logit_edge_rule(),
     ]
 
 
@@ -442,6 +446,30 @@ def logit_explosion_rule(
 
 
 def edge_crossing_rule(
+    bound: float = 4.0, consecutive: int = 2, level: Level = "WARN", cooldown: int = 100, since: int = 20
+) -> Rule:
+    """Alerts when the curvature stays far past the edge of stability: ``bound`` (4) times it on two samples in a row.
+
+    A run that lives at Adam's adaptive edge (Cohen et al. 2022) has its ratio above 1 for long stretches without
+    diverging: on the mechanisms benchmark the QK-norm twins of the diverging runs hovered at 1 to 3.7 (one sample
+    each time), so the theory's bound of 1 (:func:`edge_of_stability_rule`, opt-in) fired on them, and so did 2 or 3
+    on two samples; 4 on two samples fired on none of the 20 runs that did not fail, and warned a QK-norm run that
+    diverged anyway (its logits bounded, its curvature not) 193 steps ahead. What it costs: on the suite's LR ramps
+    it warns later than the bound of 1 (ramp seed 2 of ``bench_sharpness.py``: 21 steps ahead against 61; seed 0:
+    missed, 73 before), which :func:`logit_edge_rule` recovers in part where the logits grow.
+
+    Examples:
+        >>> from connmon.alerts import RuleSet, edge_crossing_rule
+        >>> rules = RuleSet([edge_crossing_rule()])
+        >>> [[a.text for a in rules.update({"connmon/sharpness_ratio": r}, s)] for s, r in [(40, 3.7), (80, 5.0),
+        ...  (120, 6.1)]][-1]
+        ["curvature along the step 6.1x the optimizer's edge of stability at step 120 (bound 4)"]
+    """
+    detector = Threshold(bound, consecutive=consecutive)
+    return Rule(keys.EDGE_RULE, keys.SHARPNESS_RATIO, detector, level, cooldown, since=since)
+
+
+def logit_edge_rule(
     bound: float = 1.0,
     consecutive: int = 2,
     growth: float = 1.5,
@@ -451,19 +479,18 @@ def edge_crossing_rule(
     level: Level = "WARN",
     cooldown: int = 100,
 ) -> AllOf:
-    """Alerts when the curvature is past the edge of stability while attention logits grow: the edge being crossed.
+    """Alerts when the curvature is past the edge of stability while attention logits grow: logits pushing it across.
 
     Both within ``within`` steps: :func:`edge_of_stability_rule` (``connmon/sharpness_ratio`` above ``bound`` on
     ``consecutive`` samples in a row) and some head's max logit at least ``growth`` times the smallest of its
-    previous ``samples`` values and above ``floor``. A run that lives at Adam's adaptive edge (Cohen et al. 2022)
-    has its ratio above 1 for long stretches without diverging; with QK-norm its logits stay bounded, and on the
-    mechanisms benchmark the conjunction fired on none of those, where the ratio alone fired on the QK-norm twins of
-    the diverging runs. What it costs: a lead shorter than the ratio alone on the suite's LR ramp (53 steps against
-    73 on its seed 0), and it needs the per-step logits (``logit_every_n_steps``, on by default).
+    previous ``samples`` values and above ``floor``. A QK-norm run that lives at the edge keeps its logits bounded; on
+    the mechanisms benchmark the conjunction fired on none of the runs that stayed healthy, where the ratio alone
+    fired on the QK-norm twins, and it warned the LR ramp's logit-growth divergence 28 steps ahead (the ratio alone:
+    73, with those false alarms). It needs the per-step logits (``logit_every_n_steps``, on by default).
 
     Examples:
-        >>> from connmon.alerts import RuleSet, edge_crossing_rule
-        >>> rules = RuleSet([edge_crossing_rule()])
+        >>> from connmon.alerts import RuleSet, logit_edge_rule
+        >>> rules = RuleSet([logit_edge_rule()])
         >>> head, ratio = "connmon/head_max_logit/L00H01", "connmon/sharpness_ratio"
         >>> logits = [(step, {head: value}) for step, value in zip(range(0, 101, 25), (16.0, 16.5, 17.0, 20.0, 26.0))]
         >>> series = sorted(logits + [(80, {ratio: 1.3}), (120, {ratio: 1.6})], key=lambda item: item[0])
@@ -474,7 +501,7 @@ def edge_crossing_rule(
     """
     edge = edge_of_stability_rule(bound, consecutive)
     logits = Rule("attention logits growing", keys.HEAD_MAX_LOGIT + "*", Surge(growth, samples, floor))
-    return AllOf(keys.EDGE_RULE, [edge, logits], within=within, level=level, cooldown=cooldown)
+    return AllOf(keys.LOGIT_EDGE_RULE, [edge, logits], within=within, level=level, cooldown=cooldown)
 
 
 def attention_collapse_rules(level: Level = "WARN") -> list[Rule]:

@@ -204,7 +204,10 @@ def test_the_curvature_rule_warns_past_the_edge_of_stability_on_two_samples_in_a
     sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1)
     sharpness.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
     alert = DriftAlert(rules=[edge_of_stability_rule()], actions=("log",))  # the curvature alone (opt-in)
-    with pytest.warns(UserWarning, match=r"connmon: past the edge of stability \[WARN\]: curvature along the step [\d.]+x the optimizer's edge"):
+    with pytest.warns(
+        UserWarning,
+        match=r"connmon: past the edge of stability \[WARN\]: curvature along the step [\d.]+x the optimizer's edge",
+    ):
         fit(tmp_path, [sharpness, alert], module=LitGPT(lr=2.0), max_steps=26)
     defaults = RuleSet(default_rules())  # crossing the edge needs growing logits too: the curvature alone is quiet
     assert not any(defaults.update({RATIO: ratio}, step) for step, ratio in sorted(series.items()))
