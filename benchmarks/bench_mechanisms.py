@@ -255,27 +255,21 @@ def search(runs: list[dict]) -> None:
         print(f"| {name} | {len(got)}/{len(leads)} | {', '.join(map(str, got))} | {false} ({arms}) |")
 
 
+GROWTH = [(1e-2, 100, "markov", "torch", 128), (3e-2, 400, "markov", "torch", 128), (3e-3, 100, "copy", "gpt2", 128),
+          (1e-2, 100, "markov", "gpt2", 64)]  # fmt: skip
+
+
+def growth_setting(text: str) -> tuple:
+    rate, warmup, task, init, width = text.split(",")
+    return float(rate), int(warmup), task, init, int(width)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument(
-        "--growth",
-        type=lambda text: (
-            float(text.split(",")[0]),
-            int(text.split(",")[1]),
-            *text.split(",")[2:4],
-            int(text.split(",")[4]),
-        ),  # fmt: skip
-        nargs="*",
-        default=[
-            (1e-2, 100, "markov", "torch", 128),
-            (3e-2, 400, "markov", "torch", 128),
-            (3e-3, 100, "copy", "gpt2", 128),
-            (1e-2, 100, "markov", "gpt2", 64),
-        ],  # fmt: skip
-        help="logit-growth settings, each 'rate,warmup,task,init,width'",
-    )
+    parser.add_argument("--growth", type=growth_setting, nargs="*", default=GROWTH,
+                        help="logit-growth settings, each 'rate,warmup,task,init,width'")  # fmt: skip
     parser.add_argument("--no-ramp", dest="ramp", action="store_false", help="leave out the suite's LR ramp arms")
     parser.add_argument("--qk-clip", type=float, nargs="*", default=[], help="QK-clip arms at these thresholds")
     parser.add_argument("--only", nargs="*", help="train only these arms")

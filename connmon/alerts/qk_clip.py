@@ -131,12 +131,14 @@ def _scale_rows(parameter: Tensor, rows: Tensor, factors: Tensor, dim: int, loca
     ``local``: ``rows`` count in the local part (tensor parallelism: this process's heads); else in the whole
     parameter (FSDP2: a shard holds a range of them).
     """
-    data = parameter.to_local() if hasattr(parameter, "device_mesh") else parameter
+    mesh = getattr(parameter, "device_mesh", None)  # a DTensor: this process's part
+    data: Tensor = getattr(parameter, "to_local")() if mesh is not None else parameter  # noqa: B009
     offset = 0
-    if not local and hasattr(parameter, "device_mesh") and data.shape[dim] != parameter.shape[dim]:
+    if not local and mesh is not None and data.shape[dim] != parameter.shape[dim]:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        _, offsets = compute_local_shape_and_global_offset(parameter.shape, parameter.device_mesh, parameter.placements)
+        placements = getattr(parameter, "placements")  # noqa: B009
+        _, offsets = compute_local_shape_and_global_offset(parameter.shape, mesh, placements)
         offset = offsets[dim]
     rows = rows.to(data.device) - offset
     keep = (rows >= 0) & (rows < data.shape[dim])

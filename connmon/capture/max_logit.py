@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,7 +176,7 @@ class HeadMaxLogits:
             handle.remove()
         self._handles = []
 
-    def _enter(self, index: int):
+    def _enter(self, index: int) -> Callable[[nn.Module, tuple], None]:
         def enter(module: nn.Module, args: tuple) -> None:
             if not module.training or not torch.is_grad_enabled() or busy() or _paused():
                 return
@@ -239,7 +240,7 @@ class _Watch(TorchFunctionMode):
         self.projections: list[tuple] = []  # (weight name, bias name, output, transposed, weight is a DTensor)
         self.calls = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
         if (
@@ -286,7 +287,8 @@ class _Watch(TorchFunctionMode):
             sides = [torch.nn.functional.linear(x, w, b).view(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
                      for w, b in zip(weights, biases, strict=True)]  # fmt: skip  # (B, H, L, d)
             mask = _mha_mask(call.get("attn_mask"), call.get("key_padding_mask"))
-            best = head_max_logit(*sides, mask, is_causal=bool(call.get("is_causal")) and mask is None,
+            queries, keys = sides
+            best = head_max_logit(queries, keys, mask, is_causal=bool(call.get("is_causal")) and mask is None,
                                   block_elements=self.tracker.block_elements)  # fmt: skip
         self.tracker.observe(self.index, best)
         self.calls += 1
@@ -301,7 +303,7 @@ class _Watch(TorchFunctionMode):
                               for side, side_rows in ((query, rows), (key, rows + width)))  # fmt: skip
             self.tracker._layouts[self.index] = QKLayout(query, key)
 
-    def _projection(self, func, args: tuple, kwargs: dict, out: Tensor) -> None:
+    def _projection(self, func: Any, args: tuple, kwargs: dict, out: Tensor) -> None:
         if func is torch.nn.functional.linear or func is torch._C._nn.linear:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -353,7 +355,8 @@ def _mha_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None) -> Tens
 
 
 def _local(tensor: Tensor) -> Tensor:
-    return tensor.to_local() if hasattr(tensor, "device_mesh") else tensor
+    to_local = getattr(tensor, "to_local", None)  # a DTensor's local part
+    return to_local() if to_local is not None else tensor
 
 
 def _layout(projections: list, query: Tensor, key: Tensor) -> QKLayout | None:
