@@ -68,8 +68,9 @@ def configs(args: argparse.Namespace) -> list[dict]:
             for tau in args.qk_clip:
                 runs.append({"arm": f"qk-clip {tau:g}", **common, "qk_norm": False, "qk_clip": tau})
         for task in ("markov", "copy"):
-            runs.append({"arm": "healthy", "seed": seed, "start": 0.0, "peak": 1e-3, "ramp": 100, "shape": "warmup",
-                         "corpus": task, "init": "gpt2", "width": 128, "qk_norm": False})  # fmt: skip
+            for init in ("gpt2", "torch"):  # torch's init: logits near 2 that triple as attention learns
+                healthy = {"start": 0.0, "peak": 1e-3, "ramp": 100, "shape": "warmup", "corpus": task, "init": init}
+                runs.append({"arm": "healthy", "seed": seed, **healthy, "width": 128, "qk_norm": False})
         if args.ramp:
             ramp = {"seed": seed, "start": 1e-3, "ramp": 1500, "shape": "exp", "corpus": "markov", "width": 128}
             runs.append({"arm": "ramp", **ramp, "peak": 1e-1, "qk_norm": False})

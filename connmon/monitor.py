@@ -55,8 +55,11 @@ class Monitor(CopiesDetached):
     eigen- and SVD-bound diagnostics (the spectrum group and the edge isometry gap) run on every
     ``full_every_n_samples``-th sample, the first included. Pass the same ``step`` for every micro-batch of a
     gradient-accumulation step: only its first forward is sampled. With ``alerts`` whose rules watch only the first
-    steps (the default ``attention logits growing early``, until step 50), a sparse cadence also samples the steps
-    those rules need (25 and 50: :meth:`connmon.alerts.RuleSet.regime_steps`, in :attr:`extra_steps`). A
+    steps (``until=``), a sparse cadence also samples the steps those rules need
+    (:meth:`connmon.alerts.RuleSet.regime_steps`, in :attr:`extra_steps`). Every ``logit_every_n_steps``-th step
+    each head's max logit over the step's whole batch is read (:mod:`connmon.capture.max_logit`), logged at the next
+    sample as ``connmon/step_max_logit/L<ll>`` and shown to ``alerts`` per head; with their ``"qk_clip"`` action it
+    is read every step and the heads above the threshold are clipped after the optimizer step. A
     ``torch.compile``'d model keeps its graph as compiled: its sampled batch is read beside it by one more forward of
     the original module (eval mode, ``no_grad``), so training stays bitwise unchanged.
 

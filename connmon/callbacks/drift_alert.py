@@ -59,11 +59,12 @@ class DriftAlert(Callback):
     :func:`connmon.alerts.default_rules`. A :class:`SharpnessMonitor`'s samples are shown to the rules on their own
     steps, its keys only, so a rule over ``connmon/sharpness_ratio`` sees each measurement once.
 
-    An alert can come no sooner than the monitors' next sample. The default rules' divergence warning comes from a
-    :class:`SharpnessMonitor` (its lead on the instability suite: docs/monitoring.md); their regime alert compares
-    attention samples of the first 50 steps, so a ConnectionMonitor that samples more sparsely than every 25 steps
-    also samples steps 25 and 50 (two light samples, said by :meth:`connmon.alerts.RuleSet.regime_steps`). By
-    default an ``ERROR`` alert (non-finite attention) stops the run.
+    An alert can come no sooner than the monitors' next sample. The default rules read every head's max logit over
+    the whole batch of every step (the ConnectionMonitor's ``logit_every_n_steps``) and, for the edge rules, a
+    :class:`SharpnessMonitor`'s curvature (their leads and false alarms on the mechanisms benchmark:
+    docs/monitoring.md). A rule that watches only a run's first steps (``until=``) gets the samples it needs: a
+    sparse ConnectionMonitor also samples them (:meth:`connmon.alerts.RuleSet.regime_steps`). By default an
+    ``ERROR`` alert (non-finite attention) stops the run.
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
