@@ -68,3 +68,53 @@ def test_plain_ddp_loop_logs_synced_values_on_rank_zero_only(tmp_path):
                 checked += 1
     assert checked >= 10
     assert "connmon/edge_isometry_gap/all" in logged
+
+
+def clip_worker(rank: int, port: int, out: str) -> None:
+    """DDP with QK-clip: each process its own batch; the max logit read and the clip are the same everywhere."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from connmon.alerts import AlertRunner, QKClip
+        from connmon.capture.max_logit import HeadMaxLogits
+
+        alone = [dist.new_group([0]), dist.new_group([1])][rank]  # every process creates every group
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(TinyGPT())
+        local = HeadMaxLogits([block.attn for block in model.module.blocks], ["L0", "L1"])  # this process's batch
+        clip = QKClip(threshold=3.0)
+        monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None,
+                                  alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        tables, clips = [], []
+        for step in range(3):
+            ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(10 * step + rank))
+            with local.watching(), monitor.step(step):
+                loss = model(ids).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            tables.append(local.read(group=alone).tolist())
+            monitor.begin_step(step + 1)  # reads the step's max over both processes, and clips
+            clips.append([list(c) for c in clip.last])
+        weights = [p.detach().tolist() for p in model.parameters()]
+        with open(os.path.join(out, f"clip{rank}.json"), "w") as file:
+            json.dump({"tables": tables, "clips": clips, "weights": weights}, file)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave()
+
+
+def test_ddp_max_logit_is_the_max_over_processes_and_qk_clip_keeps_the_replicas_equal(tmp_path):
+    mp.spawn(clip_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"clip{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # the same clip on both replicas
+    assert ranks[0]["clips"] == ranks[1]["clips"] and all(ranks[0]["clips"])
+    for step in range(3):  # what was clipped is the max over both processes' batches
+        both = torch.maximum(torch.tensor(ranks[0]["tables"][step]), torch.tensor(ranks[1]["tables"][step]))
+        clipped = {(layer, head): logit for layer, head, logit in ranks[0]["clips"][step]}
+        assert set(clipped) == {(i, h) for i in range(2) for h in range(4) if both[i, h] > 3.0}
+        for (layer, head), logit in clipped.items():
+            assert logit == pytest.approx(float(both[layer, head]), rel=1e-6)
+        assert torch.equal(torch.tensor(ranks[0]["tables"][step]), torch.tensor(ranks[1]["tables"][step])) is False
