@@ -118,3 +118,71 @@ def test_ddp_max_logit_is_the_max_over_processes_and_qk_clip_keeps_the_replicas_
         for (layer, head), logit in clipped.items():
             assert logit == pytest.approx(float(both[layer, head]), rel=1e-6)
         assert torch.equal(torch.tensor(ranks[0]["tables"][step]), torch.tensor(ranks[1]["tables"][step])) is False
+
+
+def fsdp_clip_worker(rank: int, port: int, out: str) -> None:
+    """FSDP2 with QK-clip: every process scales the rows its shard holds."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        from connmon.alerts import AlertRunner, QKClip
+
+        torch.manual_seed(0)
+        model = TinyGPT()
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        clip = QKClip(threshold=3.0)
+        monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None,
+                                  alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        clips = _train_clipped(model, monitor, optimizer, clip, rank)
+        weights = [p.full_tensor().detach().tolist() for p in model.parameters()]
+        if rank == 0:
+            with open(os.path.join(out, "fsdp.json"), "w") as file:
+                json.dump({"clips": clips, "weights": weights}, file)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave()
+
+
+def _batches(step: int) -> list[torch.Tensor]:
+    return [torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(10 * step + rank)) for rank in (0, 1)]
+
+
+def _train_clipped(model, monitor, optimizer, clip, rank: int | None) -> list:
+    clips = []
+    for step in range(3):
+        batches = _batches(step)
+        ids = torch.cat(batches) if rank is None else batches[rank]
+        with monitor.step(step):
+            loss = model(ids).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        monitor.begin_step(step + 1)
+        clips.append([[layer, head] for layer, head, _ in clip.last])
+    return clips
+
+
+def test_fsdp2_qk_clip_scales_each_shard_as_one_process_scales_the_whole_model(tmp_path):
+    from connmon.alerts import AlertRunner, QKClip
+
+    mp.spawn(fsdp_clip_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    sharded = json.loads((tmp_path / "fsdp.json").read_text())
+    torch.manual_seed(0)
+    model = TinyGPT()  # one process, the two processes' batches together
+    clip = QKClip(threshold=3.0)
+    monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None,
+                              alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
+    clips = _train_clipped(model, monitor, torch.optim.AdamW(model.parameters(), lr=1e-2), clip, None)
+    assert sharded["clips"] == clips and all(clips)
+    for (name, whole), parts in zip(model.named_parameters(), sharded["weights"], strict=True):
+        parts, whole = torch.tensor(parts), whole.detach()
+        if name.endswith("c_attn.bias"):  # the key bias has no gradient (a constant per query): Adam steps on noise
+            parts, whole = torch.cat([parts[:32], parts[64:]]), torch.cat([whole[:32], whole[64:]])
+        # AdamW after a reduction in another order; a clip missing on one shard would leave its rows 10-40% off
+        torch.testing.assert_close(parts, whole, rtol=1e-3, atol=1e-4)
