@@ -147,6 +147,8 @@ class HeadMaxLogits:
         self._running: list[Tensor | None] = [None] * len(self.modules)
         self._layouts: list[QKLayout | None] = [None] * len(self.modules)
         self._seen_call = [False] * len(self.modules)
+        self._tensor_parallel = False  # the projections are split over all processes by head (a 1-D mesh)
+        self._unread: set[int] = set()  # layers split by head over a mesh with data parallelism: not read
         self._handles: list = []
         self._modes: list[_Watch] = []
 
@@ -216,6 +218,8 @@ class HeadMaxLogits:
             if running is not None:
                 table[index, : running.numel()] = running.float()
         self._running = [None] * len(self.modules)
+        if self._tensor_parallel:  # every process holds its own heads, of the same batch: nothing to reduce
+            return None if bool(torch.isneginf(table).all()) else table
         if dist.is_available() and dist.is_initialized():
             size = torch.tensor([table.shape[1]], device=device)
             dist.all_reduce(size, dist.ReduceOp.MAX, group=group)
@@ -255,6 +259,8 @@ class _Watch(TorchFunctionMode):
         return result
 
     def _sdpa(self, args: tuple, kwargs: dict) -> None:
+        if self.index in self.tracker._unread:
+            return
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         call = dict(zip(names, args, strict=False)) | kwargs
         query, key = _local(call["query"]).detach(), _local(call["key"]).detach()
@@ -304,6 +310,10 @@ class _Watch(TorchFunctionMode):
             self.tracker._layouts[self.index] = QKLayout(query, key)
 
     def _projection(self, func: Any, args: tuple, kwargs: dict, out: Tensor) -> None:
+        weight = args[1] if func is not torch.addmm and len(args) > 1 else (args[2] if len(args) > 2 else None)
+        mesh = getattr(weight, "device_mesh", None)
+        if mesh is not None and any(p.is_shard() for p in getattr(weight, "placements", ())):
+            self._tensor_parallel(mesh)
         if func is torch.nn.functional.linear or func is torch._C._nn.linear:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
@@ -313,6 +323,20 @@ class _Watch(TorchFunctionMode):
         elif func is torch.addmm and len(args) >= 3 and id(args[2]) in self.own:  # GPT-2's Conv1D: b + x W
             names = self.own[id(args[2])], self.own.get(id(args[0]))
             self.projections.append((*names, _local(out).detach(), True, hasattr(args[2], "device_mesh")))
+
+    def _tensor_parallel(self, mesh: Any) -> None:
+        """The layer's projections are split by head (tensor parallelism): each process reads its own heads."""
+        tracker = self.tracker
+        if mesh.ndim == 1 and mesh.size() == dist.get_world_size():
+            tracker._tensor_parallel = True
+            return
+        tracker._unread.add(self.index)
+        warn_once(
+            f"connmon: {tracker.names[self.index]}'s projections are split by head over a mesh with more than one "
+            "dimension (tensor parallelism beside data parallelism), so its per-step max logit is not read and "
+            "QK-clip does not act there",
+            key=("tp-2d", id(self.module)),
+        )
 
     def finish(self) -> None:
         """After the module's forward: say once why a layer gave no reading."""

@@ -186,3 +186,49 @@ def test_fsdp2_qk_clip_scales_each_shard_as_one_process_scales_the_whole_model(t
             parts, whole = torch.cat([parts[:32], parts[64:]]), torch.cat([whole[:32], whole[64:]])
         # AdamW after a reduction in another order; a clip missing on one shard would leave its rows 10-40% off
         torch.testing.assert_close(parts, whole, rtol=1e-3, atol=1e-4)
+
+
+def tp_clip_worker(rank: int, port: int, out: str) -> None:
+    """Tensor parallelism: each process reads its own heads (the same batch) and scales its own rows."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from connmon.alerts import AlertRunner, QKClip
+        from tests.capture.models import SplitGPT, tensor_parallel
+
+        torch.manual_seed(0)
+        model = tensor_parallel(SplitGPT(), init_device_mesh("cpu", (2,)))
+        clip = QKClip(threshold=6.0)
+        monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None,
+                                  alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        clips = _train_clipped(model, monitor, optimizer, clip, None)  # the same batch on both processes
+        weights = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist() for p in model.parameters()]
+        with open(os.path.join(out, f"tp{rank}.json"), "w") as file:
+            json.dump({"clips": clips, "weights": weights}, file)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave()
+
+
+def test_tensor_parallel_qk_clip_scales_each_processs_heads_as_one_process_scales_them_all(tmp_path):
+    from connmon.alerts import AlertRunner, QKClip
+    from tests.capture.models import SplitGPT
+
+    mp.spawn(tp_clip_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    ranks = [json.loads((tmp_path / f"tp{rank}.json").read_text()) for rank in range(2)]
+    torch.manual_seed(0)
+    model = SplitGPT()
+    clip = QKClip(threshold=6.0)
+    monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None,
+                              alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
+    clips = _train_clipped(model, monitor, torch.optim.AdamW(model.parameters(), lr=1e-2), clip, None)
+    assert all(clips)
+    local = [[sorted((layer, head + 2 * rank) for layer, head in step) for step in r["clips"]] for rank, r in
+             enumerate(ranks)]  # fmt: skip  # each process's heads 0, 1 are the model's 2 * rank, 2 * rank + 1
+    assert [sorted(a + b) for a, b in zip(*local, strict=True)] == [sorted(map(tuple, step)) for step in clips]
+    for whole, parts in zip(model.parameters(), ranks[0]["weights"], strict=True):
+        torch.testing.assert_close(torch.tensor(parts), whole.detach(), rtol=1e-3, atol=1e-4)
