@@ -68,7 +68,7 @@ def configs(args: argparse.Namespace) -> list[dict]:
             for tau in args.qk_clip:
                 runs.append({"arm": f"qk-clip {tau:g}", **common, "qk_norm": False, "qk_clip": tau})
         for task in ("markov", "copy"):
-            for init in ("gpt2", "torch"):  # torch's init: logits near 2 that triple as attention learns
+            for init in args.healthy_inits:  # torch's init: logits near 2 that triple as attention learns
                 healthy = {"start": 0.0, "peak": 1e-3, "ramp": 100, "shape": "warmup", "corpus": task, "init": init}
                 runs.append({"arm": "healthy", "seed": seed, **healthy, "width": 128, "qk_norm": False})
         if args.ramp:
@@ -274,6 +274,7 @@ def main() -> None:
     parser.add_argument("--no-ramp", dest="ramp", action="store_false", help="leave out the suite's LR ramp arms")
     parser.add_argument("--qk-clip", type=float, nargs="*", default=[], help="QK-clip arms at these thresholds")
     parser.add_argument("--only", nargs="*", help="train only these arms")
+    parser.add_argument("--healthy-inits", nargs="*", default=["gpt2", "torch"], help="the healthy arms' inits")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--search", action="store_true", help="also every candidate rule alone")
     parser.add_argument("--save", type=Path)
