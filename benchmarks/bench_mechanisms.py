@@ -207,6 +207,31 @@ def table(runs: list[dict]) -> None:
               f"{false_alarms} false alarms")  # fmt: skip
 
 
+def clip_table(runs: list[dict]) -> None:
+    """QK-clip against its QK-norm twin and the same run unclipped: the final loss, and how far from the twin's."""
+    twins = {_twin_key(r): r for r in runs if r["arm"] in ("qk-norm twin", "ramp twin")}
+    plain = {_twin_key(r): r for r in runs if r["arm"] in ("logit growth", "ramp")}
+    clipped = [r for r in runs if r.get("qk_clip")]
+    if not clipped:
+        return
+    print("\n### QK-clip (K2's rule after every optimizer step) against the QK-norm twin\n")
+    print("| run | LR | warmup | task | init | width | seed | tau | final loss: clipped / twin / unclipped | clipped "
+          "vs twin | max logit with the clip (unclipped) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for run in sorted(clipped, key=lambda r: (r["arm"].startswith("ramp"), r["peak"], r["corpus"], r["seed"])):
+        twin, unclipped = twins.get(_twin_key(run)), plain.get(_twin_key(run))
+        if twin is None or unclipped is None:
+            continue
+        mine, theirs, without = (smoothed(r["loss"]) for r in (run, twin, unclipped))
+        peak = max(max(max(layer) for layer in step) for step in run["head_logits"])
+        free = max(max(max(layer) for layer in step) for step in unclipped["head_logits"])
+        kind = "ramp" if run["arm"].startswith("ramp") else "warmup"
+        cells = [kind, f"{run['peak']:g}", str(run["ramp"]), run["corpus"], run.get("init", "torch"), str(run["width"]),
+                 str(run["seed"]), f"{run['qk_clip']:g}", f"{mine:.2f} / {theirs:.2f} / {without:.2f}",
+                 f"{mine / theirs - 1:+.0%}", f"{peak:.3g} ({free:.3g})"]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+
+
 def candidates() -> dict[str, Callable[[], RuleSet]]:
     """One rule at a time: per-head logit levels and surges, and the edge rule at several bounds."""
     heads = keys.HEAD_MAX_LOGIT + "*"
@@ -240,6 +265,7 @@ def search(runs: list[dict]) -> None:
     """Every candidate alone: failures warned (and how far ahead), false alarms on the runs that stay healthy."""
     twins = {_twin_key(r): r for r in runs if r["arm"] == "qk-norm twin"}
     outcomes = [(run, *failure(run, twins), fed(run)) for run in runs]
+    runs = [run for run in runs if not run.get("qk_clip")]
     print("\n### Candidates, one rule at a time\n")
     print("| rule | failures warned | leads | false alarms (arms) |")
     print("|---|---|---|---|")
@@ -298,7 +324,8 @@ def main() -> None:
                 )
                 if args.save:
                     args.save.write_text(json.dumps(runs))
-    table(runs)
+    table([run for run in runs if not run.get("qk_clip")])
+    clip_table(runs)
     if args.search:
         search(runs)
 
