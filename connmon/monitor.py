@@ -386,9 +386,8 @@ class Monitor(CopiesDetached):
             self.logits.unwatch()
         self.logits = None
         if self.logit_every_n_steps is not None or self.qk_clip is not None:
-            self.logits = HeadMaxLogits(
-                [layer.module for layer in self.selected], [layer.name for layer in self.selected]
-            )
+            modules, names = [layer.module for layer in self.selected], [layer.name for layer in self.selected]
+            self.logits = HeadMaxLogits(modules, names, clock=self.clock)
         self._logit_step, self._logit_window = None, None
         self.to(device_of(model))
         self.clock.start()

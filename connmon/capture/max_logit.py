@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from connmon._cost import CostClock
 from connmon.capture.scores import allowed_by
 from connmon.capture.session import _paused, busy, remove_mode, warn_once
 
@@ -128,6 +129,7 @@ class HeadMaxLogits:
         modules: the attention modules, in layer order.
         names: their names (for warnings).
         block_elements: the most scores held at once per call.
+        clock: a :class:`connmon._cost.CostClock` the reading's time is counted on (it synchronizes the device).
 
     Examples:
         >>> import torch
@@ -140,7 +142,14 @@ class HeadMaxLogits:
         (torch.Size([1, 4]), 'in_proj_weight', [16, 17, 18, 19])
     """
 
-    def __init__(self, modules: Sequence[nn.Module], names: Sequence[str], block_elements: int = BLOCK_ELEMENTS):
+    def __init__(
+        self,
+        modules: Sequence[nn.Module],
+        names: Sequence[str],
+        block_elements: int = BLOCK_ELEMENTS,
+        clock: CostClock | None = None,
+    ) -> None:
+        self.clock = clock  # the reading's time counts as the owner's (a Monitor's cost clock)
         self.modules = list(modules)
         self.names = list(names)
         self.block_elements = block_elements
@@ -251,12 +260,18 @@ class _Watch(TorchFunctionMode):
             func is torch.nn.functional.scaled_dot_product_attention
             or func is torch._C._nn.scaled_dot_product_attention
         ):
-            self._sdpa(args, kwargs)
+            with self._measuring():
+                self._sdpa(args, kwargs)
         elif func is torch.nn.functional.multi_head_attention_forward:  # it runs as one call: its inside is not seen
-            self._multi_head(args, kwargs)
+            with self._measuring():
+                self._multi_head(args, kwargs)
         elif self.find_layout and isinstance(result, Tensor):
             self._projection(func, args, kwargs, result)
         return result
+
+    def _measuring(self) -> contextlib.AbstractContextManager:
+        clock = self.tracker.clock
+        return clock.measuring() if clock is not None else contextlib.nullcontext()
 
     def _sdpa(self, args: tuple, kwargs: dict) -> None:
         if self.index in self.tracker._unread:
