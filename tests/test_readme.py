@@ -74,6 +74,7 @@ def test_readme_reaches_install_and_the_two_commands_on_its_first_screen():
 
 BENCHMARKS = ROOT / "benchmarks" / "README.md"
 MONITORING = ROOT / "docs" / "monitoring.md"
+MECHANISMS = "## `bench_mechanisms.py`"
 LARGE_RUNS = ROOT / "docs" / "large_runs.md"
 OVERHEAD, SHARPNESS, INSTABILITY = "## `bench_overhead.py`", "## `bench_sharpness.py`", "## `bench_instability.py`"
 BACKOFF = "## `bench_backoff.py`"
@@ -88,7 +89,8 @@ QUOTED = [
     (MONITORING, r"exact Lanczos every 20 steps\) cost (\d\.\d+)x", OVERHEAD),
     (MONITORING, r"the sample adds (\d\.\d+)x a training step's own memory", OVERHEAD),
     (MONITORING, r"\(exact Lanczos (\d\.\d+)x\)", OVERHEAD),
-    (MONITORING, r"9 of 9 divergences, a median of (\d+) steps ahead", INSTABILITY),
+    (MONITORING, r"the defaults warned \*\*(\d) of the 6 failures\*\*", MECHANISMS),
+    (MONITORING, r"saved (\d) of the 6 runs that logit growth ruined", MECHANISMS),
     (MONITORING, r"8 of 8 divergences a median of (\d+) steps ahead", SHARPNESS),
     (MONITORING, r"for (0\.\d+) gradients per\s+training step on the median healthy run", SHARPNESS),
     (ROOT / "docs" / "capture.md", r"agree within 10% on (\d+\.\d+)% of the", SHARPNESS),

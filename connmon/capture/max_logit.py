@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from connmon._cost import CostClock
 from connmon.capture.scores import allowed_by
-from connmon.capture.session import _paused, busy, remove_mode, warn_once
+from connmon.capture.session import busy, is_paused, remove_mode, warn_once
 
 __all__ = ["HeadMaxLogits", "QKLayout", "head_max_logit"]
 
@@ -189,7 +189,7 @@ class HeadMaxLogits:
 
     def _enter(self, index: int) -> Callable[[nn.Module, tuple], None]:
         def enter(module: nn.Module, args: tuple) -> None:
-            if not module.training or not torch.is_grad_enabled() or busy() or _paused():
+            if not module.training or not torch.is_grad_enabled() or busy() or is_paused():
                 return
             if torch.compiler.is_compiling():  # inside a graph: nothing to read, and nothing traced
                 return

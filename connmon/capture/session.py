@@ -52,14 +52,15 @@ def paused() -> Iterator[None]:
         >>> len(session.records)
         1
     """
-    _PAUSED.depth = _paused() + 1
+    _PAUSED.depth = is_paused() + 1
     try:
         yield
     finally:
         _PAUSED.depth -= 1
 
 
-def _paused() -> int:
+def is_paused() -> int:
+    """Above 0 inside :func:`paused` in this thread (forwards run there are not the training's)."""
     return getattr(_PAUSED, "depth", 0)
 
 
@@ -173,7 +174,7 @@ class CaptureSession:
         return self._watching(module) and id(module) not in self.done
 
     def _watching(self, module: nn.Module) -> bool:
-        return not _paused() and id(module) in self.layers and self.is_own_thread()
+        return not is_paused() and id(module) in self.layers and self.is_own_thread()
 
     def is_own_thread(self) -> bool:
         """Whether the calling thread is the one that armed the session."""
