@@ -108,6 +108,9 @@ def _twin_key(run: dict) -> tuple:
     return (run["seed"], run["peak"], run["ramp"], run["corpus"], run.get("init"), run["width"])
 
 
+LOGIT_EVERY = 25  # SamplingOptions.logit_every_n_steps default: the logits of every 25th step are read
+
+
 def fed(run: dict) -> dict[int, dict[str, float]]:
     """What the recipe's DriftAlert sees, step by step (the logit window since the last attention sample)."""
     series: dict[int, dict[str, float]] = {}
@@ -120,11 +123,9 @@ def fed(run: dict) -> dict[int, dict[str, float]]:
                 values.update({keys.head_key(index, head): value for head, value in enumerate(row)})
             series[step] = values
             window = None
-        window = (
-            table
-            if window is None
-            else [[max(a, b) for a, b in zip(w, t, strict=True)] for w, t in zip(window, table, strict=True)]
-        )
+        if step % LOGIT_EVERY == 0:  # the steps whose logits a Monitor reads
+            window = table if window is None else [[max(a, b) for a, b in zip(w, t, strict=True)]
+                                                   for w, t in zip(window, table, strict=True)]  # fmt: skip
     for step, ratio in run.get("sharpness", {}).items():
         if step != "off" and int(step) % SHARPNESS_EVERY == 0:
             series.setdefault(int(step), {})[keys.SHARPNESS_RATIO] = ratio

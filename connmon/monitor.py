@@ -140,7 +140,7 @@ class Monitor(CopiesDetached):
         full_every_n_samples: int = 25,
         edge_lanczos_steps: int | None = 32,
         budget: float | None = None,
-        logit_every_n_steps: int | None = 1,
+        logit_every_n_steps: int | None = 25,
         log: LogFn | None = None,
         wandb: Any = None,
         alerts: AlertRunner | None = None,

@@ -51,7 +51,9 @@ class SamplingOptions:
         logit_every_n_steps: read every head's max attention logit over the whole batch of every this-many-th
             optimizer step (every training forward of it, MAX-reduced across processes:
             :mod:`connmon.capture.max_logit`), shown to the alert rules and logged at each sample as
-            ``connmon/step_max_logit/L<ll>``; None for never. The ``"qk_clip"`` action reads it on every step.
+            ``connmon/step_max_logit/L<ll>``; None for never. A reading costs a training step 5% (256 tokens) to 25%
+            (4096 tokens) on a CPU (``benchmarks/bench_max_logit.py``), so every 25th step keeps it under 1%. The
+            ``"qk_clip"`` action reads it on every step.
 
     Raises:
         ValueError: for an invalid option (the message names it and the valid values).
@@ -81,7 +83,7 @@ class SamplingOptions:
     full_every_n_samples: int = 25
     edge_lanczos_steps: int | None = 32
     budget: float | None = None
-    logit_every_n_steps: int | None = 1
+    logit_every_n_steps: int | None = 25
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "num_sequences", "spectrum_k", "full_every_n_samples"):

@@ -431,9 +431,10 @@ def logit_explosion_rule(
     Watches ``connmon/head_max_logit/L<ll>H<hh>`` (every head of every layer, the window of steps since the previous
     sample: :mod:`connmon.capture.max_logit`), each against the smallest of its previous ``samples`` values
     (:class:`Surge`). On the mechanisms benchmark (attention sampled every 25 steps) tenfold within two samples
-    above 30 fired on every run whose logits exploded and which failed, and on no run that stayed healthy: the
-    copy task's induction head multiplies its logits tenfold too, but to about 20, and a run whose logits grew to
-    100 and fell back grew more slowly. The answer to it is :class:`QKClip` (``actions=("qk_clip",)``).
+    above 30 fired only on runs whose logits exploded (to 144-745), and on no healthy run nor QK-norm twin: the copy
+    task's induction head multiplies its logits tenfold too, but to about 20, and runs whose logits grew to 100 and
+    fell back grew more slowly. Of the runs it fired on, 2 never left the unigram plateau while their QK-norm twins
+    learned; 3 ended 16-21% behind their twins. The answer to it is :class:`QKClip` (``actions=("qk_clip",)``).
 
     Examples:
         >>> from connmon.alerts import RuleSet, logit_explosion_rule
@@ -453,7 +454,7 @@ def edge_crossing_rule(
     A run that lives at Adam's adaptive edge (Cohen et al. 2022) has its ratio above 1 for long stretches without
     diverging: on the mechanisms benchmark the QK-norm twins of the diverging runs hovered at 1 to 3.7 (one sample
     each time), so the theory's bound of 1 (:func:`edge_of_stability_rule`, opt-in) fired on them, and so did 2 or 3
-    on two samples; 4 on two samples fired on none of the 20 runs that did not fail, and warned a QK-norm run that
+    on two samples; 4 on two samples fired on none of the 24 runs that did not fail, and warned a QK-norm run that
     diverged anyway (its logits bounded, its curvature not) 193 steps ahead. What it costs: on the suite's LR ramps
     it warns later than the bound of 1 (ramp seed 2 of ``bench_sharpness.py``: 21 steps ahead against 61; seed 0:
     missed, 73 before), which :func:`logit_edge_rule` recovers in part where the logits grow.
@@ -485,8 +486,8 @@ def logit_edge_rule(
     ``consecutive`` samples in a row) and some head's max logit at least ``growth`` times the smallest of its
     previous ``samples`` values and above ``floor``. A QK-norm run that lives at the edge keeps its logits bounded; on
     the mechanisms benchmark the conjunction fired on none of the runs that stayed healthy, where the ratio alone
-    fired on the QK-norm twins, and it warned the LR ramp's logit-growth divergence 28 steps ahead (the ratio alone:
-    73, with those false alarms). It needs the per-step logits (``logit_every_n_steps``, on by default).
+    fired on the QK-norm twins, and it warned the LR ramp's logit-growth divergence 73 steps ahead (as the ratio
+    alone), once on a run whose logits exploded. It needs the max logits (``logit_every_n_steps``, on by default).
 
     Examples:
         >>> from connmon.alerts import RuleSet, logit_edge_rule

@@ -71,7 +71,7 @@ class ConnectionMonitor(CopiesDetached, Callback):
         full_every_n_samples: int = 25,
         edge_lanczos_steps: int | None = 32,
         budget: float | None = None,
-        logit_every_n_steps: int | None = 1,
+        logit_every_n_steps: int | None = 25,
     ) -> None:
         options = SamplingOptions(
             every_n_steps=every_n_steps, num_sequences=num_sequences, max_tokens=max_tokens, layers=layers,

@@ -81,13 +81,17 @@ def head_max_logit(
     rows = max(1, block_elements // max(1, batch * heads * keys.shape[-2]))
     best = torch.full((heads,), float("-inf"), dtype=dtype, device=query.device)
     for start in range(0, length, rows):
-        scores = (query[..., start : start + rows, :].to(dtype) @ keys.mT).mul_(scale)  # (B, H, r, S)
+        end = min(start + rows, length)
+        reach = min(end, keys.shape[-2]) if is_causal else keys.shape[-2]  # a causal block reads no later key
+        if reach == 0:
+            continue
+        scores = (query[..., start:end, :].to(dtype) @ keys[..., :reach, :].mT).mul_(scale)  # (B, H, r, reach)
         if is_causal:
-            positions = torch.arange(start, start + scores.shape[-2], device=query.device)[:, None]
-            scores.masked_fill_(torch.arange(scores.shape[-1], device=query.device) > positions, float("-inf"))
+            positions = torch.arange(start, end, device=query.device)[:, None]
+            scores.masked_fill_(torch.arange(reach, device=query.device) > positions, float("-inf"))
         if allowed is not None:
-            block = allowed[..., start : start + rows, :] if allowed.shape[-2] > 1 else allowed
-            scores.masked_fill_(~block, float("-inf"))
+            block = allowed[..., start:end, :] if allowed.shape[-2] > 1 else allowed
+            scores.masked_fill_(~block[..., :reach], float("-inf"))
         best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
     return best
 

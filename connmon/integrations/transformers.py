@@ -107,7 +107,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         full_every_n_samples: int = 25,
         edge_lanczos_steps: int | None = 32,
         budget: float | None = None,
-        logit_every_n_steps: int | None = 1,
+        logit_every_n_steps: int | None = 25,
         alerts: AlertRunner | None = None,
         sharpness: SharpnessSampler | None = None,
         loss_fn: Callable[[Any, dict], torch.Tensor] | None = None,

@@ -197,10 +197,11 @@ class ExplodingAt20(LitGPT):
 
 @pytest.mark.parametrize("module", [LitGPT, ExplodingAt20])
 def test_the_default_logit_rule_reads_every_steps_whole_batch_and_names_the_head(tmp_path, module):
-    """ConnectionMonitor and DriftAlert() at their defaults: each sample logs the largest logit of every step since
-    the previous one; 'attention logits exploding' fires on the explosion, naming layer and head, and never on the
-    plain run."""
-    sampler = ConnectionMonitor(every_n_steps=10, diagnostics=("walk",), figures_every_n_samples=None)
+    """ConnectionMonitor (reading every step's logits) and DriftAlert() at its defaults: each sample logs the largest
+    logit of every step since the previous one; 'attention logits exploding' fires on the explosion, naming layer
+    and head, and never on the plain run."""
+    sampler = ConnectionMonitor(every_n_steps=10, diagnostics=("walk",), figures_every_n_samples=None,
+                                logit_every_n_steps=1)  # fmt: skip
     alert = DriftAlert(actions=("log",))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
