@@ -29,6 +29,7 @@ Usage:
     python benchmarks/bench_overhead.py               # about 10 minutes on 2 CPU cores
     python benchmarks/bench_overhead.py --rounds 3
     python benchmarks/bench_overhead.py --rounds 3 --configs recipe "plain x4" "recipe x4"   # the default recipe
+    python benchmarks/bench_overhead.py --rounds 1 --configs recipe --lr 3e-2   # the recipe on a high-LR run
 """
 
 from __future__ import annotations
@@ -90,9 +91,9 @@ def next_token_loss(module: L.LightningModule, batch: tuple[torch.Tensor, torch.
     return torch.nn.functional.cross_entropy(module(idx).flatten(0, 1), target.flatten())
 
 
-def run(config: str, data: DataLoader, workdir: Path) -> dict[int, float]:
+def run(config: str, data: DataLoader, workdir: Path, lr: float = 3e-3) -> dict[int, float]:
     torch.manual_seed(0)
-    model = example.TinyGPT()
+    model = example.TinyGPT(lr=lr)
     clock = StepClock()
     callbacks: list[L.Callback] = [clock]  # first, and its stop last: the clock brackets every monitor's hooks
     logger: object = CSVLogger(workdir, name=config)
@@ -200,6 +201,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", nargs="*", help="only these configurations (plain is always run)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="the example's peak rate (3e-2, 1e-1: high-LR runs)")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_SILENT", "true")
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
@@ -221,7 +223,7 @@ def main() -> None:
         run("plain", data, Path(tmp) / "warm-up")  # the process's first fit pays for thread pools and allocator growth
         for round_ in range(args.rounds):
             for config in configs:
-                times, fraction, strides[config], spent = run(config, data, Path(tmp) / f"{round_}")
+                times, fraction, strides[config], spent = run(config, data, Path(tmp) / f"{round_}", args.lr)
                 if spent is not None:
                     gradients[config].append(spent)
                 window = [times[s] for s in range(1, STEPS)]
@@ -233,7 +235,8 @@ def main() -> None:
                     full_cost.extend((times[s] - step) / step for s in range(100, STEPS, 100))
                 print(f"round {round_ + 1}: {config} {throughput[config][-1]:.2f} steps/s", flush=True)
     base = statistics.median(throughput["plain"])
-    print(f"\ntorch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {args.rounds} rounds, steps 1..200\n")
+    print(f"\ntorch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {args.rounds} rounds, steps 1..200, "
+          f"peak LR {args.lr:g}\n")  # fmt: skip
     print("| configuration | steps/s (median) | step time vs plain | connmon/overhead logged in the run | "
           "curvature gradients per step |")  # fmt: skip
     print("|---|---|---|---|---|")
