@@ -225,6 +225,7 @@ class Monitor(CopiesDetached):
         self._logit_step: int | None = None  # the step whose forwards the logits read now
         self._clip_said_at: int | None = None  # the step of the last QK-clip line
         self._logit_window: Tensor | None = None  # (layers, H): the max since the last sample, for the rules
+        self._pending_logits: dict | None = None  # a checkpoint's max logits, until attach builds the reader
         if model is not None:
             self.attach(model)
 
@@ -389,6 +390,7 @@ class Monitor(CopiesDetached):
             modules, names = [layer.module for layer in self.selected], [layer.name for layer in self.selected]
             self.logits = HeadMaxLogits(modules, names, clock=self.clock)
         self._logit_step, self._logit_window = None, None
+        self._restore_logits()
         self.to(device_of(model))
         self.clock.start()
         self._start_step = None
@@ -449,7 +451,25 @@ class Monitor(CopiesDetached):
             "alerts": self.alerts.state_dict() if self.alerts is not None else None,
             "full_every_n_samples": self.full_every_n_samples,
             "sharpness": self.sharpness.state_dict() if self.sharpness is not None else None,
+            "logits": self._logit_state(),
         }
+
+    def _logit_state(self) -> dict[str, Any] | None:
+        """The max logits not logged yet: the step being read, the window since the last sample, the running maxima."""
+        if self.logits is None:
+            return self._pending_logits
+        window = None if self._logit_window is None else self._logit_window.tolist()
+        return {"step": self._logit_step, "window": window, **self.logits.state_dict()}
+
+    def _restore_logits(self) -> None:
+        state, self._pending_logits = self._pending_logits, None
+        if state is None or self.logits is None:
+            return
+        self.logits.load_state_dict(state)
+        self._logit_step = state.get("step")
+        window = state.get("window")
+        device = device_of(self._model) if self._model is not None else torch.device("cpu")
+        self._logit_window = None if window is None else torch.tensor(window, device=device)
 
     def _config(self) -> dict[str, Any]:
         """What the time-drift references depend on: a checkpoint from another configuration cannot continue them."""
@@ -480,6 +500,9 @@ class Monitor(CopiesDetached):
                 self._pending_drift_state = drift_state
         if self.alerts is not None and state_dict.get("alerts") is not None:
             self.alerts.load_state_dict(state_dict["alerts"])
+        if state_dict.get("logits") is not None:
+            self._pending_logits = state_dict["logits"]
+            self._restore_logits()
 
     def reset(self) -> None:
         """Start the cadence and the time-drift references afresh (a new run)."""
@@ -721,8 +744,9 @@ class Monitor(CopiesDetached):
     def _logit_values(self) -> dict[str, float]:
         """The max-logit window since the last sample: per layer (logged) and per head (for the rules); then reset."""
         window, self._logit_window = self._logit_window, None
-        if window is None:
+        if window is None or self.logits is None:
             return {}
+        window = self.logits.whole(window)
         out = {}
         for layer, row in zip(self.selected, window.tolist(), strict=True):
             index = layer.index

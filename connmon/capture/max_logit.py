@@ -241,6 +241,28 @@ class HeadMaxLogits:
             dist.all_reduce(table, dist.ReduceOp.MAX, group=group)
         return None if bool(torch.isneginf(table).all()) else table
 
+    def whole(self, table: Tensor) -> Tensor:
+        """``table`` with every head of the model: under tensor parallelism the processes' heads side by side.
+
+        Every process must call it (a collective there); elsewhere the table itself.
+        """
+        if not self._tensor_parallel or not (dist.is_available() and dist.is_initialized()):
+            return table
+        parts = [torch.empty_like(table) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, table.contiguous())
+        return torch.cat(parts, dim=1)
+
+    def state_dict(self) -> dict:
+        """The maxima not read yet (this process's), as lists."""
+        return {"running": [None if r is None else r.tolist() for r in self._running]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (a checkpoint of another depth is ignored)."""
+        running = state.get("running", [])
+        if len(running) == len(self.modules):
+            device = next((p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
+            self._running = [None if r is None else torch.tensor(r, device=device) for r in running]
+
     def layout(self, index: int) -> QKLayout | None:
         """Where layer ``index``'s queries and keys come from, found at its first training forward (None: not found)."""
         return self._layouts[index]

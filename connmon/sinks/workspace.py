@@ -98,6 +98,17 @@ def build_workspace(
             )
             for metric in metrics.metrics
         ]
+        if group == "walk":  # the largest logit of every head over the whole batch of the read steps, per layer
+            panels.append(
+                wr.LinePlot(
+                    title="step max logit (whole batch)",
+                    x=x,
+                    metric_regex=f"^{re.escape(prefix)}connmon/{keys.STEP_MAX_LOGIT}/L\\d+$",
+                    title_x="step",
+                    title_y="max logit",
+                    line_widths={},
+                )
+            )
         sections.append(
             ws.Section(name=f"connmon: {group}", panels=panels, is_open=True, layout_settings=_grid(panels))
         )
