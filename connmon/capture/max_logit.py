@@ -186,7 +186,7 @@ class HeadMaxLogits:
             self._handles.append(module.register_forward_hook(self._leave, always_call=True))
 
     def unwatch(self) -> None:
-        """Remove every hook (a forward running now keeps its reading until it ends)."""
+        """Remove every hook (between forwards: the entry points call it after a micro-batch's forward)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
