@@ -255,15 +255,10 @@ class Monitor(CopiesDetached):
         model = self._model
         self._step_now = step
         self.begin_step(step)
-        with self.watching_logits(), self._step(step, model, rule_values, batch, loss_weight) as sampled:
-            yield sampled
-
-    @contextlib.contextmanager
-    def watching_logits(self) -> Iterator[None]:
-        """:meth:`watch_logits` for the block: what :meth:`step` does around its forward."""
         self.watch_logits()
         try:
-            yield
+            with self._step(step, model, rule_values, batch, loss_weight) as sampled:
+                yield sampled
         finally:
             self.unwatch_logits()
 
@@ -669,8 +664,8 @@ class Monitor(CopiesDetached):
             broken |= {index for index, count in enumerate(counts) if count > 0}
         broken_layers = {layer.index for layer in self.selected if layer.index in broken}
         scalars = self._scalars(values, broken_layers)
-        heads = self._logit_values()
-        scalars.update({key: value for key, value in heads.items() if not key.startswith(keys.HEAD_MAX_LOGIT)})
+        layers, heads = self._logit_values()
+        scalars.update(layers)
         scalars.update(overhead_values(self.clock, step - (self._start_step if self._start_step is not None else step)))
         if self.alerts is not None:
             alerts, stop = self.alerts.run({**(rule_values or {}), **heads, **scalars}, step, wandb=self.sink)
@@ -682,7 +677,6 @@ class Monitor(CopiesDetached):
         self.last_sampled_step = step
         self.samples += 1
         self.last_values = scalars
-        heads = {key: value for key, value in heads.items() if key.startswith(keys.HEAD_MAX_LOGIT)}
         for listener in self._listeners:
             listener(step, {**heads, **scalars})
         return scalars
@@ -741,20 +735,18 @@ class Monitor(CopiesDetached):
             except Exception as error:  # a logger must not end the training run
                 warn_rank_zero(f"connmon: log(values, step={step}) raised {type(error).__name__}: {error}")
 
-    def _logit_values(self) -> dict[str, float]:
-        """The max-logit window since the last sample: per layer (logged) and per head (for the rules); then reset."""
+    def _logit_values(self) -> tuple[dict[str, float], dict[str, float]]:
+        """The max-logit window since the last sample, per layer (logged) and per head (for the rules); then reset."""
         window, self._logit_window = self._logit_window, None
         if window is None or self.logits is None:
-            return {}
-        window = self.logits.whole(window)
-        out = {}
-        for layer, row in zip(self.selected, window.tolist(), strict=True):
-            index = layer.index
-            finite = [(head, value) for head, value in enumerate(row) if math.isfinite(value)]
+            return {}, {}
+        layers, heads = {}, {}
+        for layer, row in zip(self.selected, self.logits.whole(window).tolist(), strict=True):
+            finite = {head: value for head, value in enumerate(row) if math.isfinite(value)}
             if finite:
-                out[keys.metric_key(keys.STEP_MAX_LOGIT, index)] = max(value for _, value in finite)
-                out.update({keys.head_key(index, head): value for head, value in finite})
-        return out
+                layers[keys.metric_key(keys.STEP_MAX_LOGIT, layer.index)] = max(finite.values())
+                heads.update({keys.head_key(layer.index, head): value for head, value in finite.items()})
+        return layers, heads
 
     def _consume(self, record: AttentionRecord) -> None:
         with torch.inference_mode(False):  # states stay normal tensors under a caller's inference mode

@@ -351,19 +351,20 @@ class _Watch(TorchFunctionMode):
             self.tracker._layouts[self.index] = QKLayout(query, key)
 
     def _projection(self, func: Any, args: tuple, kwargs: dict, out: Tensor) -> None:
-        weight = args[1] if func is not torch.addmm and len(args) > 1 else (args[2] if len(args) > 2 else None)
-        mesh = getattr(weight, "device_mesh", None)
-        if mesh is not None and any(p.is_shard() for p in getattr(weight, "placements", ())):
-            self._tensor_parallel(mesh)
         if func is torch.nn.functional.linear or func is torch._C._nn.linear:
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if isinstance(weight, Tensor) and id(weight) in self.own:
-                names = self.own[id(weight)], self.own.get(id(bias))
-                self.projections.append((*names, _local(out).detach(), False, hasattr(weight, "device_mesh")))
-        elif func is torch.addmm and len(args) >= 3 and id(args[2]) in self.own:  # GPT-2's Conv1D: b + x W
-            names = self.own[id(args[2])], self.own.get(id(args[0]))
-            self.projections.append((*names, _local(out).detach(), True, hasattr(args[2], "device_mesh")))
+            transposed = False
+        elif func is torch.addmm and len(args) >= 3:  # GPT-2's Conv1D: b + x W
+            bias, weight, transposed = args[0], args[2], True
+        else:
+            return
+        mesh = getattr(weight, "device_mesh", None)
+        if mesh is not None and any(p.is_shard() for p in getattr(weight, "placements", ())):
+            self._tensor_parallel(mesh)
+        if isinstance(weight, Tensor) and id(weight) in self.own:
+            names = self.own[id(weight)], self.own.get(id(bias))
+            self.projections.append((*names, _local(out).detach(), transposed, mesh is not None))
 
     def _tensor_parallel(self, mesh: Any) -> None:
         """The layer's projections are split by head (tensor parallelism): each process reads its own heads."""

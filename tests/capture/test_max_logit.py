@@ -214,3 +214,44 @@ def test_monitor_clips_each_step_and_logs_the_window():
     assert all(value > 0 for values in logged for key, value in values.items() if "step_max_logit" in key)
     assert not any(key.startswith("connmon/head_max_logit") for values in logged for key in values)
     monitor.close()
+
+
+@pytest.mark.parametrize("name", ["GPT-2", "LLaMA"])
+def test_an_hf_model_held_by_a_lightning_module_trains_bitwise_with_the_reading_and_logs_it(tmp_path, name):
+    """ConnectionMonitor reading every step's logits (and a QK-clip that never fires) around an HF model that a
+    LightningModule holds under its own attribute name: the same weights as the unwatched run, the reading logged."""
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    from connmon.callbacks import ConnectionMonitor, DriftAlert
+
+    family = next(f for f in FAMILIES if f.name == name)
+
+    class Wrapped(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.backbone = family.build().train()
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return self.backbone(input_ids=ids, labels=ids).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    ids = torch.randint(1, 64, (8, 10), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+    runs, logged = [], []
+    for watched in (False, True):
+        callbacks = [ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None,
+                                       logit_every_n_steps=1),
+                     DriftAlert(actions=("qk_clip",), qk_clip=QKClip(1e9))] if watched else []  # fmt: skip
+        module = Wrapped()
+        trainer = L.Trainer(max_steps=4, callbacks=callbacks, logger=CSVLogger(tmp_path / str(watched), name="csv"),
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            accelerator="cpu", devices=1, log_every_n_steps=1)  # fmt: skip
+        trainer.fit(module, loader)
+        runs.append(module)
+        logged = callbacks[0].monitor.last_values if watched else logged
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True))
+    assert logged["connmon/step_max_logit/L00"] > 0 and logged["connmon/step_max_logit/L01"] > 0
