@@ -534,13 +534,23 @@ class Monitor(CopiesDetached):
                 window = self._logit_window
                 self._logit_window = table if window is None or window.shape != table.shape else window.maximum(table)
                 if self.qk_clip is not None:
-                    layouts = [self.logits.layout(index) for index in range(len(self.logits.modules))]
-                    clips = self.qk_clip.apply(self.logits.modules, table, layouts)
-                    if clips and is_rank_zero():
-                        self._say_clips(step, clips)
+                    self._clip(step, table)
             every = self.logit_every_n_steps
             watch = self.qk_clip is not None or (every is not None and step % every == 0)
             self._logit_step = step if watch else None
+
+    def _clip(self, step: int, table: Tensor) -> None:
+        """The ``"qk_clip"`` action on the last step's table; one that raises is turned off, the run goes on."""
+        assert self.logits is not None and self.qk_clip is not None
+        layouts = [self.logits.layout(index) for index in range(len(self.logits.modules))]
+        try:
+            clips = self.qk_clip.apply(self.logits.modules, table, layouts)
+        except Exception as error:  # an action must not end the training run
+            warn_rank_zero(f"{self.owner}: QK-clip raised {type(error).__name__}: {error}; it is off for this run")
+            self.qk_clip = None
+            return
+        if clips and is_rank_zero():
+            self._say_clips(step, clips)
 
     def _say_clips(self, step: int, clips: list[tuple[int, int, float]]) -> None:
         said = self._clip_said_at

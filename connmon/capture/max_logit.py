@@ -161,7 +161,7 @@ class HeadMaxLogits:
         self._layouts: list[QKLayout | None] = [None] * len(self.modules)
         self._seen_call = [False] * len(self.modules)
         self._tensor_parallel = False  # the projections are split over all processes by head (a 1-D mesh)
-        self._unread: set[int] = set()  # layers split by head over a mesh with data parallelism: not read
+        self._unread: set[int] = set()  # layers not read: split by head beside data parallelism, or a reading failed
         self._handles: list = []
         self._modes: list[_Watch] = []
 
@@ -282,17 +282,27 @@ class _Watch(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         result = func(*args, **kwargs)
-        if (
-            func is torch.nn.functional.scaled_dot_product_attention
-            or func is torch._C._nn.scaled_dot_product_attention
-        ):
-            with self._measuring():
-                self._sdpa(args, kwargs)
-        elif func is torch.nn.functional.multi_head_attention_forward:  # it runs as one call: its inside is not seen
-            with self._measuring():
-                self._multi_head(args, kwargs)
-        elif self.find_layout and isinstance(result, Tensor):
-            self._projection(func, args, kwargs, result)
+        if self.index in self.tracker._unread:
+            return result
+        try:
+            if (
+                func is torch.nn.functional.scaled_dot_product_attention
+                or func is torch._C._nn.scaled_dot_product_attention
+            ):
+                with self._measuring():
+                    self._sdpa(args, kwargs)
+            elif func is torch.nn.functional.multi_head_attention_forward:  # one call: its inside is not seen
+                with self._measuring():
+                    self._multi_head(args, kwargs)
+            elif self.find_layout and isinstance(result, Tensor):
+                self._projection(func, args, kwargs, result)
+        except Exception as error:  # the reading must never end the training run: this layer is not read again
+            self.tracker._unread.add(self.index)
+            warn_once(
+                f"connmon: {self.tracker.names[self.index]}: reading its max logit raised {type(error).__name__}: "
+                f"{error}; it is not read from now on, and training goes on unchanged",
+                key=("max-logit-error", id(self.module)),
+            )
         return result
 
     def _measuring(self) -> contextlib.AbstractContextManager:
@@ -300,8 +310,6 @@ class _Watch(TorchFunctionMode):
         return clock.measuring() if clock is not None else contextlib.nullcontext()
 
     def _sdpa(self, args: tuple, kwargs: dict) -> None:
-        if self.index in self.tracker._unread:
-            return
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         call = dict(zip(names, args, strict=False)) | kwargs
         query, key = _local(call["query"]).detach(), _local(call["key"]).detach()

@@ -255,3 +255,27 @@ def test_an_hf_model_held_by_a_lightning_module_trains_bitwise_with_the_reading_
         logged = callbacks[0].monitor.last_values if watched else logged
     assert all(torch.equal(a, b) for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True))
     assert logged["connmon/step_max_logit/L00"] > 0 and logged["connmon/step_max_logit/L01"] > 0
+
+
+def test_a_reading_that_raises_warns_once_and_leaves_training_bitwise_unchanged(monkeypatch):
+    import connmon.capture.max_logit as max_logit
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory, say")
+
+    torch.manual_seed(0)
+    plain = _train(TinyGPT())
+    monkeypatch.setattr(max_logit, "head_max_logit", broken)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda values, step: None,
+                              logit_every_n_steps=1)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watched = _train(model, monitor)
+    said = [str(w.message) for w in caught if "reading its max logit raised RuntimeError" in str(w.message)]
+    assert len(said) == 2 and monitor.logits._unread == {0, 1}  # once per layer, then never read again
+    assert torch.equal(plain[0], watched[0])
+    assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1], strict=True))
+    assert not any(key.startswith("connmon/step_max_logit") for key in monitor.last_values)
+    monitor.close()
