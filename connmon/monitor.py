@@ -59,7 +59,8 @@ class Monitor(CopiesDetached):
     (:meth:`connmon.alerts.RuleSet.regime_steps`, in :attr:`extra_steps`). Every ``logit_every_n_steps``-th step
     each head's max logit over the step's whole batch is read (:mod:`connmon.capture.max_logit`), logged at the next
     sample as ``connmon/step_max_logit/L<ll>`` and shown to ``alerts`` per head; with their ``"qk_clip"`` action it
-    is read every step and the heads above the threshold are clipped after the optimizer step. A
+    is read every step and the heads above the threshold are clipped after the optimizer step; with their
+    ``"transport_clip"`` action (an experiment) each head's ``O_h V_h`` is held near a scaled isometry. A
     ``torch.compile``'d model keeps its graph as compiled: its sampled batch is read beside it by one more forward of
     the original module (eval mode, ``no_grad``), so training stays bitwise unchanged.
 
@@ -222,7 +223,11 @@ class Monitor(CopiesDetached):
         self._pre_hook: Any = None
         self.logits: HeadMaxLogits | None = None  # every head's max logit over the whole batch of a step
         self.qk_clip = alerts.qk_clip if alerts is not None else None  # DriftAlert hands its own to a Lightning run
+        self.transport_clip = alerts.transport_clip if alerts is not None else None  # (as qk_clip)
+        self._transport_said_at: int | None = None  # the step of the last transport-clip line
+        self._transport_said_where = False  # the layers it cannot act on were named
         self._logit_step: int | None = None  # the step whose forwards the logits read now
+        self._begun: int | None = None  # the step begin_step last ran for
         self._clip_said_at: int | None = None  # the step of the last QK-clip line
         self._logit_window: Tensor | None = None  # (layers, H): the max since the last sample, for the rules
         self._pending_logits: dict | None = None  # a checkpoint's max logits, until attach builds the reader
@@ -381,10 +386,10 @@ class Monitor(CopiesDetached):
         if self.logits is not None:
             self.logits.unwatch()
         self.logits = None
-        if self.logit_every_n_steps is not None or self.qk_clip is not None:
+        if self.logit_every_n_steps is not None or self.qk_clip is not None or self.transport_clip is not None:
             modules, names = [layer.module for layer in self.selected], [layer.name for layer in self.selected]
             self.logits = HeadMaxLogits(modules, names, clock=self.clock)
-        self._logit_step, self._logit_window = None, None
+        self._logit_step, self._logit_window, self._begun = None, None, None
         self._restore_logits()
         self.to(device_of(model))
         self.clock.start()
@@ -524,10 +529,12 @@ class Monitor(CopiesDetached):
         The previous step's per-head max logits (every forward of it, MAX-reduced across processes: every process
         calls this at the same steps) join the window the rules see at the next sample; with the ``"qk_clip"``
         action, the heads above its threshold are scaled now, after that step's optimizer step and before this
-        step's forward. Called by :meth:`step` and by the entry points; a second call for the same step does nothing.
+        step's forward; so does the ``"transport_clip"`` action, every ``transport_clip.every_n_steps`` steps. Called
+        by :meth:`step` and by the entry points; a second call for the same step does nothing.
         """
-        if self.logits is None or step == self._logit_step:
+        if self.logits is None or step == self._logit_step or step == self._begun:
             return
+        self._begun = step
         with self.clock.measuring():
             if self._logit_step is not None:
                 table = self.logits.read()
@@ -535,8 +542,12 @@ class Monitor(CopiesDetached):
                 self._logit_window = table if window is None or window.shape != table.shape else window.maximum(table)
                 if self.qk_clip is not None:
                     self._clip(step, table)
+            transport = self.transport_clip
+            if transport is not None and step % transport.every_n_steps == 0:
+                self._clip_transport(step)
             every = self.logit_every_n_steps
             watch = self.qk_clip is not None or (every is not None and step % every == 0)
+            watch = watch or (transport is not None and self.logits.layouts_pending())
             self._logit_step = step if watch else None
 
     def _clip(self, step: int, table: Tensor) -> None:
@@ -551,6 +562,40 @@ class Monitor(CopiesDetached):
             return
         if clips and is_rank_zero():
             self._say_clips(step, clips)
+
+    def _clip_transport(self, step: int) -> None:
+        """The ``"transport_clip"`` action; one that raises is turned off, the run goes on."""
+        assert self.logits is not None and self.transport_clip is not None
+        layouts = [self.logits.layout(index) for index in range(len(self.logits.modules))]
+        if not self._transport_said_where and not self.logits.layouts_pending():
+            self._transport_said_where = True
+            missing = [name for name, layout in zip(self.logits.names, layouts, strict=True)
+                       if layout is None or layout.value is None or layout.output is None]  # fmt: skip
+            if missing:
+                warn_rank_zero(
+                    f"{self.owner}: the transport clip does not act on {', '.join(missing[:4])}"
+                    f"{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}: their values or output are not "
+                    "one projection's rows inside the attention module, or they call no scaled_dot_product_attention"
+                )
+        try:
+            clips = self.transport_clip.apply(self.logits.modules, layouts)
+        except Exception as error:  # an action must not end the training run
+            warn_rank_zero(f"{self.owner}: the transport clip raised {type(error).__name__}: {error}; it is off now")
+            self.transport_clip = None
+            return
+        said = self._transport_said_at
+        if not clips or not is_rank_zero() or (said is not None and step - said < 100):
+            return  # at most one line per 100 steps
+        self._transport_said_at = step
+        heads = ", ".join(
+            f"{self.logits.names[layer]} head {head} ({high:.3g}x / {low:.3g}x)" for layer, head, high, low in clips[:4]
+        )
+        more = f" and {len(clips) - 4} more" if len(clips) > 4 else ""
+        warn_rank_zero(
+            f"{self.owner}: transport clip at step {step}: {heads}{more} (largest / smallest singular value of O_h V_h "
+            f"against their mean) clamped to within {self.transport_clip.factor:g}x of the mean "
+            f"({self.transport_clip.clipped} head clips so far)"
+        )
 
     def _say_clips(self, step: int, clips: list[tuple[int, int, float]]) -> None:
         said = self._clip_said_at

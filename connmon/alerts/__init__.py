@@ -43,6 +43,7 @@ from connmon.alerts.rules import (
     logit_explosion_rule,
 )
 from connmon.alerts.runner import DEFAULT_ACTIONS, KNOWN_ACTIONS, Action, AlertRunner
+from connmon.alerts.transport_clip import TransportClip
 
 __all__ = [
     "CUSUM",
@@ -67,6 +68,7 @@ __all__ = [
     "RuleSet",
     "Surge",
     "Threshold",
+    "TransportClip",
     "attention_collapse_rules",
     "default_rules",
     "edge_crossing_rule",

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from connmon._options import check_number
-from connmon.capture.max_logit import Projection, QKLayout
+from connmon.alerts._head_rows import scale_rows
+from connmon.capture.max_logit import HeadLayout, Projection
 
 __all__ = ["QKClip"]
 
@@ -45,12 +46,12 @@ class QKClip:
     Examples:
         >>> import torch
         >>> from connmon.alerts import QKClip
-        >>> from connmon.capture.max_logit import Projection, QKLayout
+        >>> from connmon.capture.max_logit import HeadLayout, Projection
         >>> attention = torch.nn.Module()
         >>> attention.qkv = torch.nn.Linear(4, 12)  # [q, k, v], 2 heads of 2
         >>> rows = torch.arange(4).view(2, 2)
         >>> query, key = (Projection("qkv.weight", "qkv.bias", r) for r in (rows, rows + 4))
-        >>> layout = QKLayout(query, key)
+        >>> layout = HeadLayout(query, key)
         >>> before = attention.qkv.weight.detach().clone()
         >>> QKClip(threshold=100.0).apply([attention], torch.tensor([[400.0, 50.0]]), [layout])
         [(0, 0, 400.0)]
@@ -67,14 +68,14 @@ class QKClip:
         check_number("threshold", self.threshold, low=0, low_open=True)
 
     @torch.no_grad()
-    def apply(self, modules: Sequence[nn.Module], table: Tensor, layouts: Sequence[QKLayout | None]) -> list[tuple]:
+    def apply(self, modules: Sequence[nn.Module], table: Tensor, layouts: Sequence[HeadLayout | None]) -> list[tuple]:
         """Scale the heads of ``modules`` whose max logit in ``table`` ``(layers, H)`` exceeds the threshold.
 
-        A layer without a layout (None) is left alone. Returns ``(layer, head, S)`` per clipped query head.
+        A layer whose queries and keys were not found is left alone. Returns ``(layer, head, S)`` per clipped head.
         """
         clips = []
         for index, (module, layout) in enumerate(zip(modules, layouts, strict=True)):
-            if layout is None:
+            if layout is None or layout.query is None or layout.key is None:
                 continue
             heads = layout.query.rows.shape[0]
             logits = table[index, :heads].double()
@@ -119,32 +120,7 @@ def _scale(module: nn.Module, side: Projection, factors: Tensor, rows: Tensor | 
     heads = side.rows if rows is None else rows
     per_row = factors.repeat_interleave(heads.shape[1])
     rows = heads.flatten()
-    _scale_rows(weight, rows, per_row, 1 if side.transposed else 0, side.local)
+    scale_rows(weight, rows, per_row, 1 if side.transposed else 0, side.local)
     if side.bias is not None:
         offset = 0 if side.bias_rows is None else int(side.bias_rows.flatten()[0] - side.rows.flatten()[0])
-        _scale_rows(module.get_parameter(side.bias), rows + offset, per_row, 0, side.local)
-
-
-def _scale_rows(parameter: Tensor, rows: Tensor, factors: Tensor, dim: int, local: bool) -> None:
-    """``parameter[rows] *= factors`` along ``dim``, on this process's part of a ``DTensor``.
-
-    ``local``: ``rows`` count in the local part (tensor parallelism: this process's heads); else in the whole
-    parameter (FSDP2: a shard holds a range of them).
-    """
-    mesh = getattr(parameter, "device_mesh", None)  # a DTensor: this process's part
-    data: Tensor = getattr(parameter, "to_local")() if mesh is not None else parameter  # noqa: B009
-    offset = 0
-    if not local and mesh is not None and data.shape[dim] != parameter.shape[dim]:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        placements = getattr(parameter, "placements")  # noqa: B009
-        _, offsets = compute_local_shape_and_global_offset(parameter.shape, mesh, placements)
-        offset = offsets[dim]
-    rows = rows.to(data.device) - offset
-    keep = (rows >= 0) & (rows < data.shape[dim])
-    if not bool(keep.any()):
-        return
-    index, factor = rows[keep], factors.to(data.device)[keep].to(data.dtype)
-    shape = [1] * data.dim()
-    shape[dim] = -1
-    data.index_copy_(dim, index, data.index_select(dim, index) * factor.view(shape))
+        scale_rows(module.get_parameter(side.bias), rows + offset, per_row, 0, side.local)

@@ -18,10 +18,11 @@ from connmon.alerts.backoff import LearningRateBackoff
 from connmon.alerts.qk_clip import QKClip
 from connmon.alerts.restore import RestorePoints
 from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules
+from connmon.alerts.transport_clip import TransportClip
 
-Action = Literal["log", "wandb", "stop", "backoff", "checkpoint", "qk_clip"]
-DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # "backoff", "checkpoint" and "qk_clip" are opt-in
-KNOWN_ACTIONS: tuple[Action, ...] = (*DEFAULT_ACTIONS, "backoff", "checkpoint", "qk_clip")
+Action = Literal["log", "wandb", "stop", "backoff", "checkpoint", "qk_clip", "transport_clip"]
+DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # the others are opt-in
+KNOWN_ACTIONS: tuple[Action, ...] = (*DEFAULT_ACTIONS, "backoff", "checkpoint", "qk_clip", "transport_clip")
 
 
 class AlertRunner:
@@ -36,12 +37,15 @@ class AlertRunner:
     the entry points save it; ``restore_points.due`` says the step); ``"qk_clip"`` (opt-in), not an answer to an
     alert but a step-by-step action: after every optimizer step, each head whose max logit over the step's whole
     batch exceeds ``qk_clip.threshold`` has its query and key projections scaled down (:class:`connmon.alerts.QKClip`;
-    the entry points read the logits and apply it). ``on_alert(alert)`` is called on every process; an exception
+    the entry points read the logits and apply it); ``"transport_clip"`` (opt-in, an experiment), a step-by-step
+    action too: each head's transport ``O_h V_h`` is held within ``transport_clip.factor`` of a scaled isometry
+    (:class:`connmon.alerts.TransportClip`). ``on_alert(alert)`` is called on every process; an exception
     there is reported, never raised.
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
-        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``, ``"qk_clip"``.
+        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``, ``"qk_clip"``,
+            ``"transport_clip"``.
         stop_level: the lowest level that requests a stop.
         on_alert: called with every :class:`connmon.alerts.Alert`.
         wait_duration: seconds W&B waits before sending another alert with the same title.
@@ -50,6 +54,7 @@ class AlertRunner:
         restore_points: the :class:`connmon.alerts.RestorePoints` for ``"checkpoint"`` (None: its defaults, level
             ``"WARN"``, the last 3 kept).
         qk_clip: the :class:`connmon.alerts.QKClip` for ``"qk_clip"`` (None: its defaults, threshold 100).
+        transport_clip: the :class:`connmon.alerts.TransportClip` for ``"transport_clip"`` (None: factor 2).
 
     Raises:
         ValueError: for an unknown action or level, a history that is not an integer >= 0, a wait that is not a
@@ -77,6 +82,7 @@ class AlertRunner:
         backoff: LearningRateBackoff | None = None,
         restore_points: RestorePoints | None = None,
         qk_clip: QKClip | None = None,
+        transport_clip: TransportClip | None = None,
     ) -> None:
         if isinstance(actions, (str, bytes)) or not isinstance(actions, (list, tuple)):
             raise ValueError(f"actions must be a list or tuple of {KNOWN_ACTIONS}, got actions={actions!r}")
@@ -88,6 +94,8 @@ class AlertRunner:
             raise ValueError(f"restore_points must be a connmon.alerts.RestorePoints or None, got {restore_points!r}")
         if qk_clip is not None and not isinstance(qk_clip, QKClip):
             raise ValueError(f"qk_clip must be a connmon.alerts.QKClip or None, got {qk_clip!r}")
+        if transport_clip is not None and not isinstance(transport_clip, TransportClip):
+            raise ValueError(f"transport_clip must be a connmon.alerts.TransportClip or None, got {transport_clip!r}")
         check_choice("stop_level", stop_level, LEVELS)
         check_number("history", history, low=0, integer=True)
         check_number("wait_duration", wait_duration, low=0)
@@ -104,6 +112,7 @@ class AlertRunner:
         self.backoff = (backoff or LearningRateBackoff()) if "backoff" in self.actions else None
         self.restore_points = (restore_points or RestorePoints()) if "checkpoint" in self.actions else None
         self.qk_clip = (qk_clip or QKClip()) if "qk_clip" in self.actions else None
+        self.transport_clip = (transport_clip or TransportClip()) if "transport_clip" in self.actions else None
 
     def run(self, values: Mapping[str, float], step: int, wandb: Any = None) -> tuple[list[Alert], bool]:
         """Feed one sample's values; returns the alerts raised and whether they ask the run to stop.
@@ -179,7 +188,7 @@ class AlertRunner:
         return counts
 
     def state_dict(self) -> dict[str, Any]:
-        """The rules' state, the alert count, the back-off's scale, the restore points kept and the QK-clip count."""
+        """The rules' state, the alert count, the back-off's scale, the restore points kept and the clip counts."""
         state = {"rules": self.rules.state_dict(), "total": self.total}
         if self.backoff is not None:
             state["backoff"] = self.backoff.state_dict()
@@ -187,6 +196,8 @@ class AlertRunner:
             state["restore_points"] = self.restore_points.state_dict()
         if self.qk_clip is not None:
             state["qk_clip"] = self.qk_clip.state_dict()
+        if self.transport_clip is not None:
+            state["transport_clip"] = self.transport_clip.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -199,6 +210,8 @@ class AlertRunner:
             self.restore_points.load_state_dict(state_dict["restore_points"])
         if self.qk_clip is not None and state_dict.get("qk_clip") is not None:
             self.qk_clip.load_state_dict(state_dict["qk_clip"])
+        if self.transport_clip is not None and state_dict.get("transport_clip") is not None:
+            self.transport_clip.load_state_dict(state_dict["transport_clip"])
 
 
 def _rule_hint(item: object) -> str:

@@ -23,6 +23,7 @@ from connmon.alerts import (
     RestorePoints,
     Rule,
     RuleSet,
+    TransportClip,
 )
 from connmon.callbacks.connection_monitor import ConnectionMonitor
 from connmon.callbacks.sharpness_monitor import SharpnessMonitor
@@ -68,8 +69,8 @@ class DriftAlert(Callback):
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
-        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``, ``"qk_clip"`` (the
-            trainer's ConnectionMonitor reads the logits and applies it after every optimizer step).
+        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``, ``"qk_clip"``,
+            ``"transport_clip"`` (the trainer's ConnectionMonitor applies the clips after the optimizer steps).
         stop_level: the lowest level that stops the run (with ``"stop"`` in ``actions``).
         on_alert: called with every :class:`connmon.alerts.Alert`.
         wait_duration: seconds W&B waits before sending another alert with the same title.
@@ -78,6 +79,7 @@ class DriftAlert(Callback):
         restore_points: the :class:`connmon.alerts.RestorePoints` of ``"checkpoint"`` (None: level ``"WARN"``, 3
             kept, beside ModelCheckpoint's directory).
         qk_clip: the :class:`connmon.alerts.QKClip` of ``"qk_clip"`` (None: threshold 100).
+        transport_clip: the :class:`connmon.alerts.TransportClip` of ``"transport_clip"`` (None: factor 2).
 
     Raises:
         ValueError: for an unknown action or level, or duplicate rule names.
@@ -101,10 +103,12 @@ class DriftAlert(Callback):
         backoff: LearningRateBackoff | None = None,
         restore_points: RestorePoints | None = None,
         qk_clip: QKClip | None = None,
+        transport_clip: TransportClip | None = None,
     ) -> None:
         self.runner = AlertRunner(
-            rules, actions, stop_level, on_alert, wait_duration, history, backoff, restore_points, qk_clip
-        )
+            rules, actions, stop_level, on_alert, wait_duration, history, backoff, restore_points, qk_clip,
+            transport_clip,
+        )  # fmt: skip
         self._listening: ConnectionMonitor | None = None
         self._listening_curvature: SharpnessMonitor | None = None
         self._wandb: Any = None
@@ -139,6 +143,7 @@ class DriftAlert(Callback):
             sampler = monitors[0].monitor
             sampler.extra_steps = self.rules.regime_steps(sampler.every_n_steps)
             sampler.qk_clip = self.runner.qk_clip  # read and applied where the logits are: the monitor's steps
+            sampler.transport_clip = self.runner.transport_clip
         if curvature and self._listening_curvature is not curvature[0]:
             curvature[0].add_listener(self._on_curvature)
             self._listening_curvature = curvature[0]

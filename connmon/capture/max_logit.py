@@ -11,8 +11,9 @@ all-reduce (data-parallel replicas; under tensor parallelism each process's own 
 group).
 
 While it watches a layer's first forward, it also finds which output rows of which projection weight make each
-head's query and key (from the data: the projection's output at position 0, where RoPE is the identity, equals the
-query bitwise), the layout :class:`connmon.alerts.QKClip` scales.
+head's query, key and value (from the data: the projection's output at position 0, where RoPE is the identity, equals
+the query bitwise), and which input columns of the output projection read each head's output: the layout
+:class:`connmon.alerts.QKClip` and :class:`connmon.alerts.TransportClip` change.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from connmon._cost import CostClock
 from connmon.capture.scores import allowed_by
 from connmon.capture.session import busy, is_paused, remove_mode, warn_once
 
-__all__ = ["HeadMaxLogits", "QKLayout", "head_max_logit"]
+__all__ = ["HeadLayout", "HeadMaxLogits", "head_max_logit"]
 
 BLOCK_ELEMENTS = 1 << 22  # scores per block: 16 MiB of float32
 
@@ -98,13 +99,16 @@ def head_max_logit(
 
 @dataclass(frozen=True)
 class Projection:
-    """One side (queries or keys) of a layer: the parameters that make it and its output features per head.
+    """One side of a layer's heads (queries, keys, values or the output): a weight and its features per head.
 
     Attributes:
         weight: the weight's name in the attention module (``"c_attn.weight"``, ``"in_proj_weight"``).
         bias: the bias's name, or None.
-        rows: ``(heads, d_h)`` output features per head (``H`` query heads, ``H_kv`` key heads).
-        transposed: the weight is ``(in, out)`` (GPT-2's ``Conv1D``), not ``(out, in)``.
+        rows: ``(heads, d_h)`` each head's features along the weight's dimension 0 (dimension 1 when ``transposed``):
+            output features of a query, key or value projection (``H`` query heads, ``H_kv`` key heads), input
+            features of the output projection.
+        transposed: the heads lie along dimension 1: a query/key/value weight stored ``(in, out)`` (GPT-2's
+            ``Conv1D``), or an output projection stored ``(out, in)`` (``nn.Linear``).
     """
 
     weight: str
@@ -116,11 +120,18 @@ class Projection:
 
 
 @dataclass(frozen=True)
-class QKLayout:
-    """Where one layer's queries and keys come from (found from the data at its first training forward)."""
+class HeadLayout:
+    """Where one layer's heads live in its parameters (found from the data at its first training forward).
 
-    query: Projection
-    key: Projection
+    A side is None where it was not found: the queries and keys (both or neither) where a norm, a latent or a rotation
+    stands between them and a projection; the values or the output where they pass through something other than one
+    projection of the attention module (BERT's output projection lies outside its self-attention module).
+    """
+
+    query: Projection | None = None
+    key: Projection | None = None
+    value: Projection | None = None
+    output: Projection | None = None
 
 
 class HeadMaxLogits:
@@ -158,7 +169,7 @@ class HeadMaxLogits:
         self.names = list(names)
         self.block_elements = block_elements
         self._running: list[Tensor | None] = [None] * len(self.modules)
-        self._layouts: list[QKLayout | None] = [None] * len(self.modules)
+        self._layouts: list[HeadLayout | None] = [None] * len(self.modules)
         self._seen_call = [False] * len(self.modules)
         self._tensor_parallel = False  # the projections are split over all processes by head (a 1-D mesh)
         self._unread: set[int] = set()  # layers not read: split by head beside data parallelism, or a reading failed
@@ -263,7 +274,11 @@ class HeadMaxLogits:
             device = next((p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
             self._running = [None if r is None else torch.tensor(r, device=device) for r in running]
 
-    def layout(self, index: int) -> QKLayout | None:
+    def layouts_pending(self) -> bool:
+        """Whether a layer's layout is still to be looked for (it has not run a read training forward yet)."""
+        return any(not seen and i not in self._unread for i, seen in enumerate(self._seen_call))
+
+    def layout(self, index: int) -> HeadLayout | None:
         """Where layer ``index``'s queries and keys come from, found at its first training forward (None: not found)."""
         return self._layouts[index]
 
@@ -277,6 +292,7 @@ class _Watch(TorchFunctionMode):
         self.find_layout = tracker._layouts[index] is None and not tracker._seen_call[index]
         self.own = {id(p): n for n, p in module.named_parameters()} if self.find_layout else {}
         self.projections: list[tuple] = []  # (weight name, bias name, output, transposed, weight is a DTensor)
+        self.attention_output: Tensor | None = None  # the first call's output, until the output projection reads it
         self.calls = 0
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -290,7 +306,7 @@ class _Watch(TorchFunctionMode):
                 or func is torch._C._nn.scaled_dot_product_attention
             ):
                 with self._measuring():
-                    self._sdpa(args, kwargs)
+                    self._sdpa(args, kwargs, result)
             elif func is torch.nn.functional.multi_head_attention_forward:  # one call: its inside is not seen
                 with self._measuring():
                     self._multi_head(args, kwargs)
@@ -309,7 +325,7 @@ class _Watch(TorchFunctionMode):
         clock = self.tracker.clock
         return clock.measuring() if clock is not None else contextlib.nullcontext()
 
-    def _sdpa(self, args: tuple, kwargs: dict) -> None:
+    def _sdpa(self, args: tuple, kwargs: dict, result: Tensor) -> None:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         call = dict(zip(names, args, strict=False)) | kwargs
         query, key = _local(call["query"]).detach(), _local(call["key"]).detach()
@@ -321,7 +337,10 @@ class _Watch(TorchFunctionMode):
         self.tracker.observe(self.index, best)
         self.calls += 1
         if self.find_layout and self.calls == 1:
-            self.tracker._layouts[self.index] = _layout(self.projections, query, key)
+            value = _local(call["value"]).detach()
+            layout = replace(_layout(self.projections, query, key), value=_side(self.projections, value))
+            self.attention_output = _local(result).detach() if isinstance(result, Tensor) else None
+            self.tracker._layouts[self.index] = layout
 
     def _multi_head(self, args: tuple, kwargs: dict) -> None:
         """``nn.MultiheadAttention``'s self-attention: its queries and keys from its own input projection."""
@@ -353,10 +372,17 @@ class _Watch(TorchFunctionMode):
                 query, key = Projection("q_proj_weight", None, rows), Projection("k_proj_weight", None, rows)
             else:
                 query, key = Projection("in_proj_weight", None, rows), Projection("in_proj_weight", None, rows + width)
+            if call.get("use_separate_proj_weight"):
+                value = Projection("v_proj_weight", None, rows)
+            else:
+                value = Projection("in_proj_weight", None, rows + 2 * width)
             if bias is not None:
-                query, key = (replace(side, bias="in_proj_bias", bias_rows=side_rows)
-                              for side, side_rows in ((query, rows), (key, rows + width)))  # fmt: skip
-            self.tracker._layouts[self.index] = QKLayout(query, key)
+                biased = ((query, rows), (key, rows + width), (value, rows + 2 * width))
+                query, key, value = (replace(side, bias="in_proj_bias", bias_rows=at) for side, at in biased)
+            names = {id(p): n for n, p in self.module.named_parameters()}
+            out_name = names.get(id(call.get("out_proj_weight")))
+            output = None if out_name is None else Projection(out_name, None, rows, transposed=True)
+            self.tracker._layouts[self.index] = HeadLayout(query, key, value, output)
 
     def _projection(self, func: Any, args: tuple, kwargs: dict, out: Tensor) -> None:
         if func is torch.nn.functional.linear or func is torch._C._nn.linear:
@@ -373,6 +399,28 @@ class _Watch(TorchFunctionMode):
         if isinstance(weight, Tensor) and id(weight) in self.own:
             names = self.own[id(weight)], self.own.get(id(bias))
             self.projections.append((*names, _local(out).detach(), transposed, mesh is not None))
+            if self.attention_output is not None:
+                inp = args[1] if transposed else (args[0] if args else kwargs.get("input"))
+                if isinstance(inp, Tensor):
+                    self._output_projection(self.own[id(weight)], _local(inp).detach(), transposed, mesh is not None)
+
+    def _output_projection(self, weight: str, inp: Tensor, transposed: bool, local: bool) -> None:
+        """Is this projection's input the attention's output? Then its input columns per head are the output side."""
+        from connmon.capture.adapters._values import matching_columns
+
+        heads = self.attention_output
+        assert heads is not None
+        batch, _, length, _ = heads.shape
+        if inp.dim() == 2 and inp.shape[0] == batch * length:
+            inp = inp.view(batch, length, -1)
+        if inp.dim() != 3 or inp.shape[:2] != (batch, length):
+            return
+        columns = matching_columns(inp, heads)
+        layout = self.tracker._layouts[self.index]
+        if columns is not None and layout is not None:
+            self.attention_output = None
+            output = Projection(weight, None, columns, transposed=not transposed, local=local)
+            self.tracker._layouts[self.index] = replace(layout, output=output)
 
     def _tensor_parallel(self, mesh: Any) -> None:
         """The layer's projections are split by head (tensor parallelism): each process reads its own heads."""
@@ -393,7 +441,8 @@ class _Watch(TorchFunctionMode):
         tracker = self.tracker
         if self.calls:
             tracker._seen_call[self.index] = True
-            if self.find_layout and tracker._layouts[self.index] is None:
+            layout = tracker._layouts[self.index]
+            if self.find_layout and (layout is None or layout.query is None):
                 warn_once(
                     f"connmon: {tracker.names[self.index]}: its queries or keys are not output rows of one of its "
                     "projections (a norm, a latent or a rotation between them), so QK-clip cannot scale them there",
@@ -433,25 +482,21 @@ def _local(tensor: Tensor) -> Tensor:
     return to_local() if to_local is not None else tensor
 
 
-def _layout(projections: list, query: Tensor, key: Tensor) -> QKLayout | None:
-    """Which projection rows are each head's query and key, matched bitwise against the projections' outputs.
+def _layout(projections: list, query: Tensor, key: Tensor) -> HeadLayout:
+    """Which projection rows are each head's query and key (both or neither), matched bitwise against the outputs.
 
     Every position is tried first; then position 0 alone, where RoPE is the identity.
     """
-    found = []
-    for side in (query, key):
-        if side.dim() != 4:
-            return None
-        match = _rows(projections, side)
-        if match is None:
-            return None
-        found.append(match)
-    return QKLayout(*found)
+    found = [_side(projections, query), _side(projections, key)]
+    return HeadLayout(*found) if None not in found else HeadLayout()
 
 
-def _rows(projections: list, side: Tensor) -> Projection | None:
+def _side(projections: list, side: Tensor) -> Projection | None:
+    """The projection rows whose outputs are ``side`` ``(B, H, n, d_h)``, the nearest projection first."""
     from connmon.capture.adapters._values import matching_columns
 
+    if side.dim() != 4:
+        return None
     batch, _, length, _ = side.shape
     for weight, bias, out, transposed, local in reversed(projections):  # the nearest projection first
         if not out.is_floating_point() or out.dim() < 2:

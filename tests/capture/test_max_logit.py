@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import connmon
-from connmon.alerts import AlertRunner, QKClip
+from connmon.alerts import AlertRunner, QKClip, TransportClip
 from connmon.capture import attention_layers
 from connmon.capture.max_logit import HeadMaxLogits, head_max_logit
 from tests.capture.families import FAMILIES
@@ -133,7 +133,8 @@ def test_families_max_logit_equals_the_capture_and_qk_clip_brings_it_to_the_thre
             assert table[index].max().item() == pytest.approx(value, rel=1e-6)
     layouts = [tracker.layout(index) for index in range(len(layers))]
     if family.name in NO_LAYOUT:
-        assert layouts == [None] * len(layers) and all("QK-clip cannot scale" in s for s in said)
+        assert all(layout.query is layout.key is None for layout in layouts)
+        assert all("QK-clip cannot scale" in s for s in said)
         return
     assert None not in layouts and not said
     if family.name == "ALBERT":  # its second call reads what the clipped first call wrote: no exact threshold
@@ -218,7 +219,7 @@ def test_monitor_clips_each_step_and_logs_the_window():
 
 @pytest.mark.parametrize("name", ["GPT-2", "LLaMA"])
 def test_an_hf_model_held_by_a_lightning_module_trains_bitwise_with_the_reading_and_logs_it(tmp_path, name):
-    """ConnectionMonitor reading every step's logits (and a QK-clip that never fires) around an HF model that a
+    """ConnectionMonitor reading every step's logits (and clips that never fire) around an HF model that a
     LightningModule holds under its own attribute name: the same weights as the unwatched run, the reading logged."""
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
@@ -245,7 +246,8 @@ def test_an_hf_model_held_by_a_lightning_module_trains_bitwise_with_the_reading_
     for watched in (False, True):
         callbacks = [ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None,
                                        logit_every_n_steps=1),
-                     DriftAlert(actions=("qk_clip",), qk_clip=QKClip(1e9))] if watched else []  # fmt: skip
+                     DriftAlert(actions=("qk_clip", "transport_clip"), qk_clip=QKClip(1e9),
+                                transport_clip=TransportClip(1e9))] if watched else []  # fmt: skip
         module = Wrapped()
         trainer = L.Trainer(max_steps=4, callbacks=callbacks, logger=CSVLogger(tmp_path / str(watched), name="csv"),
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,

@@ -127,16 +127,12 @@ def fsdp_clip_worker(rank: int, port: int, out: str) -> None:
     try:
         from torch.distributed.fsdp import fully_shard
 
-        from connmon.alerts import AlertRunner, QKClip
-
         torch.manual_seed(0)
         model = TinyGPT()
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-        clip = QKClip(threshold=3.0)
-        monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None,
-                                  alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
+        monitor, clip = _clipping_monitor(model, threshold=3.0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         clips = _train_clipped(model, monitor, optimizer, clip, rank)
         weights = [p.full_tensor().detach().tolist() for p in model.parameters()]
@@ -153,7 +149,19 @@ def _batches(step: int) -> list[torch.Tensor]:
     return [torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(10 * step + rank)) for rank in (0, 1)]
 
 
+def _clipping_monitor(model, threshold: float) -> tuple:
+    """A monitor with both clips: QK-clip at ``threshold`` and the transport clip at factor 1.5."""
+    from connmon.alerts import AlertRunner, QKClip, TransportClip
+
+    clips = QKClip(threshold=threshold), TransportClip(factor=1.5)
+    runner = AlertRunner([], actions=("qk_clip", "transport_clip"), qk_clip=clips[0], transport_clip=clips[1])
+    return connmon.Monitor(
+        model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None, alerts=runner
+    ), clips
+
+
 def _train_clipped(model, monitor, optimizer, clip, rank: int | None) -> list:
+    """Three steps; per step, each clip's ``[layer, head]`` pairs."""
     clips = []
     for step in range(3):
         batches = _batches(step)
@@ -164,22 +172,18 @@ def _train_clipped(model, monitor, optimizer, clip, rank: int | None) -> list:
         optimizer.step()
         optimizer.zero_grad()
         monitor.begin_step(step + 1)
-        clips.append([[layer, head] for layer, head, _ in clip.last])
+        clips.append([[[c[0], c[1]] for c in action.last] for action in clip])
     return clips
 
 
-def test_fsdp2_qk_clip_scales_each_shard_as_one_process_scales_the_whole_model(tmp_path):
-    from connmon.alerts import AlertRunner, QKClip
-
+def test_fsdp2_qk_and_transport_clips_change_each_shard_as_one_process_changes_the_whole_model(tmp_path):
     mp.spawn(fsdp_clip_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     sharded = json.loads((tmp_path / "fsdp.json").read_text())
     torch.manual_seed(0)
     model = TinyGPT()  # one process, the two processes' batches together
-    clip = QKClip(threshold=3.0)
-    monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None,
-                              alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
+    monitor, clip = _clipping_monitor(model, threshold=3.0)
     clips = _train_clipped(model, monitor, torch.optim.AdamW(model.parameters(), lr=1e-2), clip, None)
-    assert sharded["clips"] == clips and all(clips)
+    assert sharded["clips"] == clips and all(qk and transport for qk, transport in clips)
     for (name, whole), parts in zip(model.named_parameters(), sharded["weights"], strict=True):
         parts, whole = torch.tensor(parts), whole.detach()
         if name.endswith("c_attn.bias"):  # the key bias has no gradient (a constant per query): Adam steps on noise
@@ -195,14 +199,11 @@ def tp_clip_worker(rank: int, port: int, out: str) -> None:
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from connmon.alerts import AlertRunner, QKClip
         from tests.capture.models import SplitGPT, tensor_parallel
 
         torch.manual_seed(0)
         model = tensor_parallel(SplitGPT(), init_device_mesh("cpu", (2,)))
-        clip = QKClip(threshold=6.0)
-        monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None,
-                                  alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
+        monitor, clip = _clipping_monitor(model, threshold=6.0)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         clips = _train_clipped(model, monitor, optimizer, clip, None)  # the same batch on both processes
         weights = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist() for p in model.parameters()]
@@ -214,21 +215,20 @@ def tp_clip_worker(rank: int, port: int, out: str) -> None:
     leave()
 
 
-def test_tensor_parallel_qk_clip_scales_each_processs_heads_as_one_process_scales_them_all(tmp_path):
-    from connmon.alerts import AlertRunner, QKClip
+def test_tensor_parallel_qk_and_transport_clips_change_each_processs_heads_as_one_process_changes_them_all(tmp_path):
     from tests.capture.models import SplitGPT
 
     mp.spawn(tp_clip_worker, args=(free_port(), str(tmp_path)), nprocs=2)
     ranks = [json.loads((tmp_path / f"tp{rank}.json").read_text()) for rank in range(2)]
     torch.manual_seed(0)
     model = SplitGPT()
-    clip = QKClip(threshold=6.0)
-    monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None,
-                              alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
+    monitor, clip = _clipping_monitor(model, threshold=6.0)
     clips = _train_clipped(model, monitor, torch.optim.AdamW(model.parameters(), lr=1e-2), clip, None)
-    assert all(clips)
-    local = [[sorted((layer, head + 2 * rank) for layer, head in step) for step in r["clips"]] for rank, r in
-             enumerate(ranks)]  # fmt: skip  # each process's heads 0, 1 are the model's 2 * rank, 2 * rank + 1
-    assert [sorted(a + b) for a, b in zip(*local, strict=True)] == [sorted(map(tuple, step)) for step in clips]
+    assert all(qk and transport for qk, transport in clips)
+    for action in range(2):  # each process's heads 0, 1 are the model's 2 * rank, 2 * rank + 1
+        local = [[sorted((layer, head + 2 * rank) for layer, head in step[action]) for step in r["clips"]]
+                 for rank, r in enumerate(ranks)]  # fmt: skip
+        whole = [sorted(map(tuple, step[action])) for step in clips]
+        assert [sorted(a + b) for a, b in zip(*local, strict=True)] == whole
     for whole, parts in zip(model.parameters(), ranks[0]["weights"], strict=True):
         torch.testing.assert_close(torch.tensor(parts), whole.detach(), rtol=1e-3, atol=1e-4)
