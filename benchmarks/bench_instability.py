@@ -49,6 +49,7 @@ import json
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from multiprocessing import get_context
 from pathlib import Path
@@ -57,14 +58,17 @@ import torch
 from torch import nn
 
 import connmon
+from connmon import keys
 from connmon.alerts import (
     CUSUM,
+    AlertRunner,
     AllOf,
     EWMAZScore,
     QKClip,
     Rule,
     RuleSet,
     Threshold,
+    TransportClip,
     attention_collapse_rules,
     default_rules,
     edge_of_stability_rule,
@@ -272,6 +276,8 @@ def train(
     if config.get("head_logits"):  # every step's per-head max logit, connmon's own reader
         logits.watch()
     clip = QKClip(config["qk_clip"]) if config.get("qk_clip") else None
+    transport_clip = TransportClip(config["transport_clip"]) if config.get("transport_clip") else None
+    backoff = AlertRunner(actions=("backoff",)) if config.get("backoff") else None  # the default rules' back-off
     if config["optimizer"] == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=config["peak"], momentum=0.9)
     else:
@@ -279,8 +285,11 @@ def train(
     transport = TransportMetrics(depth)
     transport.measure_edges = False
     groups = [WalkMetrics(depth), transport, DriftMetrics(depth), *([SpectrumMetrics(depth)] if spectrum else [])]
+    if backoff is not None:
+        backoff.attach([optimizer], owner="bench")
     gen = torch.Generator().manual_seed(config["seed"])
     losses, grad_norms, samples, ratios, head_logits = [], [], {}, {}, []
+    window, fired = None, []  # the logit window the back-off's rules see, and the steps it fired at
     start = time.perf_counter()
     for step in range(steps):
         idx, target, _ = next_batch(config, step, optimizer, data, gen)
@@ -293,6 +302,14 @@ def train(
                     ratios[step] = sharpness_ratio(loss_fn, optimizer, steps=8, model=model, seed=step).ratio
             except Exception as error:  # SharpnessMonitor turns itself off here; so does the suite
                 sharpness_every, ratios["off"] = 0, repr(error)
+            if backoff is not None and step in ratios:
+                _back_off(backoff, {RATIO_KEY: ratios[step]}, step, fired)
+        if backoff is not None and step % every == 0:  # as a Monitor's sample: its values and the logit window
+            values = dict(samples[step])
+            for index, row in enumerate(window or []):
+                values.update({keys.head_key(index, head): value for head, value in enumerate(row)})
+            _back_off(backoff, values, step, fired)
+            window = None
         loss = next_token_loss(model, idx, target)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -301,11 +318,15 @@ def train(
         table = logits.read() if config.get("head_logits") else None
         if table is not None:
             head_logits.append([[float(f"{v:.4g}") for v in row] for row in table.tolist()])
+            if step % 25 == 0:  # as a Monitor's default logit_every_n_steps: the next sample's window
+                window = table.tolist()
         if not math.isfinite(losses[-1]):
             break
         optimizer.step()
         if clip is not None and table is not None:  # K2's QK-clip: this step's logits, after its update
             clip.apply(logits.modules, table, [logits.layout(i) for i in range(depth)])
+        if transport_clip is not None:  # after every update, on the layouts the reader found
+            transport_clip.apply(logits.modules, [logits.layout(i) for i in range(depth)])
     return {
         **config,
         "loss": losses,
@@ -313,8 +334,19 @@ def train(
         "samples": samples,
         "sharpness": ratios,
         "head_logits": head_logits,
+        "backoffs": fired,
         "seconds": time.perf_counter() - start,
     }
+
+
+def _back_off(runner: AlertRunner, values: dict, step: int, fired: list) -> None:
+    """Feed the back-off's rules (no warning lines); note the steps where it scaled the rate."""
+    scale = runner.backoff.scale
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner.run(values, step)
+    if runner.backoff.scale != scale:
+        fired.append(step)
 
 
 def _train(job: tuple) -> dict:

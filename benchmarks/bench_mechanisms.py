@@ -54,7 +54,7 @@ from connmon.alerts import (
 
 ATTENTION_EVERY = 25  # the README's recipe: a light attention sample every 25 steps
 SMOOTH = 20  # steps in the final smoothed loss
-RAMP_ARMS, RAMP_STEPS = ("ramp", "ramp twin", "control"), 1500  # the suite's ramp reaches its peak at step 1500
+RAMP_STEPS = 1500  # the suite's ramp reaches its peak at step 1500
 
 
 def configs(args: argparse.Namespace) -> list[dict]:
@@ -67,10 +67,18 @@ def configs(args: argparse.Namespace) -> list[dict]:
             runs.append({"arm": "qk-norm twin", **common, "qk_norm": True})
             for tau in args.qk_clip:
                 runs.append({"arm": f"qk-clip {tau:g}", **common, "qk_norm": False, "qk_clip": tau})
+            for factor in args.transport_clip:
+                runs.append({"arm": f"transport-clip {factor:g}", **common, "qk_norm": False,
+                             "transport_clip": factor})  # fmt: skip
+            if args.backoff:
+                runs.append({"arm": "backoff", **common, "qk_norm": False, "backoff": True})
         for task in ("markov", "copy"):
             for init in args.healthy_inits:  # torch's init: logits near 2 that triple as attention learns
                 healthy = {"start": 0.0, "peak": 1e-3, "ramp": 100, "shape": "warmup", "corpus": task, "init": init}
                 runs.append({"arm": "healthy", "seed": seed, **healthy, "width": 128, "qk_norm": False})
+                for factor in args.transport_clip:
+                    runs.append({"arm": f"healthy transport-clip {factor:g}", "seed": seed, **healthy, "width": 128,
+                                 "qk_norm": False, "transport_clip": factor})  # fmt: skip
         if args.ramp:
             ramp = {"seed": seed, "start": 1e-3, "ramp": 1500, "shape": "exp", "corpus": "markov", "width": 128}
             runs.append({"arm": "ramp", **ramp, "peak": 1e-1, "qk_norm": False})
@@ -78,6 +86,11 @@ def configs(args: argparse.Namespace) -> list[dict]:
             runs.append({"arm": "control", **ramp, "peak": 3e-3, "qk_norm": True})
             for tau in args.qk_clip:
                 runs.append({"arm": f"ramp qk-clip {tau:g}", **ramp, "peak": 1e-1, "qk_norm": False, "qk_clip": tau})
+            for factor in args.transport_clip:
+                runs.append({"arm": f"ramp transport-clip {factor:g}", **ramp, "peak": 1e-1, "qk_norm": False,
+                             "transport_clip": factor})  # fmt: skip
+            if args.backoff:
+                runs.append({"arm": "ramp backoff", **ramp, "peak": 1e-1, "qk_norm": False, "backoff": True})
     for run in runs:
         run["head_logits"] = True
     return runs
@@ -111,8 +124,11 @@ def _twin_key(run: dict) -> tuple:
 LOGIT_EVERY = 25  # SamplingOptions.logit_every_n_steps default: the logits of every 25th step are read
 
 
-def fed(run: dict) -> dict[int, dict[str, float]]:
-    """What the recipe's DriftAlert sees, step by step (the logit window since the last attention sample)."""
+def fed(run: dict, curvature_every: int = SHARPNESS_EVERY) -> dict[int, dict[str, float]]:
+    """What the recipe's DriftAlert sees, step by step (the logit window since the last attention sample).
+
+    ``curvature_every``: the ratio as a sampler every this many steps would read it (a multiple of the recorded 40).
+    """
     series: dict[int, dict[str, float]] = {}
     window: list[list[float]] | None = None
     for step, table in enumerate(run["head_logits"]):
@@ -127,7 +143,7 @@ def fed(run: dict) -> dict[int, dict[str, float]]:
             window = table if window is None else [[max(a, b) for a, b in zip(w, t, strict=True)]
                                                    for w, t in zip(window, table, strict=True)]  # fmt: skip
     for step, ratio in run.get("sharpness", {}).items():
-        if step != "off" and int(step) % SHARPNESS_EVERY == 0:
+        if step != "off" and int(step) % curvature_every == 0:
             series.setdefault(int(step), {})[keys.SHARPNESS_RATIO] = ratio
     return dict(sorted(series.items()))
 
@@ -178,7 +194,7 @@ def behind(run: dict, twins: dict) -> str:
     return f"{(smoothed(run['loss']) - smoothed(twin['loss'])) / drop:.0%}"
 
 
-def table(runs: list[dict]) -> None:
+def table(runs: list[dict], curvature_every: int = SHARPNESS_EVERY) -> None:
     twins = {_twin_key(r): r for r in runs if r["arm"] == "qk-norm twin"}
     for name, rules in RULE_SETS.items():
         print(f"\n### {name}\n")
@@ -188,7 +204,7 @@ def table(runs: list[dict]) -> None:
         warned, failed, false_alarms, leads = 0, 0, 0, []
         for run in runs:
             fail, kind = failure(run, twins)
-            alerts = first_alerts(rules, fed(run))
+            alerts = first_alerts(rules, fed(run, curvature_every))
             lead, false, shown = score(alerts, fail, kind)
             failed += fail is not None
             warned += lead != "-"
@@ -208,28 +224,46 @@ def table(runs: list[dict]) -> None:
               f"{false_alarms} false alarms")  # fmt: skip
 
 
+def action_of(run: dict) -> str:
+    """The action a run trained with ("" for none): QK-clip, the transport clip or the back-off."""
+    if run.get("qk_clip"):
+        return f"qk-clip {run['qk_clip']:g}"
+    if run.get("transport_clip"):
+        return f"transport clip {run['transport_clip']:g}"
+    return "back-off" if run.get("backoff") else ""
+
+
 def clip_table(runs: list[dict]) -> None:
-    """QK-clip against its QK-norm twin and the same run unclipped: the final loss, and how far from the twin's."""
+    """Each action against the QK-norm twin and the same run without it: the final loss, divergence, time."""
     twins = {_twin_key(r): r for r in runs if r["arm"] in ("qk-norm twin", "ramp twin")}
-    plain = {_twin_key(r): r for r in runs if r["arm"] in ("logit growth", "ramp")}
-    clipped = [r for r in runs if r.get("qk_clip")]
-    if not clipped:
+    plain = {_twin_key(r): r for r in runs if r["arm"] in ("logit growth", "ramp", "healthy")}
+    acted = [r for r in runs if action_of(r)]
+    if not acted:
         return
-    print("\n### QK-clip (K2's rule after every optimizer step) against the QK-norm twin\n")
-    print("| run | LR | warmup | task | init | width | seed | tau | final loss: clipped / twin / unclipped | clipped "
-          "vs twin | max logit with the clip (unclipped) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for run in sorted(clipped, key=lambda r: (r["arm"].startswith("ramp"), r["peak"], r["corpus"], r["seed"])):
-        twin, unclipped = twins.get(_twin_key(run)), plain.get(_twin_key(run))
-        if twin is None or unclipped is None:
+    print("\n### The actions (after every optimizer step) against the QK-norm twin and the run without them\n")
+    print(
+        "| run | LR | warmup | task | init | width | seed | action | diverged at (without) | final loss: with / "
+        "twin / without | vs twin | vs without | max logit with (without) | back-offs | time vs without |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    order = sorted(acted, key=lambda r: (r["arm"].startswith("ramp"), r["arm"].startswith("healthy"), action_of(r),
+                                         r["peak"], r["corpus"], r.get("init", ""), r["seed"]))  # fmt: skip
+    for run in order:
+        twin, without = twins.get(_twin_key(run)), plain.get(_twin_key(run))
+        if without is None:
             continue
-        mine, theirs, without = (smoothed(r["loss"]) for r in (run, twin, unclipped))
+        mine, other = smoothed(run["loss"]), smoothed(without["loss"])
+        theirs = smoothed(twin["loss"]) if twin is not None else None
         peak = max(max(max(layer) for layer in step) for step in run["head_logits"])
-        free = max(max(max(layer) for layer in step) for step in unclipped["head_logits"])
-        kind = "ramp" if run["arm"].startswith("ramp") else "warmup"
+        free = max(max(max(layer) for layer in step) for step in without["head_logits"])
+        kind = "ramp" if run["arm"].startswith("ramp") else "healthy" if run["arm"].startswith("healthy") else "warmup"
+        diverged = f"{divergence(run['loss'])} ({divergence(without['loss'])})"
         cells = [kind, f"{run['peak']:g}", str(run["ramp"]), run["corpus"], run.get("init", "torch"), str(run["width"]),
-                 str(run["seed"]), f"{run['qk_clip']:g}", f"{mine:.2f} / {theirs:.2f} / {without:.2f}",
-                 f"{mine / theirs - 1:+.0%}", f"{peak:.3g} ({free:.3g})"]  # fmt: skip
+                 str(run["seed"]), action_of(run), diverged,
+                 f"{mine:.2f} / {'-' if theirs is None else f'{theirs:.2f}'} / {other:.2f}",
+                 "-" if theirs is None else f"{mine / theirs - 1:+.0%}", f"{mine / other - 1:+.0%}",
+                 f"{peak:.3g} ({free:.3g})", str(len(run.get("backoffs", []))),
+                 f"{run['seconds'] / without['seconds']:.2f}x"]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
 
 
@@ -266,7 +300,7 @@ def search(runs: list[dict]) -> None:
     """Every candidate alone: failures warned (and how far ahead), false alarms on the runs that stay healthy."""
     twins = {_twin_key(r): r for r in runs if r["arm"] == "qk-norm twin"}
     outcomes = [(run, *failure(run, twins), fed(run)) for run in runs]
-    runs = [run for run in runs if not run.get("qk_clip")]
+    runs = [run for run in runs if not action_of(run)]
     print("\n### Candidates, one rule at a time\n")
     print("| rule | failures warned | leads | false alarms (arms) |")
     print("|---|---|---|---|")
@@ -300,8 +334,13 @@ def main() -> None:
                         help="logit-growth settings, each 'rate,warmup,task,init,width'")  # fmt: skip
     parser.add_argument("--no-ramp", dest="ramp", action="store_false", help="leave out the suite's LR ramp arms")
     parser.add_argument("--qk-clip", type=float, nargs="*", default=[], help="QK-clip arms at these thresholds")
+    parser.add_argument("--transport-clip", type=float, nargs="*", default=[],
+                        help="transport-clip arms (an experiment) at these factors, healthy runs included")  # fmt: skip
+    parser.add_argument("--backoff", action="store_true", help="back-off arms: the default rules' 'backoff' action")
     parser.add_argument("--only", nargs="*", help="train only these arms")
     parser.add_argument("--healthy-inits", nargs="*", default=["gpt2", "torch"], help="the healthy arms' inits")
+    parser.add_argument("--curvature-every", type=int, default=SHARPNESS_EVERY,
+                        help="read the recorded ratio every this many steps (a multiple of 40)")  # fmt: skip
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--search", action="store_true", help="also every candidate rule alone")
     parser.add_argument("--save", type=Path)
@@ -312,7 +351,7 @@ def main() -> None:
     else:
         example_module()  # fails early if the example moved
         chosen = [config for config in configs(args) if not args.only or config["arm"] in args.only]
-        jobs = [(config, RAMP_STEPS if config["arm"] in RAMP_ARMS or config["arm"].startswith("ramp") else args.steps,
+        jobs = [(config, RAMP_STEPS if config["arm"].startswith("ramp") or config["arm"] == "control" else args.steps,
                  ATTENTION_EVERY, False, False, SHARPNESS_EVERY) for config in chosen]  # fmt: skip
         jobs.sort(key=lambda job: (job[0]["seed"], -job[1]))  # the first seed of every arm first, long runs first
         runs = []
@@ -325,7 +364,7 @@ def main() -> None:
                 )
                 if args.save:
                     args.save.write_text(json.dumps(runs))
-    table([run for run in runs if not run.get("qk_clip")])
+    table([run for run in runs if not action_of(run)], args.curvature_every)
     clip_table(runs)
     if args.search:
         search(runs)
