@@ -65,7 +65,7 @@ def analyze(
     edge_queries: int | None = 32,
     edge_lanczos_steps: int | None = 32,
     on_record: Callable[[AttentionRecord], object] | None = None,
-    **kwargs: object,
+    **kwargs: Any,
 ) -> Report:
     """Capture one forward pass of ``model(*args, **kwargs)`` and compute every per-layer diagnostic.
 
@@ -107,12 +107,13 @@ def analyze(
         True
     """
     num_layers = len(attention_layers(getattr(model, "_orig_mod", model)))
+    spectra = SpectrumMetrics(num_layers, k=spectrum_k)
     groups = [
         WalkMetrics(num_layers),
         TransportMetrics(
             num_layers, edge_samples=edge_samples, edge_queries=edge_queries, edge_lanczos_steps=edge_lanczos_steps
         ),
-        SpectrumMetrics(num_layers, k=spectrum_k),
+        spectra,
         DriftMetrics(num_layers),
     ]
     report = Report()
@@ -124,7 +125,7 @@ def analyze(
                 finite = column[torch.isfinite(column)]
                 if name in LAYER_METRICS and finite.numel():
                     layer[name] = finite.double().mean().item()
-        spectrum = groups[2].last_spectra[record.index]
+        spectrum = spectra.last_spectra[record.index]
         layer["connection_spectrum"] = [[[v.real, v.imag] for v in row.tolist()] for row in spectrum]
         report.layers.append(layer)
         if on_record is not None:

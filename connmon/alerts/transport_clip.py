@@ -109,7 +109,9 @@ class TransportClip:
         >>> rows = torch.arange(4).view(2, 2)
         >>> query, key, value = (Projection("qkv.weight", "qkv.bias", r) for r in (rows, rows + 4, rows + 8))
         >>> output = Projection("out.weight", None, rows, transposed=True)  # a Linear's input columns
-        >>> with torch.no_grad():
+        >>> with torch.no_grad():  # values x itself, output the identity: each head's transport an isometry
+        ...     attention.qkv.weight[8:] = torch.eye(4)
+        ...     _ = attention.out.weight.copy_(torch.eye(4))
         ...     attention.out.weight[:, 0] *= 50  # head 0's first direction 50x
         >>> clips = TransportClip(factor=2.0).apply([attention], [HeadLayout(query, key, value, output)])
         >>> [(layer, head) for layer, head, _, _ in clips]

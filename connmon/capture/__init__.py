@@ -23,6 +23,7 @@ import re
 import sys
 import types
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -279,7 +280,7 @@ def capture(
 class _CallableModule(types.ModuleType):
     """Makes ``connmon.capture(model, ...)`` (the public API) call :func:`capture`; the package stays a package."""
 
-    def __call__(self, model: nn.Module, *args: object, **kwargs: object) -> list[AttentionRecord]:
+    def __call__(self, model: nn.Module, *args: Any, **kwargs: Any) -> list[AttentionRecord]:
         return capture(model, *args, **kwargs)
 
 

@@ -18,6 +18,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +26,9 @@ from torch import Tensor, nn
 from connmon._cost import CostClock
 from connmon.capture.record import AttentionRecord, reconstruction_error
 from connmon.capture.scores import allowed_by, attention_scores
+
+if TYPE_CHECKING:  # the adapters import the session
+    from connmon.capture.adapters.base import Adapter
 
 # The largest reconstruction error of an exact record, per dtype the module computed in: far above the round-off
 # of that dtype over a layer (float32 ~1e-7, bf16 ~1e-2) and far below what a module that is not a walk gives.
@@ -92,7 +96,7 @@ class Layer:
     name: str
     index: int
     module: nn.Module
-    adapter: object  # connmon.capture.adapters.Adapter; typed loosely to avoid an import cycle
+    adapter: Adapter
 
 
 @dataclass
@@ -211,6 +215,7 @@ class CaptureSession:
         pending = self.pending(module)
         with self.guarded(module):
             if heads_over is not None and pending.probs is not None:
+                assert pending.max_logit is not None and pending.key_mask is not None  # put with the probabilities
                 pending.probs = torch.cat(_gathered(heads_over, pending.probs), dim=1)  # (B_s, H, m, m), head order
                 maxima = _gathered(heads_over, pending.max_logit)
                 pending.max_logit = torch.stack(maxima).amax(dim=0)
@@ -220,7 +225,8 @@ class CaptureSession:
             if output is not None:
                 pending.output, pending.output_dtype = self.take(output), output.dtype
             if weights is not None:
-                pending.weights = tuple(t.detach().to(self.dtype, copy=True) for t in weights)
+                w_v, w_o, bias = (t.detach().to(self.dtype, copy=True) for t in weights)
+                pending.weights = w_v, w_o, bias
             self._maybe_finish(module, pending)
 
     def put_scores(
@@ -358,7 +364,8 @@ class CaptureSession:
             return
         layer = self.layers[id(module)]
         if pending.weights is None:
-            pending.weights = tuple(t.detach().to(self.dtype, copy=True) for t in layer.adapter.weights(module))
+            w_v, w_o, bias = (t.detach().to(self.dtype, copy=True) for t in layer.adapter.weights(module))
+            pending.weights = w_v, w_o, bias
         self.done.add(id(module))
         self._pending.pop(id(module), None)
         record = self._record(layer, pending)
@@ -388,8 +395,10 @@ class CaptureSession:
             self.records.append(record)
 
     def _record(self, layer: Layer, pending: _Pending) -> AttentionRecord:
-        w_v, w_o, bias = pending.weights
-        probs, x, output = pending.probs, pending.x, pending.output
+        probs, x, output, weights = pending.probs, pending.x, pending.output, pending.weights
+        assert probs is not None and x is not None and output is not None and weights is not None  # _maybe_finish
+        assert pending.max_logit is not None and pending.key_mask is not None  # put with the probabilities
+        w_v, w_o, bias = weights
         if x.shape[-2] != probs.shape[-1] or output.shape != (*x.shape[:-1], w_o.shape[-2]):
             raise ValueError(
                 f"{layer.name}: attention {tuple(probs.shape)} does not fit input {tuple(x.shape)} and output "
@@ -414,7 +423,7 @@ class CaptureSession:
         )
 
 
-def _gathered(group: object, tensor: Tensor) -> list[Tensor]:
+def _gathered(group: Any, tensor: Tensor) -> list[Tensor]:
     """``tensor`` of every process of ``group``, in rank order (each process's the same shape)."""
     parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
     torch.distributed.all_gather(parts, tensor.contiguous(), group=group)

@@ -164,19 +164,19 @@ def step_geometry(optimizer: torch.optim.Optimizer, lr_scale: float = 1.0, measu
     return StepGeometry(params, step_sizes, decay, constant)
 
 
-def _one(groups: list[dict], key: str) -> object:
+def _one(groups: list[dict], key: str) -> Any:
     values = {str(group[key]) for group in groups}
     if len(values) > 1:
         raise ValueError(f"parameter groups with different {key} ({sorted(values)}) have no single edge of stability")
     return groups[0][key]
 
 
-def _sgd_constant(optimizer: torch.optim.SGD) -> float:
+def _sgd_constant(optimizer: torch.optim.Optimizer) -> float:
     beta, nesterov = float(_one(optimizer.param_groups, "momentum")), bool(_one(optimizer.param_groups, "nesterov"))
     return 2 * (1 + beta) / (1 + 2 * beta) if nesterov else 2 * (1 + beta)
 
 
-def _sgd_sizes(optimizer: torch.optim.SGD, scale: float) -> Iterator[tuple[Tensor, float, float]]:
+def _sgd_sizes(optimizer: torch.optim.Optimizer, scale: float) -> Iterator[tuple[Tensor, float, float]]:
     beta = float(_one(optimizer.param_groups, "momentum"))
     for group in optimizer.param_groups:
         dampening = group["dampening"] if beta else 0.0
@@ -185,12 +185,12 @@ def _sgd_sizes(optimizer: torch.optim.SGD, scale: float) -> Iterator[tuple[Tenso
                 yield p, float(group["lr"]) * scale * (1 - dampening), float(group["weight_decay"])
 
 
-def _adam_constant(optimizer: torch.optim.Adam | torch.optim.AdamW) -> float:
+def _adam_constant(optimizer: torch.optim.Optimizer) -> float:
     return 2 * (1 + float(_one(optimizer.param_groups, "betas")[0]))
 
 
 def _adam_sizes(
-    optimizer: torch.optim.Adam | torch.optim.AdamW, scale: float, measured_only: bool = False
+    optimizer: torch.optim.Optimizer, scale: float, measured_only: bool = False
 ) -> Iterator[tuple[Tensor, Tensor, float]]:
     groups = optimizer.param_groups
     beta1, beta2 = (float(b) for b in _one(groups, "betas"))
@@ -642,6 +642,7 @@ class UpdateProbe:
             raise ValueError("this probe was read already: create one per optimizer step")
 
     def _result(self, curvature: float, reading: Reading) -> UpdateSharpness:
+        assert self._norm is not None  # _check said so
         value = (curvature + self._decay) / self._norm
         return UpdateSharpness(value / self._constant, value, self._constant, reading)
 

@@ -29,7 +29,9 @@ taken while it is taken. With ``storage="cpu"`` all six live in host memory and 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
@@ -231,7 +233,7 @@ class GradientDifferenceProducts:
                         part.add_(grad.reshape(-1).to(device=self.storage, dtype=self.dtype), alpha=weight)
                 del grads
             return
-        kept = [t.grad for t in self.leaves]
+        kept: list[Tensor | None] = [t.grad for t in self.leaves]
         try:
             for t in self.leaves:
                 t.grad = None
@@ -250,8 +252,8 @@ class GradientDifferenceProducts:
             settle(self.model)  # a forward or backward cut short leaves FSDP2 mid-iteration, gathered (perturbed)
             raise
         finally:
-            for t, grad in zip(self.leaves, kept, strict=True):
-                t.grad = grad
+            for t, old in zip(self.leaves, kept, strict=True):
+                t.grad = old
 
 
 class DoubleBackwardProducts:
@@ -278,7 +280,7 @@ class DoubleBackwardProducts:
         torch.manual_seed(seed)
         with torch.enable_grad():
             pairs = zip(loss_fns, step_weights(loss_fns, weights), strict=True)
-            loss = sum(weight * scalar_loss(loss_fn) for loss_fn, weight in pairs)
+            loss = functools.reduce(operator.add, [weight * scalar_loss(loss_fn) for loss_fn, weight in pairs])
             grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
         self.grads = grads
         self.live = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]  # the rest: H is 0 there
@@ -312,7 +314,8 @@ class DoubleBackwardProducts:
 def _low_precision_policy(model: torch.nn.Module | None) -> str | None:
     """Why ``model`` computes its forward below float32 whatever autocast says (FSDP2's policy), or None."""
     for module in model.modules() if model is not None else ():
-        state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+        get_state = getattr(module, "_get_fsdp_state", None)  # FSDP2's module
+        state = get_state() if callable(get_state) else None
         policy = getattr(state, "_mp_policy", None)
         dtype = getattr(policy, "param_dtype", None)
         if dtype is not None and dtype not in GRADIENT_CHANGE:

@@ -61,6 +61,7 @@ from connmon._ranks import warn_rank_zero
 from connmon.capture import paused
 from connmon.curvature import STORAGES, Storage, UpdateProbe, check_optimizer, sharpness_ratio
 from connmon.curvature.lockstep import PeerFailure
+from connmon.curvature.products import Products
 
 if TYPE_CHECKING:  # the rules are handed in by the entry points: the curvature imports nothing from alerts/
     from connmon.alerts.rules import RuleSet
@@ -390,7 +391,8 @@ class SharpnessSampler(CopiesDetached):
     def _lanczos(
         self, losses: list[Callable[[], Tensor]], weights: list[float] | None, model: nn.Module | None, step: int
     ) -> Any:
-        products = "double_backward" if self.estimator == "exact_lanczos" else "gradient_difference"
+        assert self.optimizer is not None  # attached
+        products: Products = "double_backward" if self.estimator == "exact_lanczos" else "gradient_difference"
         initial = self._difference_length if 0 < self._difference_length < 0.1 else None
         result = sharpness_ratio(
             losses, self.optimizer, steps=self.lanczos_steps, model=model, seed=step, products=products,
@@ -481,6 +483,7 @@ class SharpnessSampler(CopiesDetached):
 
     def _rebudget(self, step: int) -> None:
         """Choose the stride whose mean cost per sample fits the budget (the same on every process)."""
+        assert self.budget is not None
         steps = max(step - (self._start_step or 0), 1)
         cost, training = agreed(self.clock.spent / self.samples, self.clock.training / steps, device=self._device)
         stride = stride_for(self.budget, cost, training * self.every_n_steps)

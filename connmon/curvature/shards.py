@@ -21,13 +21,14 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from connmon.curvature.lockstep import Lockstep
 
 
 def local(tensor: Tensor) -> Tensor:
     """A ``DTensor``'s local part (its storage, under ``no_grad``), else the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "device_mesh") else tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class Shards:
@@ -52,10 +53,10 @@ class Shards:
     def __init__(self, params: Sequence[Tensor]) -> None:
         self.params = list(params)
         self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        self.sharded = any(hasattr(p, "device_mesh") for p in self.params)
+        self.sharded = any(isinstance(p, DTensor) for p in self.params)
         self.copies: list[int] = []  # how many processes hold each local element of parameter i
         for p in self.params:
-            if not hasattr(p, "device_mesh"):
+            if not isinstance(p, DTensor):
                 self.copies.append(self.world)
                 continue
             mesh = p.device_mesh
@@ -72,7 +73,7 @@ class Shards:
                     copies *= mesh.size(dim)
             self.copies.append(copies)
         self.sizes = [local(p).numel() for p in self.params]
-        self.plain = [i for i, p in enumerate(self.params) if not hasattr(p, "device_mesh")]
+        self.plain = [i for i, p in enumerate(self.params) if not isinstance(p, DTensor)]
         device = local(self.params[0]).device if self.params else torch.device("cpu")
         self.lockstep = Lockstep(self.world, device)  # checked before each of the collectives below
 
@@ -104,7 +105,7 @@ class Shards:
         parts = []
         for p in self.params:
             whole = torch.randn(tuple(p.shape), generator=generator, dtype=dtype)
-            if hasattr(p, "device_mesh"):
+            if isinstance(p, DTensor):
                 from torch.distributed.tensor import distribute_tensor
 
                 on_mesh = whole.to(p.device_mesh.device_type)

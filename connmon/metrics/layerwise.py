@@ -31,6 +31,9 @@ class LayerwiseMean(Metric):
     """
 
     metrics: ClassVar[tuple[str, ...]] = ()
+    total: Tensor  # (L, M) sums, count: values seen, nonfinite: (L,) non-finite records (torchmetrics states)
+    count: Tensor
+    nonfinite: Tensor
     full_state_update: bool = False
     higher_is_better = None
     is_differentiable = False

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from connmon import keys
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
+from connmon.metrics.layerwise import LayerwiseMean
 
 Trainer = Literal["lightning", "transformers", "plain"]
 # where each entry point's keys live and which step they are drawn against
@@ -25,7 +26,9 @@ LAYOUTS: dict[str, tuple[str, str]] = {
     "transformers": ("train/", "train/global_step"),  # the Trainer's W&B integration writes train/<key>
     "plain": ("", "Step"),  # connmon.Monitor logging with step=
 }
-GROUPS = {"walk": WalkMetrics, "transport": TransportMetrics, "spectrum": SpectrumMetrics, "drift": DriftMetrics}
+GROUPS: dict[str, type[LayerwiseMean]] = {
+    "walk": WalkMetrics, "transport": TransportMetrics, "spectrum": SpectrumMetrics, "drift": DriftMetrics
+}  # fmt: skip
 HISTOGRAMS = ("head_isometry_gap_hist", "spectrum_modulus_hist")
 FIGURES = ("spectra", "gaps_by_depth")
 ALERTS = (keys.ALERT_TOTAL, keys.ALERT_COUNT)
@@ -86,7 +89,7 @@ def build_workspace(
     prefix, x = LAYOUTS[trainer]
     sections = []
     for group, metrics in GROUPS.items():
-        panels = [
+        panels: list[Any] = [  # wandb-workspaces' Section takes a list of its panel union
             wr.LinePlot(
                 title=metric,
                 x=x,
@@ -112,15 +115,15 @@ def build_workspace(
         sections.append(
             ws.Section(name=f"connmon: {group}", panels=panels, is_open=True, layout_settings=_grid(panels))
         )
-    histograms = [
+    histograms: list[Any] = [
         wr.LinePlot(title=f"{hist} L{layer:02d}", x=x, y=[f"{prefix}connmon/{hist}/L{layer:02d}"])
         for hist in HISTOGRAMS
         for layer in range(num_layers)
     ]
     sections.append(ws.Section(name="connmon: histograms", panels=histograms, layout_settings=_grid(histograms)))
-    figures = [wr.MediaBrowser(title=f, media_keys=[f"{prefix}connmon/figures/{f}"]) for f in FIGURES]
+    figures: list[Any] = [wr.MediaBrowser(title=f, media_keys=[f"{prefix}connmon/figures/{f}"]) for f in FIGURES]
     sections.append(ws.Section(name="connmon: figures", panels=figures))
-    curvature = [
+    curvature: list[Any] = [
         wr.LinePlot(
             title=title,
             x=x,
@@ -151,7 +154,7 @@ def build_workspace(
     sections.append(
         ws.Section(name="connmon: curvature and cost", panels=curvature, is_open=True, layout_settings=_grid(curvature))
     )
-    alerts = [wr.LinePlot(title="connmon alerts", x=x, y=[f"{prefix}{key}" for key in ALERTS])]
+    alerts: list[Any] = [wr.LinePlot(title="connmon alerts", x=x, y=[f"{prefix}{key}" for key in ALERTS])]
     sections.append(ws.Section(name="connmon: alerts", panels=alerts, is_open=True))
     return ws.Workspace(entity=entity, project=project, name=name, sections=sections)
 

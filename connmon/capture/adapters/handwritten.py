@@ -20,9 +20,14 @@ warning. Nothing is switched: the module runs its own code on its own path.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from torch import Tensor, nn
 
 from connmon.capture.session import CaptureSession
+
+if TYPE_CHECKING:  # the kernel adapter routes hand-written attention here, and imports this module
+    from connmon.capture.adapters.kernel import KernelAttention
 
 _SOFTMAX = frozenset({"softmax"})
 _PRODUCT = frozenset({"matmul", "__matmul__", "bmm", "einsum"})
@@ -44,15 +49,15 @@ def observe(
     """
     name = getattr(func, "__name__", "")
     state = session.pending(module).adapter_state
-    adapter = session.layers[id(module)].adapter
-    if name == "scaled_dot_product_attention":
+    adapter = _reader(session, module)
+    if name == "scaled_dot_product_attention" and isinstance(result, Tensor):
         adapter.read_sdpa_call(session, module, args, kwargs, result)
     elif name == "linear":
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         if "parameters" not in state:  # the module's own weights, once per forward
             state["parameters"] = {id(p) for p in module.parameters()}
-        if isinstance(weight, nn.Parameter) and id(weight) in state["parameters"]:
+        if isinstance(weight, nn.Parameter) and id(weight) in state["parameters"] and isinstance(result, Tensor):
             adapter.read_projection(session, module, weight, bias, args[0], result)
     elif name in _SOFTMAX and isinstance(result, Tensor):
         _softmax(session, state, args, kwargs, result)
@@ -117,7 +122,7 @@ def _product(session: CaptureSession, module: nn.Module, state: dict, name: str,
     probs4, logits4 = (t if t.dim() == 4 else t.reshape(batch, -1, *t.shape[-2:]) for t in (probs, softmax["logits"]))
     session.put_probabilities(module, probs4, logits4, dropout=softmax["dropout"])
     if session.wants(module):
-        session.layers[id(module)].adapter.read_values(session, module, values, output.transpose(1, 2))
+        _reader(session, module).read_values(session, module, values, output.transpose(1, 2))
 
 
 def _batch(state: dict, probs: Tensor) -> int | None:
@@ -154,7 +159,7 @@ def _einsum(softmax: dict, args: tuple, out: Tensor) -> tuple[Tensor, Tensor] | 
     which = next((i for i, t in enumerate(operands) if _is_derived(softmax, t)), None)
     if which is None or len(subscripts) != 2 or len(subscripts[which]) != 4:
         return None
-    b, h, i, j = subscripts[which]
+    b, h, i, j = tuple(subscripts[which])
     value_subscripts, values = subscripts[1 - which], operands[1 - which]
     extra = [c for c in value_subscripts if c not in (b, h, j)]
     if len(extra) != 1 or j in output or b not in value_subscripts or j not in value_subscripts:
@@ -169,3 +174,8 @@ def _einsum(softmax: dict, args: tuple, out: Tensor) -> tuple[Tensor, Tensor] | 
     if h not in value_subscripts:  # one values head shared by every query head
         values = values.unsqueeze(1)
     return values, out.permute(*(output.index(c) for c in (b, h, i, d)))
+
+
+def _reader(session: CaptureSession, module: nn.Module) -> KernelAttention:
+    """The module's adapter: the kernel adapter, the one that reads hand-written attention through this module."""
+    return cast("KernelAttention", session.layers[id(module)].adapter)

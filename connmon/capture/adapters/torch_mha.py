@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Iterator
 
 import torch
@@ -37,6 +38,7 @@ class TorchMultiheadAttention(Adapter):
         return isinstance(module, nn.MultiheadAttention)
 
     def weights(self, module: nn.Module) -> tuple[Tensor, Tensor, Tensor]:  # noqa: D102
+        assert isinstance(module, nn.MultiheadAttention)  # matches() said so
         d = module.embed_dim
         value = module.in_proj_weight[2 * d :] if module._qkv_same_embed_dim else module.v_proj_weight
         value_bias = None if module.in_proj_bias is None else module.in_proj_bias[2 * d :]
@@ -108,7 +110,9 @@ class TorchMultiheadAttention(Adapter):
             masks.append((attn_mask if attn_mask.dim() == 2 else attn_mask.view(-1, heads, n, n))[..., :rows, :])
         if padding is not None:
             masks.append(padding[:, None, None, :])
-        additive = sum(_additive(mask) for mask in masks) if masks else None  # broadcast shapes, never (B, H, n, n)
+        additive = (
+            functools.reduce(operator.add, map(_additive, masks)) if masks else None
+        )  # broadcast, never (B, H, n, n)
         session.put_scores(mod, q, k, additive, dropout=mod.training and mod.dropout > 0)
         session.put(mod, x=x, output=out)
 
