@@ -44,7 +44,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from connmon.alerts import EWMAZScore, Rule, RuleSet, Threshold
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
-from connmon.curvature import NOISE_CHECK_FROM, UpdateProbe, sharpness_ratio
+from connmon.curvature import UpdateProbe, sharpness_ratio
+from connmon.curvature.ratio import NOISE_CHECK_FROM
 from connmon.curvature.sampler import LADDER, adaptive_interval
 
 BETA1 = 0.9
@@ -386,7 +387,8 @@ def probe_study(seed: int = 0, window: tuple[int, int, int] = PROBE_WINDOW, warm
     (its converged value, and its 8-step reading) and ``warm_steps`` steps from the previous sample's top Ritz
     vector. Exact products (double backward, float64 vectors).
     """
-    from connmon.curvature import _root, step_geometry
+    from connmon.curvature import step_geometry
+    from connmon.curvature.geometry import root_step
     from connmon.curvature.products import DoubleBackwardProducts
 
     config, data, model, optimizer, gen = base_ramp(seed)
@@ -399,7 +401,7 @@ def probe_study(seed: int = 0, window: tuple[int, int, int] = PROBE_WINDOW, warm
         if step >= start and step % every == 0:
             geometry = step_geometry(optimizer)
             sizes = zip(geometry.step_sizes, geometry.params, strict=True)
-            scale = torch.cat([_root(size, p, torch.float64) for size, p in sizes])
+            scale = torch.cat([root_step(size, p, torch.float64) for size, p in sizes])
             row = {"step": step, "train": ratio_of(model, (idx, target), optimizer, 8, step)}
             with sdpa_kernel(SDPBackend.MATH), torch.enable_grad():
                 hessian = DoubleBackwardProducts([lambda: gpt_loss(model, probe)], geometry.params, torch.float64, step)

@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 from torch import Tensor
 
 from connmon.callbacks._cost import say_cost
-from connmon.curvature import Storage
+from connmon.curvature.ratio import Storage
 from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Cadence, Estimator, SharpnessSampler, keys_of
 
 __all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]

@@ -59,9 +59,10 @@ from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon._ranks import warn_rank_zero
 from connmon.capture import paused
-from connmon.curvature import STORAGES, Storage, UpdateProbe, check_optimizer, sharpness_ratio
+from connmon.curvature import UpdateProbe, check_optimizer, sharpness_ratio
 from connmon.curvature.lockstep import PeerFailure
 from connmon.curvature.products import Products
+from connmon.curvature.ratio import STORAGES, Storage
 
 if TYPE_CHECKING:  # the rules are handed in by the entry points: the curvature imports nothing from alerts/
     from connmon.alerts.rules import RuleSet

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from connmon.functional._linalg import eigvals, eigvalsh, spectral_norm
-from connmon.functional._linalg.heads import concat_heads
-from connmon.functional._linalg.krylov import Which
+from connmon._linalg import eigvals, eigvalsh, spectral_norm
+from connmon._linalg.heads import concat_heads
+from connmon._linalg.krylov import Which
 from connmon.functional.operator import each_layer
 from connmon.functional.transport import transport_singular_values
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from connmon._linalg import frobenius, safe_divide
 from connmon.functional._checks import as_float, promote, shape
-from connmon.functional._linalg import frobenius, safe_divide
 
 __all__ = ["depth_drift", "time_drift", "transport_drift"]
 

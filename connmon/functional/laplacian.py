@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from connmon._linalg import gram_svdvals, safe_divide
+from connmon._linalg.heads import concat_heads
 from connmon.functional._checks import as_float, check_layer, promote
-from connmon.functional._linalg import gram_svdvals, safe_divide
-from connmon.functional._linalg.heads import concat_heads
 from connmon.functional.transport import transport_scale
 
 __all__ = ["connection_laplacian_distance", "edge_compatibility_gap"]

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from connmon._linalg.heads import concat_heads
 from connmon.functional._checks import as_float, check_layer, promote, shape
-from connmon.functional._linalg.heads import concat_heads
 
 __all__ = ["connection_matvec", "connection_operator", "walk_basis"]
 

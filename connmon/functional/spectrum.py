@@ -38,13 +38,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from connmon._linalg import eigvals, spectral_norm
+from connmon._linalg.heads import concat_heads
+from connmon._linalg.krylov import Which, certified, default_tol, krylov_schur
+from connmon._linalg.lanczos import largest_eigenvalue
 from connmon._moved import moved
 from connmon.functional._causal import causal_first, complex_dtype, first_by
 from connmon.functional._checks import as_float, promote, shape
-from connmon.functional._linalg import eigvals, spectral_norm
-from connmon.functional._linalg.heads import concat_heads
-from connmon.functional._linalg.krylov import Which, certified, default_tol, krylov_schur
-from connmon.functional._linalg.lanczos import largest_eigenvalue
 from connmon.functional.operator import checked_layer, connection_operator, each_layer, matvec, rmatvec, walk_part
 from connmon.functional.transport import transport_scale
 

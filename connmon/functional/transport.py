@@ -18,10 +18,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from connmon._linalg import frobenius, gram_svdvals, safe_divide, svdvals
+from connmon._linalg.heads import concat_heads
+from connmon._linalg.lanczos import gauss_quadrature, lanczos
 from connmon.functional._checks import as_float, check_layer, check_transport, promote
-from connmon.functional._linalg import frobenius, gram_svdvals, safe_divide, svdvals
-from connmon.functional._linalg.heads import concat_heads
-from connmon.functional._linalg.lanczos import gauss_quadrature, lanczos
 
 __all__ = [
     "edge_isometry_gap",

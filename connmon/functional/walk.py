@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from connmon._linalg import eigvals, frobenius, safe_divide
 from connmon.functional._checks import as_float, check_attention, check_mask, check_square
-from connmon.functional._linalg import eigvals, frobenius, safe_divide
 
 __all__ = [
     "attention_entropy",

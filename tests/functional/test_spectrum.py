@@ -5,7 +5,7 @@ import torch
 
 import connmon.functional as F
 import connmon.functional._causal
-from connmon.functional._linalg.heads import concat_heads
+from connmon._linalg.heads import concat_heads
 from connmon.functional.operator import rmatvec
 from tests.functional import reference as ref
 

@@ -123,7 +123,7 @@ def test_edge_isometry_gap_in_float32_matches_the_float64_reference(layer):
 
 
 def test_gram_singular_values_match_svdvals_and_keep_nan():
-    from connmon.functional._linalg import gram_svdvals
+    from connmon._linalg import gram_svdvals
 
     gen = torch.Generator().manual_seed(0)
     tall, wide = (torch.randn(6, *shape, generator=gen, dtype=torch.float64) for shape in ((32, 8), (8, 32)))
@@ -170,7 +170,7 @@ def test_edge_isometry_gap_by_lanczos_is_exact_on_isometric_edges():
 
 def test_edge_isometry_gap_by_lanczos_with_a_full_krylov_space_is_hutchinson_unbiased_in_sum_s():
     """With m >= r the quadrature is exact: over many probes the mean of sum s matches the exact nuclear norm."""
-    from connmon.functional._linalg.heads import concat_heads
+    from connmon._linalg.heads import concat_heads
     from connmon.functional.transport import _edge_gaps_by_lanczos, _qr_cores
 
     layer = ref.make_layer(heads=2, n=4, d_h=3, d=6, mask="none", seed=1)

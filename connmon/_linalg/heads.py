@@ -10,7 +10,7 @@ def concat_heads(w_v: Tensor, w_o: Tensor) -> tuple[Tensor, Tensor]:
 
     Examples:
         >>> import torch
-        >>> from connmon.functional._linalg.heads import concat_heads
+        >>> from connmon._linalg.heads import concat_heads
         >>> w_v, w_o = torch.randn(3, 2, 5), torch.randn(3, 5, 2)  # H=3, d_h=2, d=5
         >>> v_cat, o_cat = concat_heads(w_v, w_o)
         >>> v_cat.shape, bool(torch.allclose(o_cat @ v_cat, (w_o @ w_v).sum(0), atol=1e-5))

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from connmon.functional._linalg import finite_or_zero
+from connmon._linalg import finite_or_zero
 
 _BREAKDOWN = 1e-12  # a new vector this small relative to ||X q|| means the Krylov space is invariant
 
@@ -31,7 +31,7 @@ def lanczos(matvec: Callable[[Tensor], Tensor], start: Tensor, steps: int) -> Te
 
     Examples:
         >>> import torch
-        >>> from connmon.functional._linalg.lanczos import gauss_quadrature, lanczos
+        >>> from connmon._linalg.lanczos import gauss_quadrature, lanczos
         >>> gen = torch.Generator().manual_seed(0)
         >>> a = torch.randn(2, 6, 6, dtype=torch.float64, generator=gen)
         >>> x = a @ a.mT  # two 6 x 6 symmetric positive definite maps
@@ -69,7 +69,7 @@ def largest_eigenvalue(
 
     Examples:
         >>> import torch
-        >>> from connmon.functional._linalg.lanczos import largest_eigenvalue
+        >>> from connmon._linalg.lanczos import largest_eigenvalue
         >>> gen = torch.Generator().manual_seed(0)
         >>> a = torch.randn(3, 40, 40, dtype=torch.float64, generator=gen)
         >>> x = a @ a.mT

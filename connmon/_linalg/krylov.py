@@ -209,7 +209,7 @@ def certified(first: KrylovResult, second: KrylovResult, k: int, which: Which, t
 
     Examples:
         >>> import numpy as np
-        >>> from connmon.functional._linalg.krylov import KrylovResult, certified
+        >>> from connmon._linalg.krylov import KrylovResult, certified
         >>> def result(values):
         ...     values = np.array(values, dtype=complex)
         ...     return KrylovResult(values, np.full(len(values), 1e-9), np.ones(len(values), bool), 10, 1)
