@@ -74,8 +74,8 @@ from connmon.alerts import (
     edge_of_stability_rule,
 )
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
+from connmon.capture import paused
 from connmon.capture.max_logit import HeadMaxLogits
-from connmon.capture.session import paused
 from connmon.curvature import sharpness_ratio
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 

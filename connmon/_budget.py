@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from connmon._cost import CostClock, agreed
+from connmon._collectives import largest_over_processes
+from connmon._cost import CostClock
 from connmon._ranks import warn_rank_zero
 
 NO_FULL_SAMPLES = 10**6  # the stride when not even the light samples fit
@@ -56,7 +57,7 @@ class FullSampleBudget:
         if not full_n or (not light_n and stride > 1):
             return None  # a full sample measured, and a light one unless every sample is full (then light counts as 0)
         steps = max(step - self._first_step, 1)
-        full_cost, light_cost, step_time = agreed(
+        full_cost, light_cost, step_time = largest_over_processes(
             full_s / full_n, light_s / light_n if light_n else 0.0, clock.training / steps, device=clock.device
         )
         allowed = self.budget * self.every_n_steps * step_time  # seconds a sample may cost on average

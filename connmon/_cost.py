@@ -9,7 +9,7 @@ total), so ``fraction`` is connmon's time over the time the training would have 
 
 A ``budget`` (a fraction such as 0.01) sets the stride of a monitor's costly part, the smallest one that keeps its
 mean cost per step inside the budget: :func:`stride_for`. Every process decides from the same figures (the
-largest across processes, :func:`agreed`), so the stride is the same everywhere.
+largest across processes, :func:`connmon._collectives.largest_over_processes`), so the stride is the same everywhere.
 
 Examples:
     >>> from connmon._cost import stride_for
@@ -228,21 +228,6 @@ def stride_for(budget: float, cost: float, interval: float) -> int:
     if not (cost > 0 and interval > 0 and math.isfinite(cost) and math.isfinite(interval)):
         return 1
     return max(1, math.ceil(cost / (budget * interval) - 1e-9))
-
-
-def agreed(*values: float, device: torch.device | str = "cpu") -> list[float]:
-    """The largest of each value across processes (``torch.distributed``, if initialized), so all decide alike.
-
-    Examples:
-        >>> from connmon._cost import agreed
-        >>> agreed(0.5, 2.0)
-        [0.5, 2.0]
-    """
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return tensor.tolist()
 
 
 def check_budget(budget: object) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -33,23 +32,3 @@ def warn_rank_zero(message: str) -> None:
     """
     if is_rank_zero():
         warnings.warn(message, UserWarning, stacklevel=3)
-
-
-T = TypeVar("T")
-
-
-def rank_zeros(value: T) -> T:
-    """Rank zero's ``value`` on every process (``value`` itself without ``torch.distributed``): one decision for all.
-
-    Every process must call it at the same point (a broadcast).
-
-    Examples:
-        >>> from connmon._ranks import rank_zeros
-        >>> rank_zeros("connmon_restore_points/step=8.ckpt")
-        'connmon_restore_points/step=8.ckpt'
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    shared = [value]
-    dist.broadcast_object_list(shared, src=0)
-    return shared[0]

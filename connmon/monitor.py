@@ -22,11 +22,12 @@ from torch import Tensor, nn
 
 from connmon import keys
 from connmon._budget import FullSampleBudget
+from connmon._collectives import from_rank_zero
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, cost_line, overhead_values
 from connmon._optimizer import unwrap_optimizer
 from connmon._probe import device_of, probing, read_beside, run_forward
-from connmon._ranks import is_rank_zero, rank_zeros, warn_rank_zero
+from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon._saved_state import checked_state
 from connmon.alerts.restore import write_restore_point
 from connmon.alerts.runner import AlertRunner
@@ -348,7 +349,7 @@ class Monitor(CopiesDetached):
             else:
                 write_restore_point(path, step, self._model, self._optimizer, self.state_dict())
 
-        return points.save_due(step, rank_zeros(points.path(step)), write, _remove, owner=self.owner)
+        return points.save_due(step, from_rank_zero(points.path(step)), write, _remove, owner=self.owner)
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> bool:
         """Find ``model``'s attention layers and build the accumulators on its device; False (and one warning) if none.

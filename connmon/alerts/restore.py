@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from connmon._collectives import from_rank_zero
 from connmon._options import check_callable, check_choice, check_number
-from connmon._ranks import rank_zeros, warn_rank_zero
+from connmon._ranks import warn_rank_zero
 from connmon.alerts.rules import LEVELS, Alert, Level
 
 
@@ -148,7 +149,7 @@ class RestorePoints:
         if self.due is None:
             return None
         due = self.due
-        if rank_zeros(self.foreign(path)):
+        if from_rank_zero(self.foreign(path)):
             self.due = None
             warn_rank_zero(
                 f"{owner}: no restore point after step {step} (alert at step {due}): {path} holds a checkpoint this "

@@ -30,6 +30,7 @@ from torch import nn
 
 from connmon._cost import CostClock
 from connmon._options import check_int
+from connmon._pause import paused
 from connmon.capture.adapters.base import Adapter
 from connmon.capture.adapters.kernel import (
     FusedQKVAttention,
@@ -39,7 +40,7 @@ from connmon.capture.adapters.kernel import (
 )
 from connmon.capture.adapters.torch_mha import TorchMultiheadAttention, python_attention_path
 from connmon.capture.record import AttentionRecord, reconstruction_error
-from connmon.capture.session import CaptureSession, Layer, paused
+from connmon.capture.session import CaptureSession, Layer
 
 __all__ = [
     "ADAPTERS",

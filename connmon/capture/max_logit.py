@@ -29,9 +29,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from connmon._collectives import gathered, is_distributed, local, max_over_processes
 from connmon._cost import CostClock
+from connmon._pause import is_paused
 from connmon.capture.scores import allowed_by
-from connmon.capture.session import busy, is_paused, remove_mode, warn_once
+from connmon.capture.session import busy, remove_mode, warn_once
 
 __all__ = ["HeadLayout", "HeadMaxLogits", "head_max_logit"]
 
@@ -244,12 +246,11 @@ class HeadMaxLogits:
         self._running = [None] * len(self.modules)
         if self._tensor_parallel:  # every process holds its own heads, of the same batch: nothing to reduce
             return None if bool(torch.isneginf(table).all()) else table
-        if dist.is_available() and dist.is_initialized():
-            size = torch.tensor([table.shape[1]], device=device)
-            dist.all_reduce(size, dist.ReduceOp.MAX, group=group)
+        if is_distributed():
+            size = max_over_processes(torch.tensor([table.shape[1]], device=device), group)
             if int(size) > table.shape[1]:
                 table = torch.cat([table, table.new_full((table.shape[0], int(size) - table.shape[1]), -math.inf)], 1)
-            dist.all_reduce(table, dist.ReduceOp.MAX, group=group)
+            max_over_processes(table, group)
         return None if bool(torch.isneginf(table).all()) else table
 
     def whole(self, table: Tensor) -> Tensor:
@@ -257,11 +258,9 @@ class HeadMaxLogits:
 
         Every process must call it (a collective there); elsewhere the table itself.
         """
-        if not self._tensor_parallel or not (dist.is_available() and dist.is_initialized()):
+        if not self._tensor_parallel or not is_distributed():
             return table
-        parts = [torch.empty_like(table) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, table.contiguous())
-        return torch.cat(parts, dim=1)
+        return torch.cat(gathered(table), dim=1)
 
     def state_dict(self) -> dict:
         """The maxima not read yet (this process's), as lists."""
@@ -328,18 +327,18 @@ class _Watch(TorchFunctionMode):
     def _sdpa(self, args: tuple, kwargs: dict, result: Tensor) -> None:
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         call = dict(zip(names, args, strict=False)) | kwargs
-        query, key = _local(call["query"]).detach(), _local(call["key"]).detach()
+        query, key = local(call["query"]).detach(), local(call["key"]).detach()
         mask = call.get("attn_mask")
-        mask = None if mask is None else _local(mask).detach()
+        mask = None if mask is None else local(mask).detach()
         with torch.no_grad():
             best = head_max_logit(query, key, mask, scale=call.get("scale"), is_causal=bool(call.get("is_causal")),
                                   block_elements=self.tracker.block_elements)  # fmt: skip
         self.tracker.observe(self.index, best)
         self.calls += 1
         if self.find_layout and self.calls == 1:
-            value = _local(call["value"]).detach()
+            value = local(call["value"]).detach()
             layout = replace(_layout(self.projections, query, key), value=_side(self.projections, value))
-            self.attention_output = _local(result).detach() if isinstance(result, Tensor) else None
+            self.attention_output = local(result).detach() if isinstance(result, Tensor) else None
             self.tracker._layouts[self.index] = layout
 
     def _multi_head(self, args: tuple, kwargs: dict) -> None:
@@ -398,11 +397,11 @@ class _Watch(TorchFunctionMode):
             self._tensor_parallel(mesh)
         if isinstance(weight, Tensor) and id(weight) in self.own:
             names = self.own[id(weight)], self.own.get(id(bias))
-            self.projections.append((*names, _local(out).detach(), transposed, mesh is not None))
+            self.projections.append((*names, local(out).detach(), transposed, mesh is not None))
             if self.attention_output is not None:
                 inp = args[1] if transposed else (args[0] if args else kwargs.get("input"))
                 if isinstance(inp, Tensor):
-                    self._output_projection(self.own[id(weight)], _local(inp).detach(), transposed, mesh is not None)
+                    self._output_projection(self.own[id(weight)], local(inp).detach(), transposed, mesh is not None)
 
     def _output_projection(self, weight: str, inp: Tensor, transposed: bool, local: bool) -> None:
         """Is this projection's input the attention's output? Then its input columns per head are the output side."""
@@ -477,11 +476,6 @@ def _mha_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None) -> Tens
     return allowed
 
 
-def _local(tensor: Tensor) -> Tensor:
-    to_local = getattr(tensor, "to_local", None)  # a DTensor's local part
-    return to_local() if to_local is not None else tensor
-
-
 def _layout(projections: list, query: Tensor, key: Tensor) -> HeadLayout:
     """Which projection rows are each head's query and key (both or neither), matched bitwise against the outputs.
 
@@ -498,7 +492,7 @@ def _side(projections: list, side: Tensor) -> Projection | None:
     if side.dim() != 4:
         return None
     batch, _, length, _ = side.shape
-    for weight, bias, out, transposed, local in reversed(projections):  # the nearest projection first
+    for weight, bias, out, transposed, own_heads in reversed(projections):  # the nearest projection first
         if not out.is_floating_point() or out.dim() < 2:
             continue
         if out.dim() == 2 and out.shape[0] == batch * length:  # addmm's flattened (B n, F)
@@ -517,5 +511,5 @@ def _side(projections: list, side: Tensor) -> Projection | None:
                     first, at = first.expand(2, -1, -1), at.expand(2, -1, -1, -1)
                 rows = matching_columns(first, at)
             if rows is not None:
-                return Projection(weight, bias, rows, transposed, local=local)
+                return Projection(weight, bias, rows, transposed, local=own_heads)
     return None

@@ -18,12 +18,14 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from connmon._collectives import gathered
 from connmon._cost import CostClock
+from connmon._pause import is_paused
 from connmon.capture.record import AttentionRecord, reconstruction_error
 from connmon.capture.scores import allowed_by, attention_scores
 
@@ -33,39 +35,7 @@ if TYPE_CHECKING:  # the adapters import the session
 # The largest reconstruction error of an exact record, per dtype the module computed in: far above the round-off
 # of that dtype over a layer (float32 ~1e-7, bf16 ~1e-2) and far below what a module that is not a walk gives.
 RECONSTRUCTION_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
-_PAUSED = threading.local()  # .depth > 0 inside paused() in this thread: armed sessions record nothing
 _BUSY = threading.local()  # .depth > 0 while a session's guarded recording work runs in this thread
-
-
-@contextlib.contextmanager
-def paused() -> Iterator[None]:
-    """Forwards run inside the block are not recorded by any armed capture (nested blocks allowed).
-
-    For work that runs the model between a capture's arming and the forward it is meant to record, such as
-    :class:`connmon.callbacks.SharpnessMonitor`'s Hessian-vector products.
-
-    Examples:
-        >>> import torch
-        >>> import connmon.capture as cc
-        >>> layer = torch.nn.TransformerEncoderLayer(8, 2, dropout=0.0, batch_first=True)
-        >>> model = torch.nn.TransformerEncoder(layer, 1)
-        >>> with cc.armed(model) as session:
-        ...     with cc.paused():
-        ...         _ = model(torch.randn(1, 4, 8))  # not recorded
-        ...     _ = model(torch.randn(1, 4, 8))  # recorded
-        >>> len(session.records)
-        1
-    """
-    _PAUSED.depth = is_paused() + 1
-    try:
-        yield
-    finally:
-        _PAUSED.depth -= 1
-
-
-def is_paused() -> int:
-    """Above 0 inside :func:`paused` in this thread (forwards run there are not the training's)."""
-    return getattr(_PAUSED, "depth", 0)
 
 
 def remove_mode(mode: object) -> None:
@@ -216,10 +186,10 @@ class CaptureSession:
         with self.guarded(module):
             if heads_over is not None and pending.probs is not None:
                 assert pending.max_logit is not None and pending.key_mask is not None  # put with the probabilities
-                pending.probs = torch.cat(_gathered(heads_over, pending.probs), dim=1)  # (B_s, H, m, m), head order
-                maxima = _gathered(heads_over, pending.max_logit)
+                pending.probs = torch.cat(gathered(pending.probs, heads_over), dim=1)  # (B_s, H, m, m), head order
+                maxima = gathered(pending.max_logit, heads_over)
                 pending.max_logit = torch.stack(maxima).amax(dim=0)
-                pending.key_mask = torch.stack(_gathered(heads_over, pending.key_mask.to(torch.uint8))).any(dim=0)
+                pending.key_mask = torch.stack(gathered(pending.key_mask.to(torch.uint8), heads_over)).any(dim=0)
             if x is not None:
                 pending.x = self.take(x)
             if output is not None:
@@ -423,20 +393,13 @@ class CaptureSession:
         )
 
 
-def _gathered(group: Any, tensor: Tensor) -> list[Tensor]:
-    """``tensor`` of every process of ``group``, in rank order (each process's the same shape)."""
-    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
-    return parts
-
-
 def assembled(group: object, weights: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """Every head's ``(w_v, w_o, c)`` under tensor parallelism, from each process's heads (in rank order).
 
     The processes' parts of the bias constant are added; the output projection's own bias is not among them.
     """
     w_v, w_o, bias = weights
-    w_vs, w_os, biases = (_gathered(group, t.detach()) for t in (w_v, w_o, bias))
+    w_vs, w_os, biases = (gathered(t.detach(), group) for t in (w_v, w_o, bias))
     return torch.cat(w_vs), torch.cat(w_os), torch.stack(biases).sum(dim=0)
 
 

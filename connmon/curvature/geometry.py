@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from connmon._collectives import local
 from connmon._optimizer import unwrap_optimizer
-from connmon.curvature.shards import local
 
 
 @dataclass(frozen=True)

@@ -52,13 +52,14 @@ import torch
 from torch import Tensor, nn
 
 from connmon import keys
+from connmon._collectives import gathered_objects, largest_over_processes, sum_over_processes
 from connmon._copying import CopiesDetached
-from connmon._cost import CostClock, agreed, check_budget, overhead_values, stride_for
+from connmon._cost import CostClock, check_budget, overhead_values, stride_for
 from connmon._moved import renamed
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
+from connmon._pause import paused
 from connmon._ranks import warn_rank_zero
-from connmon.capture import paused
 from connmon.curvature import UpdateProbe, check_optimizer, sharpness_ratio
 from connmon.curvature.lockstep import PeerFailure
 from connmon.curvature.products import Products
@@ -451,7 +452,7 @@ class SharpnessSampler(CopiesDetached):
                                  dtype=torch.float64, device=self._device)  # fmt: skip
             distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
             if distributed:
-                torch.distributed.all_reduce(total)  # every process takes part in exactly one reduction per sample
+                sum_over_processes(total)  # every process takes part in exactly one reduction per sample
             summed, count, failed = total.tolist()
             if failed:
                 self.turn_off(_first_reason(failure) if distributed else failure or "it failed")
@@ -486,7 +487,9 @@ class SharpnessSampler(CopiesDetached):
         """Choose the stride whose mean cost per sample fits the budget (the same on every process)."""
         assert self.budget is not None
         steps = max(step - (self._start_step or 0), 1)
-        cost, training = agreed(self.clock.spent / self.samples, self.clock.training / steps, device=self._device)
+        cost, training = largest_over_processes(
+            self.clock.spent / self.samples, self.clock.training / steps, device=self._device
+        )
         stride = stride_for(self.budget, cost, training * self.every_n_steps)
         if stride != self.stride:
             self.stride = stride
@@ -506,8 +509,7 @@ class SharpnessSampler(CopiesDetached):
 
 def _first_reason(mine: str | None) -> str:
     """Why a sample failed, from the first process that failed itself (every process calls it: an all-gather)."""
-    reasons: list[str | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(reasons, mine)
+    reasons = gathered_objects(mine)
     for rank, reason in enumerate(reasons):
         if reason:
             return reason if len(reasons) == 1 else f"on process {rank}, {reason}"

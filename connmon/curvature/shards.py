@@ -23,12 +23,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from connmon._collectives import local, sum_over_processes
 from connmon.curvature.lockstep import Lockstep
-
-
-def local(tensor: Tensor) -> Tensor:
-    """A ``DTensor``'s local part (its storage, under ``no_grad``), else the tensor itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class Shards:
@@ -92,7 +88,7 @@ class Shards:
             )
         if self.world > 1:
             self.lockstep.check()
-            dist.all_reduce(total)
+            sum_over_processes(total)
         return total
 
     def start(self, seed: int, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -120,7 +116,7 @@ class Shards:
             total = total + part.double().square().sum() / copies
         if self.world > 1:
             self.lockstep.check()
-            dist.all_reduce(total)
+            sum_over_processes(total)
         return float(total)
 
     def average_plain(self, flat: Tensor) -> None:
@@ -131,7 +127,7 @@ class Shards:
         plain = [pieces[i] for i in self.plain]
         buffer = torch.cat(plain)
         self.lockstep.check()
-        dist.all_reduce(buffer)
+        sum_over_processes(buffer)
         offset = 0
         for piece in plain:
             piece.copy_(buffer[offset : offset + piece.numel()]).div_(self.world)

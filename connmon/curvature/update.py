@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from connmon._collectives import local, sum_over_processes
 from connmon._optimizer import unwrap_optimizer
 from connmon.curvature.geometry import optimizer_kind, parameter_steps, widened
 from connmon.curvature.lockstep import Lockstep, PeerFailure, settle
 from connmon.curvature.ratio import scalar_at, training_state_kept
-from connmon.curvature.shards import local
 
 Reading = Literal["difference", "secant"]
 
@@ -248,6 +248,6 @@ class _Sums:
         plain = stacked(self.plain)
         if self.group is not None:
             sharded = stacked(self.sharded)
-            torch.distributed.all_reduce(sharded, group=self.group)
+            sum_over_processes(sharded, self.group)
             plain = plain.to(sharded.device) + sharded
         return plain.tolist()

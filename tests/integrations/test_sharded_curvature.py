@@ -153,7 +153,7 @@ def failing_at(call: int, where: str, model, ids):
 
 def state_of(model, optimizer) -> list[torch.Tensor]:
     """Everything a sample must leave bitwise: parameters (local parts), gradients, optimizer state, random stream."""
-    from connmon.curvature.shards import local
+    from connmon._collectives import local
 
     tensors = [local(p).detach().clone() for p in model.parameters()]
     tensors += [local(p.grad).clone() for p in model.parameters() if p.grad is not None]

@@ -10,11 +10,14 @@ from __future__ import annotations
 import functools
 import inspect
 import types
+from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from connmon.capture.adapters import flex
 
+_SDPA: list[Callable] = [torch.nn.functional.scaled_dot_product_attention]  # what connmon's SDPA wrapper calls
 KERNEL_NAMES = frozenset(
     {"scaled_dot_product_attention", "ALL_ATTENTION_FUNCTIONS", "AttentionInterface", "flex_attention"}
 )
@@ -95,10 +98,18 @@ def function_of(value: object) -> object:
     return inspect.unwrap(value) if callable(value) else None
 
 
+def remember_sdpa(function: Callable) -> None:
+    """Torch's SDPA as connmon's wrapper finds it when it is installed (the function the wrapper calls)."""
+    _SDPA[0] = function
+
+
+def sdpa_original() -> Callable:
+    """Torch's SDPA as the wrapper found it (what a module naming it under another name holds)."""
+    return _SDPA[0]
+
+
 def is_kernel(value: object) -> bool:
     """Whether a global is SDPA or flex_attention under another name (``attend = F.scaled_dot_product_attention``)."""
-    from connmon.capture.adapters.kernel import sdpa_original  # the SDPA the armed wrapper calls
-
     flex_attention = flex.flex_function()
     return value is not None and (value is sdpa_original() or (flex_attention is not None and value is flex_attention))
 

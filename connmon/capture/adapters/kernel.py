@@ -35,13 +35,13 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from connmon._collectives import local
 from connmon._copying import CopiesDetached
 from connmon.capture.adapters import flex, handwritten
-from connmon.capture.adapters._discovery import calls_attention_kernel
+from connmon.capture.adapters._discovery import calls_attention_kernel, remember_sdpa, sdpa_original
 from connmon.capture.adapters._values import find_value, matching_columns, same
 from connmon.capture.adapters.base import Adapter, transport_maps
 from connmon.capture.session import CaptureSession, assembled, busy, remove_mode, warn_once
-from connmon.curvature.shards import local
 
 _CROSS_KWARGS = ("key_value_states", "encoder_hidden_states", "cross_attention_states")
 # Keywords of a transformers attention call: those connmon reads into the scores, and those that do not change what
@@ -478,7 +478,7 @@ def intercepted(session: CaptureSession) -> Iterator[None]:
     _SESSIONS.append(session)
     first = len(_SESSIONS) == 1
     if first:
-        _sdpa.original = torch.nn.functional.scaled_dot_product_attention
+        remember_sdpa(torch.nn.functional.scaled_dot_product_attention)
         torch.nn.functional.scaled_dot_product_attention = _sdpa
         interface = _attention_interface()
         if interface is not None:
@@ -492,7 +492,7 @@ def intercepted(session: CaptureSession) -> Iterator[None]:
             _stack().clear()
             _release_reader()
         if not _SESSIONS:  # the last session armed, wherever it started: another may outlive the first
-            torch.nn.functional.scaled_dot_product_attention = _sdpa.original
+            torch.nn.functional.scaled_dot_product_attention = sdpa_original()
             interface = _attention_interface()
             if interface is not None and getattr(_get_interface, "original", None) is not None:
                 interface.get_interface = _get_interface.original
@@ -510,18 +510,10 @@ _SDPA_PARAMETERS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"
 
 def _sdpa(query: Tensor, key: Tensor, value: Tensor, *args: object, **kwargs: object) -> Tensor:
     """``F.scaled_dot_product_attention``, run unchanged; then read for the innermost armed module."""
-    output = _sdpa.original(query, key, value, *args, **kwargs)
+    output = sdpa_original()(query, key, value, *args, **kwargs)
     for module, session in _readers():
         session.layers[id(module)].adapter.read_sdpa_call(session, module, (query, key, value, *args), kwargs, output)
     return output
-
-
-_sdpa.original = torch.nn.functional.scaled_dot_product_attention
-
-
-def sdpa_original() -> object:
-    """Torch's SDPA as the wrapper found it (what a module naming it under another name holds)."""
-    return _sdpa.original
 
 
 def _flex_call(output: Tensor, query: Tensor, key: Tensor, value: Tensor, **features: object) -> None:

@@ -1,0 +1,126 @@
+"""Every collective connmon issues, each named for what it computes (nothing here without ``torch.distributed``).
+
+All of them are collectives: every process of the group must call them at the same point, in the same order. Without
+an initialized process group each returns its input as the whole answer (one process is every process).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+T = TypeVar("T")
+
+
+def is_distributed() -> bool:
+    """Whether a ``torch.distributed`` process group is initialized here.
+
+    Examples:
+        >>> from connmon._collectives import is_distributed
+        >>> is_distributed()
+        False
+    """
+    return dist.is_available() and dist.is_initialized()
+
+
+def local(tensor: Tensor) -> Tensor:
+    """A ``DTensor``'s local part (its storage), else the tensor itself (no collective).
+
+    Examples:
+        >>> import torch
+        >>> from connmon._collectives import local
+        >>> local(torch.ones(2)).tolist()
+        [1.0, 1.0]
+    """
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None and hasattr(tensor, "device_mesh") else tensor
+
+
+def sum_over_processes(tensor: Tensor, group: Any = None) -> Tensor:
+    """``tensor`` summed over the processes of ``group`` (in place; a SUM all-reduce), and returned.
+
+    Examples:
+        >>> import torch
+        >>> from connmon._collectives import sum_over_processes
+        >>> sum_over_processes(torch.tensor([1.0, 2.0])).tolist()
+        [1.0, 2.0]
+    """
+    if is_distributed():
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def max_over_processes(tensor: Tensor, group: Any = None) -> Tensor:
+    """``tensor``'s elementwise largest over the processes of ``group`` (in place; a MAX all-reduce), and returned.
+
+    Examples:
+        >>> import torch
+        >>> from connmon._collectives import max_over_processes
+        >>> max_over_processes(torch.tensor([1.0, 2.0])).tolist()
+        [1.0, 2.0]
+    """
+    if is_distributed():
+        dist.all_reduce(tensor, dist.ReduceOp.MAX, group=group)
+    return tensor
+
+
+def largest_over_processes(*values: float, device: torch.device | str = "cpu") -> list[float]:
+    """Each of ``values``' largest over all processes (one MAX all-reduce), so every process decides alike.
+
+    Examples:
+        >>> from connmon._collectives import largest_over_processes
+        >>> largest_over_processes(0.5, 2.0)
+        [0.5, 2.0]
+    """
+    if not is_distributed():
+        return list(values)
+    return max_over_processes(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
+
+
+def from_rank_zero(value: T) -> T:
+    """Rank zero's ``value`` on every process (a broadcast of a picklable object): one decision for all.
+
+    Examples:
+        >>> from connmon._collectives import from_rank_zero
+        >>> from_rank_zero("connmon_restore_points/step=8.ckpt")
+        'connmon_restore_points/step=8.ckpt'
+    """
+    if not is_distributed():
+        return value
+    shared = [value]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
+
+
+def gathered(tensor: Tensor, group: Any = None) -> list[Tensor]:
+    """``tensor`` of every process of ``group``, in rank order (each process's the same shape; an all-gather).
+
+    Examples:
+        >>> import torch
+        >>> from connmon._collectives import gathered
+        >>> [t.tolist() for t in gathered(torch.ones(2))]
+        [[1.0, 1.0]]
+    """
+    if not is_distributed():
+        return [tensor]
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def gathered_objects(value: T) -> list[T]:
+    """``value`` of every process, in rank order (an all-gather of picklable objects).
+
+    Examples:
+        >>> from connmon._collectives import gathered_objects
+        >>> gathered_objects("out of memory")
+        ['out of memory']
+    """
+    if not is_distributed():
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
