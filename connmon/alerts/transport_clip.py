@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from connmon._options import check_number
 from connmon.alerts._head_rows import read_rows, write_rows
 from connmon.capture.max_logit import HeadLayout
+from connmon.functional.transport import transport_singular_values
 
 __all__ = ["TransportClip", "isometry_clip"]
 
@@ -64,7 +65,7 @@ def isometry_clip(w_v: Tensor, w_o: Tensor, factor: float) -> tuple[Tensor, Tens
     return torch.where(changed[:, None, None], clipped, w_o), changed
 
 
-def _clamped(s: Tensor, factor: float, iterations: int = 60) -> Tensor:
+def _clamped(s: Tensor, factor: float, iterations: int = 40) -> Tensor:
     """``s`` ``(..., r)`` clamped to ``[m / factor, factor m]`` with ``m`` the mean of the clamped values themselves.
 
     Null values (below ``NULL`` times the mean) stay as they are and out of the mean. ``m`` is found by bisection (in
@@ -142,7 +143,7 @@ class TransportClip:
             clipped, changed = isometry_clip(w_v.double(), w_o.double(), self.factor)
             if not bool(changed.any()):
                 continue
-            s = torch.linalg.svdvals(w_o[changed].double() @ w_v[changed].double())[:, : w_v.shape[1]]
+            s = transport_singular_values(w_v[changed].double(), w_o[changed].double())  # before the clip
             mean = s.mean(-1)
             heads = torch.nonzero(changed).flatten().tolist()
             high, low = (s.max(-1).values / mean).tolist(), (s.min(-1).values / mean).tolist()
