@@ -28,7 +28,8 @@ import functools
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -83,8 +84,9 @@ def linear_weight(module: nn.Module) -> tuple[Tensor, Tensor | None] | None:
     """
     if isinstance(module, nn.Linear):
         return module.weight, module.bias
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # GPT-2: y = x W + b, W (d_in, d_out)
-        return module.weight.T, module.bias
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf") and isinstance(weight, Tensor):
+        return weight.T, bias if isinstance(bias, Tensor) else None  # GPT-2: y = x W + b, W (d_in, d_out)
     return None
 
 
@@ -139,7 +141,7 @@ class _Reader(TorchFunctionMode):
     inside the module, such as flex_attention's own) the mode only runs the call, so that it traces as nothing.
     """
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
@@ -179,7 +181,7 @@ def _tensor_parallel_group(projection: nn.Module) -> object:
     placements = getattr(weight, "placements", ())
     if not any(placement.is_shard() for placement in placements):
         return None
-    mesh = weight.device_mesh
+    mesh = getattr(weight, "device_mesh")  # noqa: B009  # a DTensor's
     return mesh.get_group() if mesh.ndim == 1 else "2-D"
 
 
@@ -268,9 +270,10 @@ class KernelAttention(CopiesDetached, Adapter):
                         pending.adapter_state["tensor_parallel"] = groups.pop()
 
         def projected(proj: nn.Module, args: tuple, output: Tensor) -> None:
-            if session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
+            found = linear_weight(proj)
+            if found and session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
                 with session.guarded(module):
-                    self.read_projection(session, module, *linear_weight(proj), args[0], output)
+                    self.read_projection(session, module, found[0], found[1], args[0], output)
 
         def normed(norm: nn.Module, args: tuple, output: Tensor) -> None:  # a latent norm (DeepSeek's kv_a_layernorm)
             if session.wants(module) and module in _stack() and args and isinstance(args[0], Tensor):
@@ -300,9 +303,11 @@ class KernelAttention(CopiesDetached, Adapter):
         """
         # under tensor parallelism each process reads its own part: its shard of the weight, its heads' features;
         # an output that is still a sum of the processes' parts (a row-sharded projection, before its all-reduce) whole
-        if getattr(out, "placements", None) and any(placement.is_partial() for placement in out.placements):
-            out = out.full_tensor()
-        weight, bias, inp, out = (None if t is None else local(t) for t in (weight, bias, inp, out))
+        placements = getattr(out, "placements", None)
+        if placements and any(placement.is_partial() for placement in placements):
+            out = getattr(out, "full_tensor")()  # noqa: B009  # a DTensor's
+        weight, inp, out = local(weight), local(inp), local(out)
+        bias = None if bias is None else local(bias)
         state = session.pending(module).adapter_state
         if "consumes" in state:  # after the kernel call: is this the output projection?
             self._output(session, module, (weight, bias), inp, out)
@@ -342,7 +347,7 @@ class KernelAttention(CopiesDetached, Adapter):
         key: Tensor,
         value: Tensor,
         output: Tensor,
-        **scores: object,
+        **scores: Any,
     ) -> None:
         """Record one kernel call of ``module``: its scores, its value projection and the output to look for.
 
@@ -399,7 +404,10 @@ class KernelAttention(CopiesDetached, Adapter):
             out = session.window(out).detach()
             if out.shape != latent.shape or not same(out, latent.to(out.dtype)):
                 continue
-            gain = _gain(norm).detach().to(torch.float64)
+            norm_gain = _gain(norm)
+            if norm_gain is None:
+                continue
+            gain = norm_gain.detach().to(torch.float64)
             normed_input = session.window(inp).detach()
             for weight, bias, x, projected, _ in state.get("projections", []):
                 columns = matching_columns(session.window(projected).detach(), normed_input.unsqueeze(1))
@@ -425,7 +433,7 @@ class KernelAttention(CopiesDetached, Adapter):
         key: Tensor,
         value: Tensor,
         *,
-        score_mod: object,
+        score_mod: Callable[..., Any] | None,
         block_mask: object,
         scale: float | None,
     ) -> None:
@@ -480,9 +488,9 @@ def intercepted(session: CaptureSession) -> Iterator[None]:
     if first:
         remember_sdpa(torch.nn.functional.scaled_dot_product_attention)
         torch.nn.functional.scaled_dot_product_attention = _sdpa
-        interface = _attention_interface()
+        interface: Any = _attention_interface()
         if interface is not None:
-            _get_interface.original = interface.get_interface
+            _Interface.original = interface.get_interface
             interface.get_interface = _get_interface
     try:
         yield
@@ -494,9 +502,9 @@ def intercepted(session: CaptureSession) -> Iterator[None]:
         if not _SESSIONS:  # the last session armed, wherever it started: another may outlive the first
             torch.nn.functional.scaled_dot_product_attention = sdpa_original()
             interface = _attention_interface()
-            if interface is not None and getattr(_get_interface, "original", None) is not None:
-                interface.get_interface = _get_interface.original
-                _get_interface.original = None
+            if interface is not None and _Interface.original is not None:
+                interface.get_interface = _Interface.original
+                _Interface.original = None
 
 
 def _attention_interface() -> type | None:
@@ -512,27 +520,37 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, *args: object, **kwargs: ob
     """``F.scaled_dot_product_attention``, run unchanged; then read for the innermost armed module."""
     output = sdpa_original()(query, key, value, *args, **kwargs)
     for module, session in _readers():
-        session.layers[id(module)].adapter.read_sdpa_call(session, module, (query, key, value, *args), kwargs, output)
+        _kernel_adapter(session, module).read_sdpa_call(session, module, (query, key, value, *args), kwargs, output)
     return output
 
 
-def _flex_call(output: Tensor, query: Tensor, key: Tensor, value: Tensor, **features: object) -> None:
+def _flex_call(output: Tensor, query: Tensor, key: Tensor, value: Tensor, **features: Any) -> None:
     """After a wrapped flex_attention call: read it for the innermost armed module."""
     for module, session in _readers():
-        session.layers[id(module)].adapter.read_flex_call(session, module, output, query, key, value, **features)
+        _kernel_adapter(session, module).read_flex_call(session, module, output, query, key, value, **features)
+
+
+def _kernel_adapter(session: CaptureSession, module: nn.Module) -> KernelAttention:
+    """The adapter of a module the kernel wrappers read: a kernel adapter (only those push it on the stack)."""
+    adapter = session.layers[id(module)].adapter
+    assert isinstance(adapter, KernelAttention)
+    return adapter
+
+
+class _Interface:
+    """Transformers' own ``AttentionInterface.get_interface`` while connmon's wraps it (None otherwise)."""
+
+    original: Any = None
 
 
 def _get_interface(self: object, attn_implementation: str, default: object) -> object:
     """``AttentionInterface.get_interface``, returning the model's own function wrapped so that it is read."""
-    function = _get_interface.original(self, attn_implementation, default)
+    function = _Interface.original(self, attn_implementation, default)
     return functools.partial(_transformers_attention, function, attn_implementation)
 
 
-_get_interface.original = None
-
-
 def _transformers_attention(
-    function: object,
+    function: Any,
     implementation: str,
     module: nn.Module,
     query: Tensor,
@@ -595,9 +613,9 @@ def _read_transformers_call(
         mask = mask.to(query.dtype)
     is_causal = False
     if sdpa:  # as sdpa_attention_forward decides it
-        is_causal = kwargs.get("is_causal")
-        is_causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-        is_causal = bool(is_causal) and mask is None and query.shape[-2] > 1
+        given = kwargs.get("is_causal")
+        given = getattr(module, "is_causal", True) if given is None else given
+        is_causal = bool(given) and mask is None and query.shape[-2] > 1
     sinks = kwargs.get("s_aux")
     layer.adapter.read_kernel_call(
         session, module, query, key, value, output,
@@ -636,9 +654,12 @@ class FusedQKVAttention(KernelAttention):
     def matches(self, module: nn.Module) -> bool:  # noqa: D102
         if self.class_name != "*" and type(module).__name__ != self.class_name:
             return False
+        qkv, proj = getattr(module, self.qkv, None), getattr(module, self.proj, None)
         return (
-            linear_weight(getattr(module, self.qkv, None)) is not None
-            and linear_weight(getattr(module, self.proj, None)) is not None
+            isinstance(qkv, nn.Module)
+            and isinstance(proj, nn.Module)
+            and linear_weight(qkv) is not None
+            and linear_weight(proj) is not None
             and isinstance(getattr(module, self.heads, None), int)
         )
 
