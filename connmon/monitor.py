@@ -26,6 +26,7 @@ from connmon._collectives import from_rank_zero
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, cost_line, overhead_values
 from connmon._optimizer import unwrap_optimizer
+from connmon._options import check_callable
 from connmon._probe import device_of, probing, read_beside, run_forward
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon._saved_state import checked_state
@@ -177,10 +178,8 @@ class Monitor(CopiesDetached):
                 f"sharpness estimator={sharpness.estimator!r} reads a loss: pass loss_fn=... (and "
                 "monitor.step(step, batch=batch)), or use estimator='secant'"
             )
-        if loss_fn is not None and not callable(loss_fn):
-            raise ValueError(f"loss_fn must be callable as loss_fn(model, batch), got loss_fn={loss_fn!r}")
-        if log is not None and not callable(log):
-            raise ValueError(f"log must be callable as log(values, step=step), got log={log!r}")
+        check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(model, batch)")
+        check_callable("log", log, optional=True, signature="log(values, step=step)")
         if alerts is not None and not isinstance(alerts, AlertRunner):
             raise ValueError(f"alerts must be a connmon.alerts.AlertRunner or None, got {type(alerts).__name__}")
         self.options = options

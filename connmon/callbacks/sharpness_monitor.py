@@ -9,6 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch import Tensor
 
+from connmon._options import check_callable
 from connmon.callbacks._cost import say_cost
 from connmon.curvature.ratio import Storage
 from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Cadence, Estimator, SharpnessSampler, keys_of
@@ -94,8 +95,7 @@ class SharpnessMonitor(Callback):
         cadence: Cadence = "adaptive",
         storage: Storage = "device",
     ) -> None:
-        if loss_fn is not None and not callable(loss_fn):
-            raise ValueError(f"loss_fn must be callable as loss_fn(pl_module, batch), got loss_fn={loss_fn!r}")
+        check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(pl_module, batch)")
         self.sampler = SharpnessSampler(
             every_n_steps, estimator, lanczos_steps, budget, cadence, storage, owner="SharpnessMonitor"
         )

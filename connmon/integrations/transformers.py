@@ -16,6 +16,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from connmon._cost import cost_line, overhead_values
+from connmon._options import check_callable
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.curvature.sampler import SharpnessSampler
@@ -118,8 +119,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             )
         if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
             raise ValueError(f"sharpness must be a SharpnessSampler or None, got {type(sharpness).__name__}")
-        if loss_fn is not None and not callable(loss_fn):
-            raise ValueError(f"loss_fn must be callable as loss_fn(model, inputs), got loss_fn={loss_fn!r}")
+        check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(model, inputs)")
         self.trainer = trainer
         options = SamplingOptions(
             every_n_steps=every_n_steps, num_sequences=num_sequences, max_tokens=max_tokens, layers=layers,
