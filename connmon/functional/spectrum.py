@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import numpy as np
 import torch
@@ -163,7 +163,7 @@ def _krylov_per_layer(
     k: int,
     which: Which,
     normal_equations: bool,
-    **options: object,
+    **options: Any,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Run the Krylov solver on each layer of the broadcast batch; return eigenvalues, residuals, flags, matvecs."""
     n, d = attn.shape[-1], w_v.shape[-1]
@@ -191,7 +191,45 @@ def _krylov_per_layer(
         residuals[index] = torch.from_numpy(found.residuals)
         converged[index] = torch.from_numpy(found.converged)
         matvecs[index] = found.num_matvecs
-    return tuple(t.to(attn.device) for t in (values, residuals, converged, matvecs))
+    return values.to(attn.device), residuals.to(attn.device), converged.to(attn.device), matvecs.to(attn.device)
+
+
+@overload
+def connection_spectrum(
+    attn: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    k: int = 8,
+    which: Which = "LM",
+    *,
+    deflate: bool = True,
+    method: Method = "auto",
+    tol: float | None = None,
+    ncv: int | None = None,
+    max_restarts: int = 100,
+    seed: int = 0,
+    return_info: Literal[False] = False,
+    scale: Tensor | None = None,
+) -> Tensor: ...
+
+
+@overload
+def connection_spectrum(
+    attn: Tensor,
+    w_v: Tensor,
+    w_o: Tensor,
+    k: int = 8,
+    which: Which = "LM",
+    *,
+    deflate: bool = True,
+    method: Method = "auto",
+    tol: float | None = None,
+    ncv: int | None = None,
+    max_restarts: int = 100,
+    seed: int = 0,
+    return_info: Literal[True],
+    scale: Tensor | None = None,
+) -> SpectrumResult: ...
 
 
 def connection_spectrum(
@@ -268,7 +306,9 @@ def connection_spectrum(
         raise ValueError(f"k must satisfy 1 <= k <= {part} = {size}, got k={k}")
     valid = _padded(attn) if deflate else None
     if valid is not None:  # Q runs over each sequence's valid tokens
-        options = dict(which=which, method=method, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed)
+        options: dict[str, Any] = dict(
+            which=which, method=method, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed
+        )
         methods = set()
 
         def solve(a: Tensor, v: Tensor, o: Tensor, m: int) -> Tensor:
@@ -332,7 +372,7 @@ class Spectra(NamedTuple):
 
 
 def connection_spectra(
-    attn: Tensor, w_v: Tensor, w_o: Tensor, k: int = 8, *, deflate: bool = True, **solver: object
+    attn: Tensor, w_v: Tensor, w_o: Tensor, k: int = 8, *, deflate: bool = True, **solver: Any
 ) -> Spectra:
     """The ``k`` eigenvalues of largest modulus and the rightmost one, of the walk part, from one decomposition.
 
@@ -373,7 +413,7 @@ def connection_spectra(
     direct = method in ("auto", "dense", "kron", "causal") and 1 <= k <= size and valid is None
     chosen = _choose(method, attn, n, d) if direct else None
     if chosen in (None, "krylov"):  # two solves (or the checks and padding of connection_spectrum)
-        options = dict(solver, deflate=deflate, return_info=True)
+        options: dict[str, Any] = dict(solver, deflate=deflate, return_info=True)
         if chosen == "krylov":
             options["method"] = "krylov"
         largest = connection_spectrum(attn, w_v, w_o, k=k, which="LM", **options)
@@ -403,7 +443,7 @@ def _nan_batch(attn: Tensor, w_v: Tensor, w_o: Tensor) -> Tensor:
     return torch.full(batch, float("nan"), dtype=as_float(attn, "attn").dtype, device=attn.device)
 
 
-def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: object) -> Tensor:
+def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: Any) -> Tensor:
     """Spectral radius ``|lambda_1|`` of the walk part of ``M / s`` (``deflate=False``: of ``M / s``).
 
     Args:
@@ -431,7 +471,7 @@ def connection_spectral_radius(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver:
     return connection_spectrum(attn, w_v, w_o, k=1, which="LM", **solver)[..., 0].abs()
 
 
-def connection_laplacian_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: object) -> Tensor:
+def connection_laplacian_gap(attn: Tensor, w_v: Tensor, w_o: Tensor, **solver: Any) -> Tensor:
     """Bottom of the connection Laplacian's spectrum away from constant fields: ``1 - max Re lambda`` of the walk part.
 
     ``L = I - M / s``. As ``walk_spectral_gap`` drops the trivial eigenvalue 1, this drops the constant fields (whose
@@ -523,7 +563,7 @@ def connection_operator_norm(
     if deflate:
         valid = _padded(attn)
         if valid is not None:  # Q runs over each sequence's valid tokens
-            options = dict(method=method, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed)
+            options: dict[str, Any] = dict(method=method, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed)
 
             def solve(a: Tensor, v: Tensor, o: Tensor, m: int) -> Tensor:
                 if m < 2:
@@ -543,8 +583,10 @@ def connection_operator_norm(
     elif method == "dense" or n * d < 3:
         norm = spectral_norm(connection_operator(attn, w_v, w_o, max_dim=n * d))
     else:
-        options = dict(tol=tol, ncv=min(ncv, n * d), max_restarts=max_restarts, seed=seed)
-        norm = _normal_equations_norm(attn, w_v, w_o, **options).clamp(min=0).sqrt().to(attn.dtype)
+        norm = _normal_equations_norm(
+            attn, w_v, w_o, tol=tol, ncv=min(ncv, n * d), max_restarts=max_restarts, seed=seed
+        )
+        norm = norm.clamp(min=0).sqrt().to(attn.dtype)
     return norm * _inverse_scale(w_v, w_o, scale)
 
 
@@ -575,7 +617,7 @@ def _normal_equations_norm(
                 a = attn.expand(*batch, *attn.shape[-3:])[index]
                 v = w_v.expand(*batch, *w_v.shape[-3:])[index]
                 o = w_o.expand(*batch, *w_o.shape[-3:])[index]
-                options = dict(tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed)
+                options: dict[str, Any] = dict(tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed)
                 values[index] = _krylov_per_layer(a, v, o, 1, "LM", True, **options)[0][..., 0].real
     return values
 
