@@ -7,7 +7,31 @@ parameter, of which a process holds a range along the shard dimension.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch import Tensor
+
+
+@dataclass
+class HeadClipCount:
+    """What both clip actions keep: how many head clips so far, and the latest step's (saved in a checkpoint)."""
+
+    clipped: int = field(default=0, kw_only=True)
+    last: list[tuple] = field(default_factory=list, kw_only=True)
+
+    def counted(self, clips: list[tuple]) -> list[tuple]:
+        """Add one step's clips to the count; return them."""
+        self.clipped += len(clips)
+        self.last = clips
+        return clips
+
+    def state_dict(self) -> dict:
+        """The clip count."""
+        return {"clipped": self.clipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.clipped = state.get("clipped", 0)
 
 
 def local_part(parameter: Tensor, local: bool) -> tuple[Tensor, list[int]]:
@@ -23,14 +47,21 @@ def local_part(parameter: Tensor, local: bool) -> tuple[Tensor, list[int]]:
     return data, list(offsets)
 
 
+def _held(parameter: Tensor, rows: Tensor, dim: int, local: bool) -> tuple[Tensor, list[int], Tensor] | None:
+    """This process's part, where it starts, and which of ``rows`` it holds (a mask); None if it holds none."""
+    data, offsets = local_part(parameter, local)
+    at = rows.to(data.device) - offsets[dim]
+    keep = (at >= 0) & (at < data.shape[dim])
+    return (data, offsets, keep) if bool(keep.any()) else None
+
+
 def scale_rows(parameter: Tensor, rows: Tensor, factors: Tensor, dim: int, local: bool) -> None:
     """``parameter[rows] *= factors`` along ``dim``, in place, on this process's part (no collective)."""
-    data, offsets = local_part(parameter, local)
-    rows = rows.to(data.device) - offsets[dim]
-    keep = (rows >= 0) & (rows < data.shape[dim])
-    if not bool(keep.any()):
+    held = _held(parameter, rows, dim, local)
+    if held is None:
         return
-    index, factor = rows[keep], factors.to(data.device)[keep].to(data.dtype)
+    data, offsets, keep = held
+    index, factor = rows.to(data.device)[keep] - offsets[dim], factors.to(data.device)[keep].to(data.dtype)
     shape = [1] * data.dim()
     shape[dim] = -1
     data.index_copy_(dim, index, data.index_select(dim, index) * factor.view(shape))
@@ -53,13 +84,12 @@ def read_rows(parameter: Tensor, rows: Tensor, dim: int, local: bool) -> Tensor:
 
 def write_rows(parameter: Tensor, rows: Tensor, values: Tensor, dim: int, local: bool) -> None:
     """``parameter[rows] = values`` along ``dim`` (``values`` shaped as :func:`read_rows` returns), on this part."""
-    data, offsets = local_part(parameter, local)
-    rows = rows.to(data.device) - offsets[dim]
-    keep = (rows >= 0) & (rows < data.shape[dim])
-    if not bool(keep.any()):
+    held = _held(parameter, rows, dim, local)
+    if held is None:
         return
+    data, offsets, keep = held
     values = values.to(data.device, data.dtype)[(slice(None),) * dim + (keep,)]
     for other in range(data.dim()):
         if other != dim:
             values = values.narrow(other, offsets[other], data.shape[other])
-    data.index_copy_(dim, rows[keep], values)
+    data.index_copy_(dim, rows.to(data.device)[keep] - offsets[dim], values)

@@ -20,20 +20,20 @@ key rows from the data, and a layer whose queries pass through a norm or a laten
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from connmon._options import check_number
-from connmon.alerts._head_rows import scale_rows
+from connmon.alerts._head_rows import HeadClipCount, scale_rows
 from connmon.capture.max_logit import HeadLayout, Projection
 
 __all__ = ["QKClip"]
 
 
 @dataclass
-class QKClip:
+class QKClip(HeadClipCount):
     """The ``"qk_clip"`` action: each head's query and key scaled by ``sqrt(tau / S)`` where its max logit ``S > tau``.
 
     Args:
@@ -61,8 +61,6 @@ class QKClip:
     """
 
     threshold: float = 100.0
-    clipped: int = 0
-    last: list[tuple[int, int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_number("threshold", self.threshold, low=0, low_open=True)
@@ -86,17 +84,7 @@ class QKClip:
             key_rows, key_factors = _key_heads(layout.key.rows, factors)
             _scale(module, layout.key, key_factors, key_rows)
             clips += [(index, int(h), float(logits[h])) for h in torch.nonzero(logits > self.threshold).flatten()]
-        self.clipped += len(clips)
-        self.last = clips
-        return clips
-
-    def state_dict(self) -> dict:
-        """The clip count."""
-        return {"clipped": self.clipped}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self.clipped = state.get("clipped", 0)
+        return self.counted(clips)
 
 
 def _key_heads(rows: Tensor, factors: Tensor) -> tuple[Tensor, Tensor]:

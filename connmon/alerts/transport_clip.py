@@ -17,13 +17,13 @@ It is labelled an experiment: what it did on the mechanisms benchmark is in docs
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from connmon._options import check_number
-from connmon.alerts._head_rows import read_rows, write_rows
+from connmon.alerts._head_rows import HeadClipCount, read_rows, write_rows
 from connmon.capture.max_logit import HeadLayout
 from connmon.functional.transport import transport_singular_values
 
@@ -90,7 +90,7 @@ def _clamped(s: Tensor, factor: float, iterations: int = 40) -> Tensor:
 
 
 @dataclass
-class TransportClip:
+class TransportClip(HeadClipCount):
     """The ``"transport_clip"`` action (an experiment): each head's transport held within ``factor`` of an isometry.
 
     Args:
@@ -121,8 +121,6 @@ class TransportClip:
 
     factor: float = 2.0
     every_n_steps: int = 1
-    clipped: int = 0
-    last: list[tuple[int, int, float, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         check_number("factor", self.factor, low=1, low_open=True)
@@ -153,17 +151,7 @@ class TransportClip:
             columns = clipped[changed].mT.reshape(-1, clipped.shape[1])  # (changed heads * d_h, d)
             write_rows(module.get_parameter(output.weight), output.rows[changed].flatten(),
                        columns.mT if dim else columns, dim, output.local)  # fmt: skip
-        self.clipped += len(clips)
-        self.last = clips
-        return clips
-
-    def state_dict(self) -> dict:
-        """The clip count."""
-        return {"clipped": self.clipped}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        self.clipped = state.get("clipped", 0)
+        return self.counted(clips)
 
 
 def _read(module: nn.Module, layout: HeadLayout) -> tuple[Tensor, Tensor]:
