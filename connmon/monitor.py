@@ -25,6 +25,7 @@ from connmon._budget import FullSampleBudget
 from connmon._collectives import from_rank_zero
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, cost_line, overhead_values
+from connmon._moved import renamed_name
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_callable
 from connmon._probe import device_of, probing, read_beside, run_forward
@@ -183,10 +184,7 @@ class Monitor(CopiesDetached):
         if alerts is not None and not isinstance(alerts, AlertRunner):
             raise ValueError(f"alerts must be a connmon.alerts.AlertRunner or None, got {type(alerts).__name__}")
         self.options = options
-        for name in OPTION_NAMES:  # read as the monitor's own attributes; full_every_n_samples moves with the budget
-            setattr(self, name, getattr(options, name))
-        if isinstance(self.layers, tuple):
-            self.layers = list(self.layers)
+        self.full_every_n_samples = options.full_every_n_samples  # the budget moves it: state, not an option
         self.clock = CostClock("attention")
         self.log = log
         self.alerts = alerts
@@ -235,6 +233,13 @@ class Monitor(CopiesDetached):
             self.attach(model)
 
     # --- the plain-loop API ---------------------------------------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        """Deprecated: an option read as the monitor's attribute (``monitor.every_n_steps``): read ``options``."""
+        if name in OPTION_NAMES and "options" in self.__dict__:
+            renamed_name(f"Monitor.{name}", f"Monitor.options.{name}")
+            return getattr(self.__dict__["options"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @contextlib.contextmanager
     def step(
@@ -295,7 +300,7 @@ class Monitor(CopiesDetached):
             loss = None if self.loss_fn is None or batch is None else lambda: self.loss_fn(model, batch)
             self.publish_curvature(step, self.sharpness.before_forward(step, loss, model, loss_weight))
         sampled = model is not None and self.due(step)
-        if sampled and self.probe is not None:
+        if sampled and self.options.probe is not None:
             self.run_probe(model, step, rule_values)
             sampled = False
         if not sampled:
@@ -375,18 +380,18 @@ class Monitor(CopiesDetached):
             "walk": lambda: WalkMetrics(num_layers),
             "transport": lambda: TransportMetrics(
                 num_layers,
-                edge_samples=self.edge_samples,
-                edge_queries=self.edge_queries,
-                edge_lanczos_steps=self.edge_lanczos_steps,
+                edge_samples=self.options.edge_samples,
+                edge_queries=self.options.edge_queries,
+                edge_lanczos_steps=self.options.edge_lanczos_steps,
             ),
-            "spectrum": lambda: SpectrumMetrics(num_layers, k=self.spectrum_k),
+            "spectrum": lambda: SpectrumMetrics(num_layers, k=self.options.spectrum_k),
             "drift": lambda: DriftMetrics(num_layers),
         }
-        self.metrics = {name: groups[name]() for name in self.diagnostics}
+        self.metrics = {name: groups[name]() for name in self.options.diagnostics}
         if self.logits is not None:
             self.logits.unwatch()
         self.logits = None
-        if self.logit_every_n_steps is not None or self.qk_clip is not None or self.transport_clip is not None:
+        if self.options.logit_every_n_steps is not None or self.qk_clip is not None or self.transport_clip is not None:
             modules, names = [layer.module for layer in self.selected], [layer.name for layer in self.selected]
             self.logits = HeadMaxLogits(modules, names, clock=self.clock)
         self._logit_step, self._logit_window, self._begun = None, None, None
@@ -473,7 +478,7 @@ class Monitor(CopiesDetached):
 
     def _config(self) -> dict[str, Any]:
         """What the time-drift references depend on: a checkpoint from another configuration cannot continue them."""
-        return {"num_sequences": self.num_sequences, "max_tokens": self.max_tokens}
+        return {"num_sequences": self.options.num_sequences, "max_tokens": self.options.max_tokens}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (before or after :meth:`attach`).
@@ -488,7 +493,9 @@ class Monitor(CopiesDetached):
         state_dict = checked
         self.samples = state_dict.get("samples", 0)
         self.last_sampled_step = state_dict.get("last_sampled_step", -1)
-        if self.budget is not None and state_dict.get("full_every_n_samples") is not None:  # the budget's choice
+        if (
+            self.options.budget is not None and state_dict.get("full_every_n_samples") is not None
+        ):  # the budget's choice
             self.full_every_n_samples = state_dict["full_every_n_samples"]
         if self.sharpness is not None and state_dict.get("sharpness") is not None:
             self.sharpness.load_state_dict(state_dict["sharpness"])
@@ -545,7 +552,7 @@ class Monitor(CopiesDetached):
             transport = self.transport_clip
             if transport is not None and step % transport.every_n_steps == 0:
                 self._clip_transport(step)
-            every = self.logit_every_n_steps
+            every = self.options.logit_every_n_steps
             watch = self.qk_clip is not None or (every is not None and step % every == 0)
             watch = watch or (transport is not None and self.logits.layouts_pending())
             self._logit_step = step if watch else None
@@ -613,7 +620,7 @@ class Monitor(CopiesDetached):
         """Whether optimizer step ``step`` is sampled (a step is sampled once, however many micro-batches it has)."""
         if self._start_step is None:
             self._start_step = step
-        cadence = step % self.every_n_steps == 0 or step in self.extra_steps
+        cadence = step % self.options.every_n_steps == 0 or step in self.extra_steps
         return bool(self.selected) and cadence and step != self.last_sampled_step
 
     @property
@@ -632,8 +639,8 @@ class Monitor(CopiesDetached):
             self._session = stack.enter_context(
                 armed(
                     model,
-                    num_sequences=self.num_sequences,
-                    max_tokens=self.max_tokens,
+                    num_sequences=self.options.num_sequences,
+                    max_tokens=self.options.max_tokens,
                     layers=self.selected,
                     unarmed=self._unarmed,
                     on_record=self._consume,
@@ -663,7 +670,7 @@ class Monitor(CopiesDetached):
                     if forward is not None:
                         forward(model)
                     else:
-                        run_forward(model, self.probe, self.probe_fn)
+                        run_forward(model, self.options.probe, self.options.probe_fn)
             except Exception as error:  # the user's training goes on whatever the probe hits
                 self.discard()
                 warn_rank_zero(f"{self.owner}: the probe forward raised {type(error).__name__}: {error}; no sample")
@@ -739,16 +746,16 @@ class Monitor(CopiesDetached):
     # --- workers --------------------------------------------------------------------------------------------------
 
     def _select(self, found: list[Layer]) -> list[Layer]:
-        if self.layers is None:
+        if self.options.layers is None:
             return found
-        if isinstance(self.layers, str):
-            chosen = [layer for layer in found if re.search(self.layers, layer.name)]
+        if isinstance(self.options.layers, str):
+            chosen = [layer for layer in found if re.search(self.options.layers, layer.name)]
         else:
-            wanted = set(self.layers)
+            wanted = set(self.options.layers)
             chosen = [layer for layer in found if layer.name in wanted or layer.index in wanted]
         if not chosen:
             warn_rank_zero(
-                f"{self.owner}: layers={self.layers!r} matches none of {[layer.name for layer in found]}; "
+                f"{self.owner}: layers={self.options.layers!r} matches none of {[layer.name for layer in found]}; "
                 "the monitor records nothing"
             )
         return chosen
@@ -840,9 +847,9 @@ class Monitor(CopiesDetached):
         if self.sink is not None and rank_zero:
             if self.log is None:
                 self.sink.scalars(step, scalars)
-            write_panels(self.sink, step, self.metrics, values, full=full, histograms=self.log_histograms,
-                         figures=self.figures_every_n_samples is not None
-                         and self.samples % self.figures_every_n_samples == 0)  # fmt: skip
+            write_panels(self.sink, step, self.metrics, values, full=full, histograms=self.options.log_histograms,
+                         figures=self.options.figures_every_n_samples is not None
+                         and self.samples % self.options.figures_every_n_samples == 0)  # fmt: skip
 
 
 def _remove(path: str) -> None:

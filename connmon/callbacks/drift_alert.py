@@ -141,7 +141,7 @@ class DriftAlert(Callback):
             self._listening = monitors[0]
         if monitors:  # the regime rules' early samples, whatever the monitor's cadence
             sampler = monitors[0].monitor
-            sampler.extra_steps = self.rules.regime_steps(sampler.every_n_steps)
+            sampler.extra_steps = self.rules.regime_steps(sampler.options.every_n_steps)
             sampler.qk_clip = self.runner.qk_clip  # read and applied where the logits are: the monitor's steps
             sampler.transport_clip = self.runner.transport_clip
         if curvature and self._listening_curvature is not curvature[0]:

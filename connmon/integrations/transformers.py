@@ -182,7 +182,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             self._curvature_step = state.global_step
         step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
         self.monitor.begin_step(step)  # the last step's max logits: QK-clip acts now
-        if model is not None and self.monitor.probe is None and self.monitor.due(step):
+        if model is not None and self.monitor.options.probe is None and self.monitor.due(step):
             self._pending = step
             self.monitor.arm(model)
             # the Trainer has no exception hook: disarm when this forward ends, also when it raises
@@ -232,7 +232,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             step, self._pending = self._pending, -1
             self.monitor.finish(step, _latest_logged(state))
         model = kwargs.get("model")
-        if self.monitor.probe is not None and model is not None and self.monitor.due(state.global_step):
+        if self.monitor.options.probe is not None and model is not None and self.monitor.due(state.global_step):
             self.monitor.run_probe(model, state.global_step, _latest_logged(state))  # after global_step steps
         points = self.monitor.alerts.restore_points if self.monitor.alerts is not None else None
         if points is not None and points.due is not None:  # "checkpoint": the Trainer saves at the end of this step

@@ -319,7 +319,10 @@ def test_every_entry_point_takes_the_sampling_options_with_the_same_defaults():
     with pytest.raises(ValueError, match="spectrum_k must be"):
         ConnectionMonitor(spectrum_k=0)  # checked by SamplingOptions, whichever entry point builds it
     callback = ConnectionMonitor(every_n_steps=7, edge_queries=None, layers=[1])
-    assert (callback.monitor.every_n_steps, callback.monitor.edge_queries, callback.monitor.layers) == (7, None, [1])
+    options = callback.monitor.options  # the monitor reads its options there, never from copies of its own
+    assert (options.every_n_steps, options.edge_queries, options.layers) == (7, None, (1,))
+    with pytest.warns(DeprecationWarning, match="Monitor.every_n_steps is now Monitor.options.every_n_steps"):
+        assert callback.monitor.every_n_steps == 7
 
 
 def test_every_sample_logs_what_the_monitor_costs_and_close_says_it():
