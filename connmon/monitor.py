@@ -222,11 +222,10 @@ class Monitor(CopiesDetached):
         self.logits: HeadMaxLogits | None = None  # every head's max logit over the whole batch of a step
         self.qk_clip = alerts.qk_clip if alerts is not None else None  # DriftAlert hands its own to a Lightning run
         self.transport_clip = alerts.transport_clip if alerts is not None else None  # (as qk_clip)
-        self._transport_said_at: int | None = None  # the step of the last transport-clip line
         self._transport_said_where = False  # the layers it cannot act on were named
         self._logit_step: int | None = None  # the step whose forwards the logits read now
         self._begun: int | None = None  # the step begin_step last ran for
-        self._clip_said_at: int | None = None  # the step of the last QK-clip line
+        self._said_at: dict[str, int] = {}  # the step of each clip action's last line
         self._logit_window: Tensor | None = None  # (layers, H): the max since the last sample, for the rules
         self._pending_logits: dict | None = None  # a checkpoint's max logits, until attach builds the reader
         if model is not None:
@@ -590,10 +589,8 @@ class Monitor(CopiesDetached):
             warn_rank_zero(f"{self.owner}: the transport clip raised {type(error).__name__}: {error}; it is off now")
             self.transport_clip = None
             return
-        said = self._transport_said_at
-        if not clips or not is_rank_zero() or (said is not None and step - said < 100):
-            return  # at most one line per 100 steps
-        self._transport_said_at = step
+        if not clips or not is_rank_zero() or not self._may_say("transport_clip", step):
+            return
         heads = ", ".join(
             f"{self.logits.names[layer]} head {head} ({high:.3g}x / {low:.3g}x)" for layer, head, high, low in clips[:4]
         )
@@ -604,11 +601,17 @@ class Monitor(CopiesDetached):
             f"({self.transport_clip.clipped} head clips so far)"
         )
 
+    def _may_say(self, action: str, step: int) -> bool:
+        """At most one line per 100 steps for each clip action; True (and noted) when this step may say one."""
+        said = self._said_at.get(action)
+        if said is not None and step - said < 100:
+            return False
+        self._said_at[action] = step
+        return True
+
     def _say_clips(self, step: int, clips: list[tuple[int, int, float]]) -> None:
-        said = self._clip_said_at
-        if self.qk_clip is None or self.logits is None or (said is not None and step - said < 100):
-            return  # at most one line per 100 steps
-        self._clip_said_at = step
+        if self.qk_clip is None or self.logits is None or not self._may_say("qk_clip", step):
+            return
         heads = ", ".join(f"{self.logits.names[layer]} head {head} ({logit:.4g})" for layer, head, logit in clips[:4])
         more = f" and {len(clips) - 4} more" if len(clips) > 4 else ""
         warn_rank_zero(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import connmon
@@ -86,15 +87,10 @@ def test_no_layer_imports_one_above_it():
 
 def test_the_type_checker_exemptions_only_shrink():
     """pyproject's mypy exemptions: at most these (issue 48 brings them to three), each with its reason above it."""
-    import tomllib
-
-    text = (ROOT.parent / "pyproject.toml").read_text()
-    exempt = {
-        module
-        for override in tomllib.loads(text)["tool"]["mypy"].get("overrides", [])
-        if override.get("ignore_errors")
-        for module in override["module"]
-    }
+    text = (ROOT.parent / "pyproject.toml").read_text()  # read as text: tomllib is 3.11+, the package supports 3.10
+    overrides = re.findall(r"\[\[tool\.mypy\.overrides\]\]\s*module = \[(.*?)\]", text, flags=re.S)
+    exempt = {name for block in overrides for name in re.findall(r'"(connmon[\w.]*)"', block)}
+    assert exempt or "tool.mypy.overrides" not in text  # the pattern still reads the file's layout
     allowed = {
         "connmon.callbacks.connection_monitor",
         "connmon.callbacks.drift_alert",

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+from connmon._collectives import local as local_tensor
+
 
 @dataclass
 class HeadClipCount:
@@ -37,7 +39,7 @@ class HeadClipCount:
 def local_part(parameter: Tensor, local: bool) -> tuple[Tensor, list[int]]:
     """This process's part of ``parameter`` and where it starts in the whole (per dimension; zeros when whole)."""
     mesh = getattr(parameter, "device_mesh", None)  # a DTensor: this process's part
-    data: Tensor = getattr(parameter, "to_local")() if mesh is not None else parameter  # noqa: B009
+    data = local_tensor(parameter)
     if local or mesh is None or data.shape == parameter.shape:
         return data, [0] * data.dim()
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -76,7 +78,7 @@ def read_rows(parameter: Tensor, rows: Tensor, dim: int, local: bool) -> Tensor:
     if mesh is None:
         data = parameter.detach()
     elif local:
-        data = getattr(parameter, "to_local")()  # noqa: B009
+        data = local_tensor(parameter)
     else:
         data = getattr(parameter, "full_tensor")()  # noqa: B009
     return data.index_select(dim, rows.to(data.device)).clone()
