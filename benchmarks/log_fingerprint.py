@@ -9,6 +9,8 @@ on two commits of one machine and compare the table: equal hashes mean bitwise-e
 
     python benchmarks/log_fingerprint.py            # the table
     python benchmarks/log_fingerprint.py --rows     # also every row, to see where two commits differ
+    python benchmarks/log_fingerprint.py --by-step  # rows of one step merged first: the values, not how they were
+                                                    # split into logger calls (W&B merges a step's calls too)
 """
 
 from __future__ import annotations
@@ -157,6 +159,14 @@ def hugging_face(folder: Path) -> dict:
     return {"rows": rows, "alerts": [repr(a) for a in runner.alerts], "files": files}
 
 
+def merged_by_step(rows: list[dict]) -> list[dict]:
+    """One row per step, in the order steps first appear; a key logged twice at a step keeps its last value."""
+    merged: dict[float, dict] = {}
+    for row in rows:
+        merged.setdefault(row.get("step", math.nan), {}).update(row)
+    return list(merged.values())
+
+
 def fingerprint(run: dict) -> tuple[int, int, str]:
     digest = hashlib.sha256()
     keys = set()
@@ -175,6 +185,7 @@ def fingerprint(run: dict) -> tuple[int, int, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", action="store_true", help="print every row too")
+    parser.add_argument("--by-step", action="store_true", help="merge the rows of each step before hashing")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "disabled")
     torch.use_deterministic_algorithms(True)
@@ -185,6 +196,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder, warnings.catch_warnings(), quiet:
             warnings.simplefilter("ignore")  # the Trainer prints its rows: its own, and left out
             result = run(Path(folder))
+        if args.by_step:
+            result["rows"] = merged_by_step(result["rows"])
         rows, keys, digest = fingerprint(result)
         print(f"{name:<14} {rows:>5} {keys:>5}  {digest}  alerts={len(result['alerts'])} files={result['files']}")
         if args.rows:

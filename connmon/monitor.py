@@ -15,7 +15,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +27,7 @@ from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, cost_line, overhead_values
 from connmon._moved import renamed_name
 from connmon._optimizer import unwrap_optimizer
-from connmon._options import check_callable
+from connmon._options import check_callable, check_choice
 from connmon._probe import device_of, probing, read_beside, run_forward
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon._saved_state import checked_state
@@ -154,6 +154,8 @@ class Monitor(CopiesDetached):
         options: SamplingOptions | None = None,
         owner: str = "connmon.Monitor",
         log_on_every_rank: bool = False,
+        attention: bool = True,
+        optimizer_hook: bool = True,
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}: {model!r:.60}")
@@ -167,11 +169,6 @@ class Monitor(CopiesDetached):
             )  # fmt: skip
         elif not isinstance(options, SamplingOptions):
             raise ValueError(f"options must be a connmon.sampling.SamplingOptions, got {type(options).__name__}")
-        if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
-            raise ValueError(
-                "sharpness must be a connmon.curvature.sampler.SharpnessSampler or None, got "
-                f"{type(sharpness).__name__}"
-            )
         if sharpness is not None and optimizer is None:
             raise ValueError("sharpness needs the optimizer it watches: pass optimizer=...")
         if sharpness is not None and sharpness.estimator != "secant" and loss_fn is None:
@@ -181,15 +178,13 @@ class Monitor(CopiesDetached):
             )
         check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(model, batch)")
         check_callable("log", log, optional=True, signature="log(values, step=step)")
-        if alerts is not None and not isinstance(alerts, AlertRunner):
-            raise ValueError(f"alerts must be a connmon.alerts.AlertRunner or None, got {type(alerts).__name__}")
         self.options = options
+        self.attention = attention
+        self.optimizer_hook = optimizer_hook
+        self.agree: Callable[[bool], bool] = bool  # a decision every process takes together (the values are synced)
         self.full_every_n_samples = options.full_every_n_samples  # the budget moves it: state, not an option
         self.clock = CostClock("attention")
         self.log = log
-        self.alerts = alerts
-        # sampled besides the cadence: what the alert rules that watch only a run's first steps need to compare
-        self.extra_steps = alerts.rules.regime_steps(every_n_steps) if alerts is not None else frozenset()
         self.log_on_every_rank = log_on_every_rank
         self.owner = owner
         self.sink: Any = None  # connmon.sinks.wandb.WandbSink for histograms, figures and W&B alerts
@@ -209,27 +204,45 @@ class Monitor(CopiesDetached):
         self._session: CaptureSession | None = None  # the armed capture's session
         self._pending_drift_state: dict | None = None
         self._drift_before: dict | None = None  # the time-drift references before the armed sample
-        self._listeners: list[Callable[[int, dict[str, float]], None]] = []
+        self._listeners: dict[str, list[Callable[[int, dict[str, float]], None]]] = {"attention": [], "curvature": []}
         budget = options.budget
         self._budget = None if budget is None else FullSampleBudget(budget, options.every_n_steps, owner)
         self._sample_began = 0.0  # the clock's spent seconds when the current sample was armed
         self._start_step: int | None = None  # the first step asked about since attach: where training time starts
-        self.sharpness = sharpness
         self.loss_fn = loss_fn
         self._optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self._step_now = 0  # the step of the latest monitor.step(): the one optimizer.step() completes
         self._pre_hook: Any = None
         self.logits: HeadMaxLogits | None = None  # every head's max logit over the whole batch of a step
-        self.qk_clip = alerts.qk_clip if alerts is not None else None  # DriftAlert hands its own to a Lightning run
-        self.transport_clip = alerts.transport_clip if alerts is not None else None  # (as qk_clip)
         self._transport_said_where = False  # the layers it cannot act on were named
         self._logit_step: int | None = None  # the step whose forwards the logits read now
         self._begun: int | None = None  # the step begin_step last ran for
         self._said_at: dict[str, int] = {}  # the step of each clip action's last line
         self._logit_window: Tensor | None = None  # (layers, H): the max since the last sample, for the rules
         self._pending_logits: dict | None = None  # a checkpoint's max logits, until attach builds the reader
+        self.use(alerts=alerts, sharpness=sharpness)
         if model is not None:
             self.attach(model)
+
+    def use(self, alerts: AlertRunner | None = None, sharpness: SharpnessSampler | None = None) -> None:
+        """The run's alert rules and actions, and its curvature sampler (None: none); before :meth:`attach`.
+
+        The constructor calls it; Lightning's callbacks hand their parts to their Trainer's one monitor this way.
+        """
+        if alerts is not None and not isinstance(alerts, AlertRunner):
+            raise ValueError(f"alerts must be a connmon.alerts.AlertRunner or None, got {type(alerts).__name__}")
+        if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
+            raise ValueError(
+                "sharpness must be a connmon.curvature.sampler.SharpnessSampler or None, got "
+                f"{type(sharpness).__name__}"
+            )
+        self.alerts = alerts
+        self.sharpness = sharpness
+        # sampled besides the cadence: what the alert rules that watch only a run's first steps need to compare
+        every = self.options.every_n_steps
+        self.extra_steps = alerts.rules.regime_steps(every) if alerts is not None and self.attention else frozenset()
+        self.qk_clip = alerts.qk_clip if alerts is not None else None
+        self.transport_clip = alerts.transport_clip if alerts is not None else None
 
     # --- the plain-loop API ---------------------------------------------------------------------------------------
 
@@ -295,10 +308,14 @@ class Monitor(CopiesDetached):
             and self.alerts.restore_points.due is not None
         ):
             self.save_restore_point(step)
-        if self.sharpness is not None and model is not None:
-            loss = None if self.loss_fn is None or batch is None else lambda: self.loss_fn(model, batch)
-            self.publish_curvature(step, self.sharpness.before_forward(step, loss, model, loss_weight))
-        sampled = model is not None and self.due(step)
+        if model is None:
+            yield False
+            return
+        loss_fn = self.loss_fn
+        if self.sharpness is not None:
+            loss = None if loss_fn is None or batch is None else lambda: loss_fn(model, batch)
+            self.read_forward(step, loss, model, loss_weight)
+        sampled = self.due(step)
         if sampled and self.options.probe is not None:
             self.run_probe(model, step, rule_values)
             sampled = False
@@ -359,19 +376,35 @@ class Monitor(CopiesDetached):
 
         Called by the constructor with a model. Calling it again builds fresh accumulators (the cadence is kept; the
         time-drift references restart unless :meth:`load_state_dict` gave some). ``optimizer``, if given, replaces
-        the constructor's (a trainer that builds its optimizer later).
+        the constructor's (a trainer that builds its optimizer later); with one, the curvature sampler and the
+        back-off watch it (:meth:`attach_optimizers`). A model without readable attention keeps the curvature and
+        the rules on it.
         """
-        if optimizer is not None:
-            self._optimizer = unwrap_optimizer(optimizer)
         self.disarm()
-        self._model = None
+        self._model = model
+        self.selected, self._unarmed, self.metrics = [], [], {}
+        if self.logits is not None:
+            self.logits.unwatch()
+        self.logits = None
+        found = self._find_layers(model) if self.attention else None
+        if found is not None:
+            self._build(model, found)
+        optimizer = optimizer if optimizer is not None else self._optimizer
+        if optimizer is not None:
+            self.attach_optimizers([optimizer])
+        elif self.optimizer_hook:  # a plain loop gave none: the back-off says it has nothing to act on
+            self.attach_optimizers([])
+        return found is not None
+
+    def _find_layers(self, model: nn.Module) -> list[Layer] | None:
         try:
-            found = attention_layers(getattr(model, "_orig_mod", model))  # torch.compile: the layers of the original
+            return attention_layers(getattr(model, "_orig_mod", model))  # torch.compile: the layers of the original
         except ValueError as error:
             warn_rank_zero(f"{self.owner} is off for this run: {error}")
-            self.selected, self.metrics = [], {}
-            return False
-        self._model = model
+            return None
+
+    def _build(self, model: nn.Module, found: list[Layer]) -> None:
+        """The accumulators and the max-logit reader of the layers found, on the model's device."""
         self.selected = self._select(found)
         self._unarmed = [layer for layer in found if layer not in self.selected]  # their kernel calls stay theirs
         num_layers = len(found)
@@ -387,9 +420,6 @@ class Monitor(CopiesDetached):
             "drift": lambda: DriftMetrics(num_layers),
         }
         self.metrics = {name: groups[name]() for name in self.options.diagnostics}
-        if self.logits is not None:
-            self.logits.unwatch()
-        self.logits = None
         if self.options.logit_every_n_steps is not None or self.qk_clip is not None or self.transport_clip is not None:
             modules, names = [layer.module for layer in self.selected], [layer.name for layer in self.selected]
             self.logits = HeadMaxLogits(modules, names, clock=self.clock)
@@ -400,18 +430,32 @@ class Monitor(CopiesDetached):
         self._start_step = None
         if self._budget is not None:
             self._budget.reset()
-        if self.sharpness is not None and self._optimizer is not None:
-            backoff = self.alerts.backoff if self.alerts is not None else None
-            self.sharpness.attach(self._optimizer, device_of(model), backoff=backoff)
-            if self._pre_hook is not None:
-                self._pre_hook.remove()
-            self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
-        if self.alerts is not None:
-            self.alerts.attach([self._optimizer] if self._optimizer is not None else [], self.owner)
         if self._pending_drift_state is not None and "drift" in self.metrics:
             self.metrics["drift"].set_extra_state(self._pending_drift_state)
             self._pending_drift_state = None
-        return True
+
+    def attach_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """The curvature sampler and the alerts' back-off watch the training's optimizers (after :meth:`attach`).
+
+        The sampler reads one optimizer (with more, it is off with one warning). With ``optimizer_hook`` its reading
+        before each step runs in the optimizer's step pre-hook; an entry point whose trainer steps in a closure calls
+        :meth:`before_optimizer_step` itself.
+        """
+        optimizers = [unwrap_optimizer(optimizer) for optimizer in optimizers]
+        self._optimizer = optimizers[0] if len(optimizers) == 1 else None
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+            self._pre_hook = None
+        if self.sharpness is not None and self._optimizer is None:
+            self.sharpness.turn_off(f"it needs exactly one optimizer, and the run has {len(optimizers)}")
+        elif self.sharpness is not None and self._optimizer is not None:
+            backoff = self.alerts.backoff if self.alerts is not None else None
+            device = device_of(self._model) if self._model is not None else None
+            self.sharpness.attach(self._optimizer, device, backoff=backoff)
+            if self.optimizer_hook:
+                self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
+        if self.alerts is not None:
+            self.alerts.attach(optimizers, self.owner)
 
     def to(self, device: torch.device | str) -> Monitor:
         """Move the accumulators to ``device`` (where the model lives)."""
@@ -519,13 +563,24 @@ class Monitor(CopiesDetached):
         if self._model is not None:
             self.attach(self._model)  # fresh accumulators: no drift reference
 
-    def add_listener(self, listener: Callable[[int, dict[str, float]], None]) -> None:
-        """Call ``listener(step, values)`` on every process after each sample is logged.
+    def add_listener(
+        self, listener: Callable[[int, dict[str, float]], None], of: Literal["attention", "curvature"] = "attention"
+    ) -> None:
+        """Call ``listener(step, values)`` on every process after each sample ``of`` attention or curvature is logged.
 
-        ``values``: as logged, and every head's max logit since the previous sample
-        (``connmon/head_max_logit/L<ll>H<hh>``, for the alert rules; not logged).
+        ``values``: as logged (the alert counts included), and for an attention sample every head's max logit since
+        the previous sample (``connmon/head_max_logit/L<ll>H<hh>``, for the alert rules; not logged).
         """
-        self._listeners.append(listener)
+        check_choice("of", of, ("attention", "curvature"))
+        self._listeners[of].append(listener)
+
+    def remove_listener(
+        self, listener: Callable[[int, dict[str, float]], None], of: Literal["attention", "curvature"] = "attention"
+    ) -> None:
+        """Stop calling ``listener`` (added with :meth:`add_listener`); a no-op if it is not there."""
+        check_choice("of", of, ("attention", "curvature"))
+        if listener in self._listeners[of]:
+            self._listeners[of].remove(listener)
 
     # --- the pieces the integrations drive ------------------------------------------------------------------------
 
@@ -542,8 +597,8 @@ class Monitor(CopiesDetached):
             return
         self._begun = step
         with self.clock.measuring():
-            if self._logit_step is not None:
-                table = self.logits.read()
+            table = self.logits.read() if self._logit_step is not None else None
+            if table is not None:
                 window = self._logit_window
                 self._logit_window = table if window is None or window.shape != table.shape else window.maximum(table)
                 if self.qk_clip is not None:
@@ -687,7 +742,7 @@ class Monitor(CopiesDetached):
 
         The accumulators are reset and the time-drift references are those from before the sample was armed.
         """
-        if self._armed is not None:
+        if self._armed is not None and self._session is not None:
             self._session.abandon()  # a layer the raise cut short is not reported as unreadable
         self.disarm()
         with torch.inference_mode(False):
@@ -733,16 +788,14 @@ class Monitor(CopiesDetached):
         scalars.update(layers)
         scalars.update(overhead_values(self.clock, step - (self._start_step if self._start_step is not None else step)))
         if self.alerts is not None:
-            alerts, stop = self.alerts.run({**(rule_values or {}), **heads, **scalars}, step, wandb=self.sink)
-            self.should_stop = self.should_stop or stop
-            scalars.update(self.alerts.counts(alerts))
+            scalars.update(self._run_rules({**(rule_values or {}), **heads, **scalars}, step))
         self._emit(step, scalars, values, full, broken_layers)
         for metric in self.metrics.values():
             metric.reset()
         self.last_sampled_step = step
         self.samples += 1
         self.last_values = scalars
-        for listener in self._listeners:
+        for listener in self._listeners["attention"]:
             listener(step, {**heads, **scalars})
         return scalars
 
@@ -774,21 +827,38 @@ class Monitor(CopiesDetached):
         return [metric for name, metric in self.metrics.items() if full or name != "spectrum"]
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.publish_curvature(self._step_now, self.sharpness.before_step(self._step_now))
+        self.before_optimizer_step(self._step_now)
+
+    def before_optimizer_step(self, step: int) -> None:
+        """After the backward of the step that follows ``step`` steps, before the optimizer steps: the curvature.
+
+        The Lanczos and ``"secant"`` readings of a sampled step (:meth:`publish_curvature`). A plain loop's monitor
+        calls it from the optimizer's step pre-hook; the Lightning and Hugging Face entry points from their
+        trainer's pre-step event (``optimizer_hook=False``).
+        """
+        if self.sharpness is not None:
+            self.publish_curvature(step, self.sharpness.before_step(step))
+
+    def read_forward(
+        self, step: int, loss: Callable[[], Tensor] | None, model: nn.Module, loss_weight: float | None = None
+    ) -> None:
+        """Before a training forward after ``step`` steps: the curvature keeps its loss (or reads ``"difference"``).
+
+        ``loss()`` is that micro-batch's scalar loss; ``loss_weight`` as in :meth:`step`.
+        """
+        if self.sharpness is not None and self.sharpness.reads_forward(step):
+            self.publish_curvature(step, self.sharpness.before_forward(step, loss, model, loss_weight))
 
     def publish_curvature(self, step: int, values: dict[str, float] | None) -> None:
         """Log a curvature sample and show it to the alert rules (every process; logged on rank zero).
 
-        An entry point that drives a :class:`~connmon.curvature.sampler.SharpnessSampler` itself (the Hugging
-        Face callback) hands its values here; a stop request sets :attr:`should_stop`.
+        A stop request sets :attr:`should_stop`; the sampler then waits while no rule over its values could fire.
         """
         if values is None:
             return
         values = dict(values)
         if self.alerts is not None:
-            alerts, stop = self.alerts.run(values, step, wandb=self.sink)
-            self.should_stop = self.should_stop or stop
-            values.update(self.alerts.counts(alerts))
+            values.update(self._run_rules(values, step))
             if self.sharpness is not None:
                 self.sharpness.hold_for(self.alerts.rules)
         if is_rank_zero() or self.log_on_every_rank:
@@ -799,6 +869,19 @@ class Monitor(CopiesDetached):
                     self.sink.scalars(step, values)
             except Exception as error:  # a logger must not end the training run
                 warn_rank_zero(f"connmon: log(values, step={step}) raised {type(error).__name__}: {error}")
+        for listener in self._listeners["curvature"]:
+            listener(step, values)
+
+    def _run_rules(self, values: Mapping[str, float], step: int) -> dict[str, float]:
+        """The alert rules on one sample's values; the stop and restore-point requests agreed; the counts to log."""
+        assert self.alerts is not None
+        alerts, stop = self.alerts.run(values, step, wandb=self.sink)
+        points = self.alerts.restore_points
+        if points is not None and self.agree(points.due is not None):
+            points.due = step if points.due is None else points.due  # asked on another process
+        if "stop" in self.alerts.actions and self.agree(stop):
+            self.should_stop = True
+        return self.alerts.counts(alerts)
 
     def _logit_values(self) -> tuple[dict[str, float], dict[str, float]]:
         """The max-logit window since the last sample, per layer (logged) and per head (for the rules); then reset."""

@@ -6,13 +6,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
 
 from connmon._copying import CopiesDetached
 from connmon._moved import renamed_name
 from connmon.callbacks._cost import say_cost
+from connmon.callbacks._run import run_of
 from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor, SamplingOptions
-from connmon.sinks.wandb import find_sink
 
 
 class ConnectionMonitor(CopiesDetached, Callback):
@@ -80,14 +79,14 @@ class ConnectionMonitor(CopiesDetached, Callback):
             edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
             edge_lanczos_steps=edge_lanczos_steps, budget=budget, logit_every_n_steps=logit_every_n_steps,
         )  # fmt: skip
-        self.monitor = Monitor(options=options, owner="ConnectionMonitor", log=self._log_to_loggers)
-        self.monitor.add_listener(self._notify)
+        self.monitor = Monitor(options=options, owner="ConnectionMonitor", optimizer_hook=False)
         self._trainer: Trainer | None = None
         self._sample_step = -1
         self._step_at_batch_start = 0
         self._first_micro_batch = True  # the next batch starts an optimizer step
         self._restored = False  # load_state_dict ran since the last fit began: keep its state
         self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
+        self.monitor.add_listener(self._notify)
 
     @property
     def options(self) -> SamplingOptions:
@@ -121,10 +120,11 @@ class ConnectionMonitor(CopiesDetached, Callback):
     # --- Lightning hooks ------------------------------------------------------------------------------------------
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """On fit: find the attention layers and the loggers, and start afresh (unless a checkpoint was loaded).
+        """On fit: join the Trainer's run and start afresh (unless a checkpoint was loaded).
 
-        An unreadable model disables the monitor with one warning. ``validate``, ``test`` and ``predict`` leave the
-        training state (cadence, drift references) alone: the monitor samples training only.
+        The run's monitor is this one's (a second ConnectionMonitor samples beside it, without the rules).
+        ``validate``, ``test`` and ``predict`` leave the training state (cadence, drift references) alone: the monitor
+        samples training only.
         """
         if stage != "fit":
             return
@@ -133,15 +133,11 @@ class ConnectionMonitor(CopiesDetached, Callback):
         self._restored = False
         self._first_micro_batch = True
         self._trainer = trainer
-        self.monitor.sink = find_sink(trainer.loggers)
-        if not self.monitor.attach(pl_module):
-            return
-        if not trainer.loggers:
-            rank_zero_warn("ConnectionMonitor: no logger is attached, so its values are computed but not logged")
+        run_of(trainer).add_attention(self.monitor)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Put the accumulators where the model now lives (the strategy moves it after ``setup``)."""
-        self.monitor.to(pl_module.device)
+        """Find the attention layers where the model now lives (an unreadable model: off, with one warning)."""
+        run_of(trainer).begin(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """An epoch's first batch starts an optimizer step (Lightning steps on an epoch's last batch)."""
@@ -166,10 +162,11 @@ class ConnectionMonitor(CopiesDetached, Callback):
         self.monitor.unwatch_logits()
         if self.monitor.is_armed:
             self.monitor.disarm()
-            self.monitor.finish(self._sample_step)
+            self.monitor.finish(self._sample_step, run_of(trainer).rule_values(trainer))
             return
         if self.options.probe is not None and stepped and self.monitor.due(trainer.global_step):
-            self.monitor.run_probe(pl_module, trainer.global_step)  # the model after global_step optimizer steps
+            # the model after global_step optimizer steps
+            self.monitor.run_probe(pl_module, trainer.global_step, run_of(trainer).rule_values(trainer))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Say what the monitor cost (console, and the W&B run's summary)."""
@@ -177,14 +174,12 @@ class ConnectionMonitor(CopiesDetached, Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove every hook and forget a partial sample if the run fails."""
-        self.monitor.discard()
-        self.monitor.unwatch_logits()
+        run_of(trainer).end(failed=True)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove every hook at the end of the run."""
-        self.monitor.disarm()
-        self.monitor.unwatch_logits()
         if stage == "fit":
+            run_of(trainer).end()
             self._restored = False  # the next fit starts afresh unless a checkpoint is loaded into it
             self._trainer = None
 
@@ -192,6 +187,7 @@ class ConnectionMonitor(CopiesDetached, Callback):
         """Sampling cadence and the previous sample of each layer (so a resumed run continues its time drift)."""
         state = self.monitor.state_dict()
         state.pop("alerts")  # DriftAlert saves its own
+        state["sharpness"] = None  # and SharpnessMonitor its own
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -205,16 +201,15 @@ class ConnectionMonitor(CopiesDetached, Callback):
         ``values`` maps every logged key to a float: the finite values of the selected layers and the ``/all`` means,
         and NaN for every key of a layer whose forward went non-finite (its ``/all`` means are NaN too). A value not
         measured on this sample (nothing to compare with, a layer skipped at run time) is absent. The values are the
-        synced ones, equal on every process. DriftAlert listens here.
+        synced ones, equal on every process, and the alert counts when a DriftAlert runs rules on them.
         """
         self._listeners.append(listener)
 
     # --- workers --------------------------------------------------------------------------------------------------
 
     def _notify(self, step: int, values: dict[str, float]) -> None:
+        trainer = self._trainer
+        if trainer is None:
+            return
         for listener in self._listeners:
-            listener(self._trainer, step, values)
-
-    def _log_to_loggers(self, values: dict[str, float], step: int) -> None:
-        for logger in self._trainer.loggers if self._trainer is not None else ():
-            logger.log_metrics(values, step=step)
+            listener(trainer, step, values)

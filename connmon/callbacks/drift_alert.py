@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
 
 from connmon.alerts import (
     DEFAULT_ACTIONS,
@@ -25,9 +22,7 @@ from connmon.alerts import (
     RuleSet,
     TransportClip,
 )
-from connmon.callbacks.connection_monitor import ConnectionMonitor
-from connmon.callbacks.sharpness_monitor import SharpnessMonitor
-from connmon.sinks.wandb import find_sink
+from connmon.callbacks._run import run_of
 
 
 class DriftAlert(Callback):
@@ -109,11 +104,6 @@ class DriftAlert(Callback):
             rules, actions, stop_level, on_alert, wait_duration, history, backoff, restore_points, qk_clip,
             transport_clip,
         )  # fmt: skip
-        self._listening: ConnectionMonitor | None = None
-        self._listening_curvature: SharpnessMonitor | None = None
-        self._wandb: Any = None
-        self._step_at_batch_start = -1
-        self._restore_root = "connmon_restore_points"
 
     @property
     def rules(self) -> RuleSet:
@@ -131,42 +121,37 @@ class DriftAlert(Callback):
         return self.runner.total
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Listen to the trainer's ConnectionMonitor and SharpnessMonitor (warn if neither) and find a WandbLogger."""
-        monitors = [cb for cb in trainer.callbacks if isinstance(cb, ConnectionMonitor)]
-        curvature = [cb for cb in trainer.callbacks if isinstance(cb, SharpnessMonitor)]
-        if not monitors and not curvature:
-            rank_zero_warn("DriftAlert watches the values of a ConnectionMonitor, and the Trainer has none: add one")
-        if monitors and self._listening is not monitors[0]:
-            monitors[0].add_listener(self._on_sample)
-            self._listening = monitors[0]
-        if monitors:  # the regime rules' early samples, whatever the monitor's cadence
-            sampler = monitors[0].monitor
-            sampler.extra_steps = self.rules.regime_steps(sampler.options.every_n_steps)
-            sampler.qk_clip = self.runner.qk_clip  # read and applied where the logits are: the monitor's steps
-            sampler.transport_clip = self.runner.transport_clip
-        if curvature and self._listening_curvature is not curvature[0]:
-            curvature[0].add_listener(self._on_curvature)
-            self._listening_curvature = curvature[0]
-        if self.runner.restore_points is not None:
-            self._restore_root = trainer.strategy.broadcast(_restore_root(trainer))
-        self._wandb = find_sink(trainer.loggers) if "wandb" in self.runner.actions else None
+        """On fit: hand the rules and actions to the Trainer's run (its monitor runs them on every sample)."""
+        if stage == "fit":
+            run_of(trainer).add_alerts(self.runner)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The Trainer's run begins (a warning if no monitor gives the rules values)."""
+        run_of(trainer).begin(trainer, pl_module)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """With ``"backoff"``: scale the learning rate inside the optimizers' steps once a back-off fired."""
-        self.runner.attach(trainer.optimizers, "DriftAlert")
+        run_of(trainer).start(trainer)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Note the step, to save a restore point only once the optimizer has stepped (after a whole batch)."""
-        self._step_at_batch_start = trainer.global_step
+        run_of(trainer).batch_started(trainer)
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """With ``"checkpoint"``: save the restore point an alert asked for, once the optimizer stepped."""
-        self._save_restore_point(trainer)
+        run_of(trainer).batch_ended(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Remove the back-off's optimizer hooks if the run fails."""
+        run_of(trainer).end(failed=True)
+        self.runner.detach()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove the back-off's optimizer hooks."""
+        if stage == "fit":
+            run_of(trainer).end()
         self.runner.detach()
 
     def state_dict(self) -> dict[str, Any]:
@@ -176,55 +161,3 @@ class DriftAlert(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.runner.load_state_dict(state_dict)
-
-    def _on_sample(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
-        self._run(trainer, step, {**_logged_scalars(trainer), **values})
-        self._save_restore_point(trainer)  # the monitor's samples end in its on_train_batch_end, before or after ours
-
-    def _on_curvature(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
-        self._run(trainer, step, values)
-        if self._listening_curvature is not None:
-            self._listening_curvature.sampler.hold_for(self.rules)
-
-    def _run(self, trainer: Trainer, step: int, values: dict[str, float]) -> None:
-        alerts, stop = self.runner.run(values, step, wandb=self._wandb)
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(self.runner.counts(alerts), step=step)
-        points = self.runner.restore_points
-        if points is not None and trainer.strategy.reduce_boolean_decision(points.due is not None, all=False):
-            points.due = step if points.due is None else points.due
-        if "stop" in self.runner.actions and trainer.strategy.reduce_boolean_decision(stop, all=False):
-            trainer.should_stop = True
-            self.runner.say_stop("DriftAlert", step)
-
-    def _save_restore_point(self, trainer: Trainer) -> None:
-        points = self.runner.restore_points
-        if points is None or points.due is None or trainer.global_step == self._step_at_batch_start:
-            return  # nothing asked, or inside a step (its first micro-batches): after the optimizer steps
-        if trainer.sanity_checking or trainer.state.fn != "fit":
-            return
-        step = trainer.global_step
-        path = trainer.strategy.broadcast(points.path(step, root=self._restore_root))  # rank zero's name everywhere
-        points.save_due(step, path, trainer.save_checkpoint, trainer.strategy.remove_checkpoint, owner="DriftAlert")
-
-
-def _restore_root(trainer: Trainer) -> str:
-    """Where ModelCheckpoint would save, with ``connmon_restore_points`` for ``checkpoints``."""
-    if not trainer.loggers:
-        return os.path.join(trainer.default_root_dir, "connmon_restore_points")
-    logger = trainer.loggers[0]
-    version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-    save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
-    return os.path.join(save_dir, str(logger.name), version, "connmon_restore_points")
-
-
-def _logged_scalars(trainer: Trainer) -> dict[str, float]:
-    """The LightningModule's own logged scalars (``self.log``: loss, grad norm, ...) as floats, for the rules."""
-    scalars = {}
-    for key, value in trainer.callback_metrics.items():
-        if isinstance(value, Tensor) and value.numel() == 1:
-            scalars[key] = float(value.item())
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            scalars[key] = float(value)
-    return scalars

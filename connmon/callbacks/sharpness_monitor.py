@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from connmon._options import check_callable
 from connmon.callbacks._cost import say_cost
+from connmon.callbacks._run import run_of
 from connmon.curvature.ratio import Storage
 from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Cadence, Estimator, SharpnessSampler, keys_of
 
@@ -104,6 +106,7 @@ class SharpnessMonitor(Callback):
         self.loss_fn = loss_fn
         self._restored = False  # load_state_dict ran since the last fit began: keep its state
         self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
+        self._trainer: Trainer | None = None
 
     @property
     def every_n_steps(self) -> int:
@@ -135,12 +138,17 @@ class SharpnessMonitor(Callback):
         self._listeners.append(listener)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """On fit: start afresh (unless a checkpoint was loaded); a sharding strategy is not supported."""
+        """On fit: join the Trainer's run and start afresh (unless a checkpoint was loaded).
+
+        A sharding strategy other than FSDP2 turns the sampler off with one warning.
+        """
         if stage != "fit":
             return
         if not self._restored:
             self.sampler.reset()
         self._restored = False
+        self._trainer = trainer
+        run_of(trainer).add_sharpness(self.sampler, self._notify)
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
         fsdp2 = isinstance(strategy, ModelParallelStrategy)  # DTensor parameters: every estimator reads their shards
@@ -148,29 +156,26 @@ class SharpnessMonitor(Callback):
             supported = "single-device, DDP, and ModelParallelStrategy (FSDP2) with every estimator but 'lanczos'"
             self.sampler.turn_off(f"the {type(strategy).__name__} shards or wraps the parameters; {supported}")
 
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The Trainer's run begins: its monitor holds this sampler."""
+        run_of(trainer).begin(trainer, pl_module)
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Watch the optimizer's steps (one optimizer only) and start the cost clock."""
-        if self.sampler.off is not None:
-            return
-        if len(trainer.optimizers) != 1:
-            self.sampler.turn_off(f"it needs exactly one optimizer, and the run has {len(trainer.optimizers)}")
-            return
-        backoffs = [getattr(getattr(cb, "runner", None), "backoff", None) for cb in trainer.callbacks]  # DriftAlert's
-        self.sampler.attach(trainer.optimizers[0], pl_module.device, next((b for b in backoffs if b is not None), None))
+        run_of(trainer).start(trainer)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         """Before each forward of a sampled step: its batch kept (Lanczos), or the ``"difference"`` reading."""
         if not self.sampler.reads_forward(trainer.global_step):
             return
         with trainer.precision_plugin.train_step_context():
-            values = self.sampler.before_forward(trainer.global_step, lambda: self.loss_fn(pl_module, batch), pl_module)
-        self._publish(trainer, trainer.global_step, values)
+            loss = partial(self.loss_fn, pl_module, batch) if self.loss_fn is not None else None
+            run_of(trainer).begin(trainer, pl_module).read_forward(trainer.global_step, loss, pl_module)
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         """After the backward, before the step: the Lanczos and ``"secant"`` readings, the copy before a sample."""
         with trainer.precision_plugin.train_step_context():
-            values = self.sampler.before_step(trainer.global_step)
-        self._publish(trainer, trainer.global_step, values)
+            run_of(trainer).begin(trainer, pl_module).before_optimizer_step(trainer.global_step)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Say what the monitor cost (console, and the W&B run's summary)."""
@@ -178,13 +183,16 @@ class SharpnessMonitor(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove the optimizer hook if the run fails."""
+        run_of(trainer).end(failed=True)
         self.sampler.detach()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove the optimizer hook and drop any parameter copy."""
         if stage == "fit":
+            run_of(trainer).end()
             self.sampler.detach()
             self._restored = False
+            self._trainer = None
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state (:meth:`connmon.curvature.sampler.SharpnessSampler.state_dict`)."""
@@ -195,11 +203,9 @@ class SharpnessMonitor(Callback):
         self._restored = True
         self.sampler.load_state_dict(state_dict)
 
-    def _publish(self, trainer: Trainer, step: int, values: dict[str, float] | None) -> None:
-        if values is None:
+    def _notify(self, step: int, values: dict[str, float]) -> None:
+        trainer = self._trainer
+        if trainer is None:
             return
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(values, step=step)
         for listener in self._listeners:
             listener(trainer, step, {k: values[k] for k in keys_of(self.sampler.estimator)})

@@ -15,7 +15,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from connmon._cost import cost_line, overhead_values
+from connmon._cost import overhead_values
 from connmon._options import check_callable
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
@@ -117,8 +117,6 @@ class ConnectionMonitorCallback(TrainerCallback):
             raise ValueError(
                 f"trainer must be the transformers.Trainer whose log carries the values, got {type(trainer).__name__}"
             )
-        if sharpness is not None and not isinstance(sharpness, SharpnessSampler):
-            raise ValueError(f"sharpness must be a SharpnessSampler or None, got {type(sharpness).__name__}")
         check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(model, inputs)")
         self.trainer = trainer
         options = SamplingOptions(
@@ -130,9 +128,10 @@ class ConnectionMonitorCallback(TrainerCallback):
         )  # fmt: skip
         # Trainer.log runs on every process, and its reporters pick rank zero
         self.monitor = Monitor(
-            options=options, alerts=alerts, owner="ConnectionMonitorCallback", log=self._log, log_on_every_rank=True
-        )
-        self.sharpness = sharpness
+            options=options, alerts=alerts, owner="ConnectionMonitorCallback", log=self._log, log_on_every_rank=True,
+            optimizer_hook=False,
+        )  # fmt: skip
+        self.monitor.use(alerts=alerts, sharpness=sharpness)  # the optimizer comes with train()
         self.loss_fn = loss_fn or _model_loss
         self._reading = False  # the curvature's own forwards are running: the capture's guard ignores them
         self._batch_hook: Any = None
@@ -151,10 +150,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             self.monitor.discard()
         self.monitor.reset()
         optimizer = kwargs.get("optimizer") or self.trainer.optimizer
-        if self.sharpness is not None:
-            self.sharpness.reset()
-            self.sharpness.attach(optimizer, backoff=self.monitor.alerts.backoff if self.monitor.alerts else None)
-        if model is None or not self.monitor.attach(model, optimizer):  # the optimizer: for the alerts' "backoff"
+        if model is None or not self.monitor.attach(model, optimizer):  # the optimizer: curvature and "backoff"
             return
         self.monitor.sink = _wandb_sink(args)
         if state.global_step == 0:
@@ -168,16 +164,16 @@ class ConnectionMonitorCallback(TrainerCallback):
             return
         device = next(model.parameters(), torch.empty(0)).device  # drift references live beside the model
         saved_state = torch.load(saved, map_location=device, weights_only=True)
+        if saved_state.get("sharpness") is None:
+            saved_state["sharpness"] = saved_state.get("curvature")  # as 0.1.0 named it
         self.monitor.load_state_dict(saved_state)
-        sampler_state = saved_state.get("sharpness") or saved_state.get("curvature")  # "curvature": 0.1.0 checkpoints
-        if self.sharpness is not None and sampler_state is not None:
-            self.sharpness.load_state_dict(sampler_state)
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
     ) -> None:
         """Arm the capture for the first micro-batch of a sampled optimizer step; keep the curvature's batches."""
-        if model is not None and self.sharpness is not None and self.sharpness.reads_forward(state.global_step):
+        sharpness = self.monitor.sharpness
+        if model is not None and sharpness is not None and sharpness.reads_forward(state.global_step):
             self._batch_hook = model.register_forward_pre_hook(self._read_curvature, with_kwargs=True, prepend=True)
             self._curvature_step = state.global_step
         step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
@@ -193,11 +189,11 @@ class ConnectionMonitorCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """After the backward (and clipping), before the step: the Lanczos and secant samples, the copy for one."""
-        if self.sharpness is not None:
+        if self.monitor.sharpness is not None:
             self._drop_batch_hook()
             self._reading = True
             try:
-                self.monitor.publish_curvature(state.global_step, self.sharpness.before_step(state.global_step))
+                self.monitor.before_optimizer_step(state.global_step)
             finally:
                 self._reading = False
 
@@ -215,16 +211,20 @@ class ConnectionMonitorCallback(TrainerCallback):
         weight = None if inputs is None else _loss_factor(self.trainer, inputs)
         self._reading = True
         try:
-            self.monitor.publish_curvature(step, self.sharpness.before_forward(step, loss, module, weight))
+            self.monitor.read_forward(step, loss, module, weight)
         finally:
             self._reading = False
 
-    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+    def on_substep_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """The first micro-batch of an accumulation is done: stop recording (the curvature keeps every batch)."""
         self._forward_done()
         self._watch_logits(kwargs.get("model"))  # the next micro-batch's max logits
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> TrainerControl:
         """Log the sample of this optimizer step and act on its alerts."""
         self._forward_done()
         self._drop_batch_hook()
@@ -236,42 +236,36 @@ class ConnectionMonitorCallback(TrainerCallback):
             self.monitor.run_probe(model, state.global_step, _latest_logged(state))  # after global_step steps
         points = self.monitor.alerts.restore_points if self.monitor.alerts is not None else None
         if points is not None and points.due is not None:  # "checkpoint": the Trainer saves at the end of this step
-            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
             points.save_due(
                 state.global_step,
-                str(folder),
+                str(_checkpoint_folder(args, state.global_step)),
                 lambda path: setattr(control, "should_save", True),
                 owner="ConnectionMonitorCallback: the Trainer",
                 saves="saves",
             )  # fmt: skip (the Trainer rotates its checkpoints itself, by save_total_limit)
-        if self.monitor.should_stop and not control.should_training_stop:
+        if self.monitor.should_stop and not control.should_training_stop and self.monitor.alerts is not None:
             control.should_training_stop = True
             self.monitor.alerts.say_stop("ConnectionMonitorCallback", state.global_step)
         return control
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
         """Save the monitor's state beside the checkpoint (rank zero)."""
-        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        folder = _checkpoint_folder(args, state.global_step)
         if is_rank_zero() and folder.is_dir():
-            state = self.monitor.state_dict()
-            state["sharpness"] = self.sharpness.state_dict() if self.sharpness is not None else None  # as Monitor's
-            torch.save(state, folder / STATE_FILE)
+            torch.save(self.monitor.state_dict(), folder / STATE_FILE)
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any):
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         """Remove every hook; log and say what connmon cost."""
         self._forward_done()
         self._drop_batch_hook()
-        if self.monitor.alerts is not None:
-            self.monitor.alerts.detach()
-        clocks = [self.monitor.clock] + ([self.sharpness.clock] if self.sharpness is not None else [])
+        sharpness = self.monitor.sharpness
+        clocks = [self.monitor.clock] + ([sharpness.clock] if sharpness is not None else [])
         if any(clock.sections for clock in clocks):
             self._log({k: v for clock in clocks for k, v in overhead_values(clock).items()}, state.global_step)
-        line = cost_line(self.monitor.owner, self.monitor.clock, self.sharpness)
-        _LOG.info("connmon: %s", line)
-        for clock in clocks:
-            clock.stop()
-        if self.sharpness is not None:
-            self.sharpness.detach()
+        _LOG.info("connmon: %s", self.monitor.cost_summary())
+        self.monitor.close()
 
     def _watch_logits(self, model: Any) -> None:
         """Read the max logits of the model's next forward (one micro-batch); the hooks go when it ends or raises."""
@@ -322,7 +316,12 @@ def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path:
                 return Path(path)
             break
         frame = frame.f_back
-    return Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+    return _checkpoint_folder(args, state.global_step)
+
+
+def _checkpoint_folder(args: TrainingArguments, step: int) -> Path:
+    """The folder the Trainer saves its checkpoint of step ``step`` in."""
+    return Path(str(args.output_dir)) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
 
 
 def _loss_factor(trainer: Trainer, inputs: dict) -> float | None:
