@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from connmon import keys
 from connmon._budget import FullSampleBudget
@@ -38,7 +39,7 @@ from connmon.capture.max_logit import HeadMaxLogits
 from connmon.capture.session import CaptureSession, Layer
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
-from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingOptions
+from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingKeywords, SamplingOptions, sampling_options
 from connmon.sinks.panels import write_panels
 
 __all__ = ["DIAGNOSTICS", "SAMPLING_OPTIONS", "Diagnostic", "LogFn", "Monitor", "SamplingOptions"]
@@ -72,14 +73,10 @@ class Monitor(CopiesDetached):
 
     Args:
         model: the model whose attention is read (None: call :meth:`attach` later).
-        every_n_steps: with ``num_sequences``, ``max_tokens``, ``layers``, ``diagnostics``, ``spectrum_k``,
-            ``probe``, ``probe_fn``, ``log_histograms``, ``figures_every_n_samples``, ``edge_samples``,
-            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps``,
-            ``budget`` and ``logit_every_n_steps``: the sampling options,
-            documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
-            ``probe`` is recorded at the start of :meth:`step`, on the model after ``step`` optimizer steps).
-        options: a :class:`~connmon.sampling.SamplingOptions` instead of the keywords above (an entry point builds
-            one from its own keywords).
+        options: the sampling options (:class:`~connmon.sampling.SamplingOptions`: what is recorded and how often);
+            a ``probe`` is recorded at the start of :meth:`step`, on the model after ``step`` optimizer steps.
+        **sampling: the same options by keyword (``every_n_steps=100``, ``diagnostics=("walk",)``, ...), in place of
+            those of ``options`` (typed by :class:`~connmon.sampling.SamplingKeywords` for editors).
         log: called as ``log(values, step=step)`` with a dict of floats on rank zero after each sample, e.g.
             ``wandb.log`` or ``accelerator.log``; None to log the scalars to ``wandb`` (or nowhere).
         wandb: a W&B run (``wandb.init(...)``) for histograms, figures and alerts, logged with ``step=step``.
@@ -99,12 +96,16 @@ class Monitor(CopiesDetached):
         owner: the entry point named in warnings and in the cost line.
         log_on_every_rank: call ``log`` on every process (for a logger that picks rank zero itself), not only rank
             zero.
+        attention: False to read no attention (the curvature and the rules only).
+        optimizer_hook: read the curvature in ``optimizer``'s step pre-hook (a plain loop); False for an entry point
+            that calls :meth:`before_optimizer_step` from its trainer's own pre-step event.
 
     Every sample's values include what the monitor costs, ``connmon/overhead/attention`` (its time over the
     training time since :meth:`attach`) and ``connmon/overhead`` (all connmon monitors running);
     :meth:`cost_summary` says it in one line.
 
     Raises:
+        TypeError: for a keyword that is not a sampling option (the message names them).
         ValueError: for an invalid option (the message names the valid ones).
 
     Examples:
@@ -129,22 +130,6 @@ class Monitor(CopiesDetached):
         self,
         model: nn.Module | None = None,
         *,
-        every_n_steps: int = 100,
-        num_sequences: int = 2,
-        max_tokens: int | None = 256,
-        layers: str | Sequence[str | int] | None = None,
-        diagnostics: Sequence[Diagnostic] = DIAGNOSTICS,
-        spectrum_k: int = 8,
-        probe: Any = None,
-        probe_fn: Callable[[nn.Module, Any], Any] | None = None,
-        log_histograms: bool = True,
-        figures_every_n_samples: int | None = 10,
-        edge_samples: int | None = 1,
-        edge_queries: int | None = 16,
-        full_every_n_samples: int = 25,
-        edge_lanczos_steps: int | None = 32,
-        budget: float | None = None,
-        logit_every_n_steps: int | None = 25,
         log: LogFn | None = None,
         wandb: Any = None,
         alerts: AlertRunner | None = None,
@@ -156,19 +141,18 @@ class Monitor(CopiesDetached):
         log_on_every_rank: bool = False,
         attention: bool = True,
         optimizer_hook: bool = True,
+        **sampling: Unpack[SamplingKeywords],
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
             raise ValueError(f"model must be a torch.nn.Module or None, got {type(model).__name__}: {model!r:.60}")
-        if options is None:
-            options = SamplingOptions(
-                every_n_steps=every_n_steps, num_sequences=num_sequences, max_tokens=max_tokens, layers=layers,
-                diagnostics=diagnostics, spectrum_k=spectrum_k, probe=probe, probe_fn=probe_fn,
-                log_histograms=log_histograms, figures_every_n_samples=figures_every_n_samples,
-                edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
-                edge_lanczos_steps=edge_lanczos_steps, budget=budget, logit_every_n_steps=logit_every_n_steps,
-            )  # fmt: skip
-        elif not isinstance(options, SamplingOptions):
-            raise ValueError(f"options must be a connmon.sampling.SamplingOptions, got {type(options).__name__}")
+        options = sampling_options(options, owner, **sampling)
+        check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(model, batch)")
+        check_callable("log", log, optional=True, signature="log(values, step=step)")
+        self.options = options
+        self.attention = attention
+        self.optimizer_hook = optimizer_hook
+        self.agree: Callable[[bool], bool] = bool  # a decision every process takes together (the values are synced)
+        self.use(alerts=alerts, sharpness=sharpness)
         if sharpness is not None and optimizer is None:
             raise ValueError("sharpness needs the optimizer it watches: pass optimizer=...")
         if sharpness is not None and sharpness.estimator != "secant" and loss_fn is None:
@@ -176,12 +160,6 @@ class Monitor(CopiesDetached):
                 f"sharpness estimator={sharpness.estimator!r} reads a loss: pass loss_fn=... (and "
                 "monitor.step(step, batch=batch)), or use estimator='secant'"
             )
-        check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(model, batch)")
-        check_callable("log", log, optional=True, signature="log(values, step=step)")
-        self.options = options
-        self.attention = attention
-        self.optimizer_hook = optimizer_hook
-        self.agree: Callable[[bool], bool] = bool  # a decision every process takes together (the values are synced)
         self.full_every_n_samples = options.full_every_n_samples  # the budget moves it: state, not an option
         self.clock = CostClock("attention")
         self.log = log
@@ -220,7 +198,6 @@ class Monitor(CopiesDetached):
         self._said_at: dict[str, int] = {}  # the step of each clip action's last line
         self._logit_window: Tensor | None = None  # (layers, H): the max since the last sample, for the rules
         self._pending_logits: dict | None = None  # a checkpoint's max logits, until attach builds the reader
-        self.use(alerts=alerts, sharpness=sharpness)
         if model is not None:
             self.attach(model)
 

@@ -1,9 +1,10 @@
 """SamplingOptions: what an attention monitor records and how often, declared, checked and documented once.
 
 :class:`connmon.Monitor`, Lightning's :class:`connmon.callbacks.ConnectionMonitor` and the Hugging Face
-:class:`connmon.integrations.transformers.ConnectionMonitorCallback` take these options with the same names and
-defaults (their keyword signatures are checked against this class by a test) and build one ``SamplingOptions``,
-which the engine reads.
+:class:`connmon.integrations.transformers.ConnectionMonitorCallback` take these options as keywords
+(``**sampling``) or as one ``options=SamplingOptions(...)``, and build one ``SamplingOptions`` which the engine
+reads: the defaults and checks live only here. The keywords are typed by :class:`SamplingKeywords` (PEP 692's
+``Unpack``), so editors (Pylance, PyCharm) and type checkers (mypy) complete and check each of them by name.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
+
+from typing_extensions import Unpack
 
 from connmon._cost import check_budget
 from connmon._options import check_int
@@ -123,3 +126,63 @@ class SamplingOptions:
 
 
 OPTION_NAMES: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(SamplingOptions))
+
+
+class SamplingKeywords(TypedDict, total=False):
+    """The sampling options as keywords, for an entry point's ``**sampling: Unpack[SamplingKeywords]``.
+
+    Names and types only: each is documented, defaulted and checked in :class:`SamplingOptions` (a test holds the
+    two to the same names and types).
+    """
+
+    every_n_steps: int
+    num_sequences: int
+    max_tokens: int | None
+    layers: str | Sequence[str | int] | None
+    diagnostics: Sequence[Diagnostic]
+    spectrum_k: int
+    probe: Any
+    probe_fn: Callable[[Any, Any], Any] | None
+    log_histograms: bool
+    figures_every_n_samples: int | None
+    edge_samples: int | None
+    edge_queries: int | None
+    full_every_n_samples: int
+    edge_lanczos_steps: int | None
+    budget: float | None
+    logit_every_n_steps: int | None
+
+
+def sampling_options(
+    options: SamplingOptions | None = None, owner: str = "connmon", **sampling: Unpack[SamplingKeywords]
+) -> SamplingOptions:
+    """``options`` (None: the defaults) with the ``sampling`` keywords in place of its values, checked.
+
+    How every entry point builds its options from ``options=`` and ``**sampling``; ``owner`` names it in errors.
+
+    Raises:
+        TypeError: for a keyword that is not a sampling option (the message names them).
+        ValueError: for an invalid value, or ``options`` that is not a :class:`SamplingOptions`.
+
+    Examples:
+        >>> from connmon.sampling import SamplingOptions, sampling_options
+        >>> sampling_options(every_n_steps=50).every_n_steps
+        50
+        >>> sampling_options(SamplingOptions(every_n_steps=50), spectrum_k=4).every_n_steps
+        50
+        >>> sampling_options(every_n_step=50)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: connmon got an unexpected keyword argument 'every_n_step'; the sampling options are ...
+    """
+    unknown = [name for name in sampling if name not in OPTION_NAMES]
+    if unknown:
+        raise TypeError(
+            f"{owner} got an unexpected keyword argument {unknown[0]!r}; the sampling options are "
+            f"{', '.join(OPTION_NAMES)}"
+        )
+    if options is None:
+        return SamplingOptions(**sampling)
+    if not isinstance(options, SamplingOptions):
+        raise ValueError(f"options must be a connmon.sampling.SamplingOptions, got {type(options).__name__}")
+    return dataclasses.replace(options, **sampling) if sampling else options

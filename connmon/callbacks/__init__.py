@@ -2,7 +2,7 @@
 
 Examples:
     >>> from connmon.callbacks import ConnectionMonitor
-    >>> ConnectionMonitor(every_n_steps=10).every_n_steps
+    >>> ConnectionMonitor(every_n_steps=10).options.every_n_steps
     10
 """
 

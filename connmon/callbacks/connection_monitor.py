@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import Unpack
 
 from connmon._copying import CopiesDetached
 from connmon._moved import renamed_name
 from connmon.callbacks._cost import say_cost
 from connmon.callbacks._run import run_of
-from connmon.monitor import DIAGNOSTICS, SAMPLING_OPTIONS, Diagnostic, Monitor, SamplingOptions
+from connmon.monitor import SAMPLING_OPTIONS, Monitor
+from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 
 
 class ConnectionMonitor(CopiesDetached, Callback):
@@ -28,20 +30,19 @@ class ConnectionMonitor(CopiesDetached, Callback):
     end the run: a layer it cannot read is skipped with one warning.
 
     Args:
-        every_n_steps: with ``num_sequences``, ``max_tokens``, ``layers``, ``diagnostics``, ``spectrum_k``,
-            ``probe``, ``probe_fn``, ``log_histograms``, ``figures_every_n_samples``, ``edge_samples``,
-            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps``,
-            ``budget`` and ``logit_every_n_steps``: the sampling options,
-            documented and checked once in :class:`connmon.sampling.SamplingOptions` (on a
-            gradient-accumulation step, the first micro-batch is sampled; ``probe_fn`` gets the LightningModule).
+        options: the sampling options (:class:`~connmon.sampling.SamplingOptions`: what is recorded and how often);
+            on a gradient-accumulation step the first micro-batch is sampled; ``probe_fn`` gets the LightningModule.
             With the defaults the full diagnostics are logged every 2500 steps, the rest every 100: a full sample
             costs about 9x a light one (benchmarks/README.md).
+        **sampling: the same options by keyword (``every_n_steps=50``, ``diagnostics=("walk",)``, ...), in place of
+            those of ``options`` (typed by :class:`~connmon.sampling.SamplingKeywords` for editors).
 
     Every sample also logs what the monitor costs: ``connmon/overhead/attention`` (its time, synchronized on
     accelerators, over the training time) and ``connmon/overhead`` (every connmon monitor of the run); the end of
     the fit says it in one line (and in the W&B run's summary).
 
     Raises:
+        TypeError: for a keyword that is not a sampling option (the message names them).
         ValueError: for an invalid option (the message names the valid ones).
 
     Examples:
@@ -53,32 +54,8 @@ class ConnectionMonitor(CopiesDetached, Callback):
 
     _not_copied = (("_trainer", lambda: None),)  # set again by setup (ddp_spawn pickles the callbacks)
 
-    def __init__(
-        self,
-        every_n_steps: int = 100,
-        num_sequences: int = 2,
-        max_tokens: int | None = 256,
-        layers: str | Sequence[str | int] | None = None,
-        diagnostics: Sequence[Diagnostic] = DIAGNOSTICS,
-        spectrum_k: int = 8,
-        probe: Any = None,
-        probe_fn: Callable[[LightningModule, Any], Any] | None = None,
-        log_histograms: bool = True,
-        figures_every_n_samples: int | None = 10,
-        edge_samples: int | None = 1,
-        edge_queries: int | None = 16,
-        full_every_n_samples: int = 25,
-        edge_lanczos_steps: int | None = 32,
-        budget: float | None = None,
-        logit_every_n_steps: int | None = 25,
-    ) -> None:
-        options = SamplingOptions(
-            every_n_steps=every_n_steps, num_sequences=num_sequences, max_tokens=max_tokens, layers=layers,
-            diagnostics=diagnostics, spectrum_k=spectrum_k, probe=probe, probe_fn=probe_fn,
-            log_histograms=log_histograms, figures_every_n_samples=figures_every_n_samples,
-            edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
-            edge_lanczos_steps=edge_lanczos_steps, budget=budget, logit_every_n_steps=logit_every_n_steps,
-        )  # fmt: skip
+    def __init__(self, *, options: SamplingOptions | None = None, **sampling: Unpack[SamplingKeywords]) -> None:
+        options = sampling_options(options, "ConnectionMonitor", **sampling)
         self.monitor = Monitor(options=options, owner="ConnectionMonitor", optimizer_hook=False)
         self._trainer: Trainer | None = None
         self._sample_step = -1

@@ -9,12 +9,12 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch import Tensor
+from typing_extensions import Unpack
 
 from connmon._options import check_callable
 from connmon.callbacks._cost import say_cost
 from connmon.callbacks._run import run_of
-from connmon.curvature.ratio import Storage
-from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Cadence, Estimator, SharpnessSampler, keys_of
+from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessKeywords, SharpnessSampler, keys_of
 
 __all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
 
@@ -64,17 +64,12 @@ class SharpnessMonitor(Callback):
             ``"secant"``. It is called outside ``training_step``, on the batch as the dataloader gave it (on the
             model's device), in the trainer's precision context (autocast under ``bf16-mixed``). A capture that a
             :class:`ConnectionMonitor` armed for the same step records nothing of these forwards.
-        every_n_steps: the densest interval between samples, in optimizer steps (every sample with ``"fixed"``).
-        estimator: ``"finite_difference_lanczos"``, ``"exact_lanczos"``, ``"difference"`` or ``"secant"``.
-        lanczos_steps: Hessian-vector products per sample with the two Lanczos estimators.
-        budget: None, or the fraction of training time the samples may take (e.g. 0.01): the monitor then stretches
-            its intervals by ``k``, chosen from the measured costs at the densest interval (the same on every
-            process, saved in checkpoints, said once per change).
-        cadence: ``"adaptive"`` or ``"fixed"``.
-        storage: ``"device"``, or ``"cpu"`` to keep a gradient-difference solve's six parameter-sized vectors in host
-            memory.
+        **sampler: the :class:`~connmon.curvature.sampler.SharpnessSampler`'s options by keyword (``every_n_steps``,
+            ``estimator``, ``lanczos_steps``, ``budget``, ``cadence``, ``storage``), documented, defaulted and checked
+            there once (typed by :class:`~connmon.curvature.sampler.SharpnessKeywords` for editors).
 
     Raises:
+        TypeError: for a keyword that is not one of the sampler's options.
         ValueError: for a ``loss_fn`` that is not callable, an estimator that needs one and has none, or an invalid
             option.
 
@@ -90,17 +85,11 @@ class SharpnessMonitor(Callback):
     def __init__(
         self,
         loss_fn: Callable[[LightningModule, Any], Tensor] | None = None,
-        every_n_steps: int = 20,
-        estimator: Estimator = "finite_difference_lanczos",
-        lanczos_steps: int = 8,
-        budget: float | None = None,
-        cadence: Cadence = "adaptive",
-        storage: Storage = "device",
+        **sampler: Unpack[SharpnessKeywords],
     ) -> None:
         check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(pl_module, batch)")
-        self.sampler = SharpnessSampler(
-            every_n_steps, estimator, lanczos_steps, budget, cadence, storage, owner="SharpnessMonitor"
-        )
+        self.sampler = SharpnessSampler(**sampler, owner="SharpnessMonitor")
+        estimator = self.sampler.estimator
         if loss_fn is None and estimator != "secant":
             raise ValueError(f"estimator={estimator!r} reads a loss: pass loss_fn=..., or use estimator='secant'")
         self.loss_fn = loss_fn

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -113,6 +113,21 @@ def adaptive_interval(ratio: float, every_n_steps: int, ladder: tuple[tuple[floa
             if ratio >= bound:
                 return every_n_steps * factor
     return every_n_steps * ladder[0][1]
+
+
+class SharpnessKeywords(TypedDict, total=False):
+    """:class:`SharpnessSampler`'s options as keywords, for ``SharpnessMonitor(loss_fn, **sampler)``.
+
+    Names and types only: each is documented, defaulted and checked in :class:`SharpnessSampler` (a test holds the
+    two to the same names and types).
+    """
+
+    every_n_steps: int
+    estimator: Estimator
+    lanczos_steps: int
+    budget: float | None
+    cadence: Cadence
+    storage: Storage
 
 
 class SharpnessSampler(CopiesDetached):

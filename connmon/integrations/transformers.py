@@ -7,20 +7,22 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from typing_extensions import Unpack
 
 from connmon._cost import overhead_values
 from connmon._options import check_callable
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.curvature.sampler import SharpnessSampler
-from connmon.monitor import DIAGNOSTICS, Diagnostic, Monitor, SamplingOptions
+from connmon.monitor import DIAGNOSTICS, Monitor
+from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 from connmon.sinks.wandb import find_sink
 
 _LOG = logging.getLogger(__name__)
@@ -53,13 +55,9 @@ class ConnectionMonitorCallback(TrainerCallback):
 
     Args:
         trainer: the Trainer whose ``log`` carries the values (the callback is added with ``trainer.add_callback``).
-        every_n_steps: with ``num_sequences``, ``max_tokens``, ``layers``, ``diagnostics``, ``spectrum_k``,
-            ``probe``, ``probe_fn``, ``log_histograms``, ``figures_every_n_samples``, ``edge_samples``,
-            ``edge_queries``, ``full_every_n_samples``, ``edge_lanczos_steps``,
-            ``budget`` and ``logit_every_n_steps``: the sampling options,
-            documented and checked once in :class:`connmon.sampling.SamplingOptions` (a
-            ``probe`` is a dict of the model's inputs, e.g. a tokenizer's output, recorded after the sampled
-            optimizer steps; ``probe_fn`` defaults to ``model(**probe)``).
+        options: the sampling options (:class:`~connmon.sampling.SamplingOptions`: what is recorded and how often);
+            a ``probe`` is a dict of the model's inputs, e.g. a tokenizer's output, recorded after the sampled
+            optimizer steps; ``probe_fn`` defaults to ``model(**probe)``.
         alerts: an :class:`connmon.alerts.AlertRunner` (e.g. ``AlertRunner()`` for the default rules), or None.
         sharpness: a :class:`connmon.curvature.sampler.SharpnessSampler`: the curvature against the optimizer's edge of
             stability on its own cadence, logged through ``trainer.log`` and shown to ``alerts`` on its steps.
@@ -72,11 +70,14 @@ class ConnectionMonitorCallback(TrainerCallback):
             each normalised over the whole step, where it otherwise averages them); default ``model(**inputs).loss``
             (the inputs carry labels). The reading is of the loss the optimizer step trains on, whatever the
             gradient-accumulation steps.
+        **sampling: the sampling options by keyword (``every_n_steps=50``, ``diagnostics=("walk",)``, ...), in place
+            of those of ``options`` (typed by :class:`~connmon.sampling.SamplingKeywords` for editors).
 
     Every sample logs what connmon costs (``connmon/overhead``, ``connmon/overhead/attention``,
     ``connmon/overhead/curvature``); the end of training logs it once more and says it at INFO level.
 
     Raises:
+        TypeError: for a keyword that is not a sampling option (the message names them).
         ValueError: for an invalid option (the message names the valid ones).
 
     Examples:
@@ -93,25 +94,11 @@ class ConnectionMonitorCallback(TrainerCallback):
         self,
         trainer: Trainer,
         *,
-        every_n_steps: int = 100,
-        num_sequences: int = 2,
-        max_tokens: int | None = 256,
-        layers: str | Sequence[str | int] | None = None,
-        diagnostics: Sequence[Diagnostic] = DIAGNOSTICS,
-        spectrum_k: int = 8,
-        probe: Any = None,
-        probe_fn: Callable[[Any, Any], Any] | None = None,
-        log_histograms: bool = True,
-        figures_every_n_samples: int | None = 10,
-        edge_samples: int | None = 1,
-        edge_queries: int | None = 16,
-        full_every_n_samples: int = 25,
-        edge_lanczos_steps: int | None = 32,
-        budget: float | None = None,
-        logit_every_n_steps: int | None = 25,
+        options: SamplingOptions | None = None,
         alerts: AlertRunner | None = None,
         sharpness: SharpnessSampler | None = None,
         loss_fn: Callable[[Any, dict], torch.Tensor] | None = None,
+        **sampling: Unpack[SamplingKeywords],
     ) -> None:
         if not isinstance(trainer, Trainer):
             raise ValueError(
@@ -119,13 +106,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             )
         check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(model, inputs)")
         self.trainer = trainer
-        options = SamplingOptions(
-            every_n_steps=every_n_steps, num_sequences=num_sequences, max_tokens=max_tokens, layers=layers,
-            diagnostics=diagnostics, spectrum_k=spectrum_k, probe=probe, probe_fn=probe_fn,
-            log_histograms=log_histograms, figures_every_n_samples=figures_every_n_samples,
-            edge_samples=edge_samples, edge_queries=edge_queries, full_every_n_samples=full_every_n_samples,
-            edge_lanczos_steps=edge_lanczos_steps, budget=budget, logit_every_n_steps=logit_every_n_steps,
-        )  # fmt: skip
+        options = sampling_options(options, "ConnectionMonitorCallback", **sampling)
         # Trainer.log runs on every process, and its reporters pick rank zero
         self.monitor = Monitor(
             options=options, alerts=alerts, owner="ConnectionMonitorCallback", log=self._log, log_on_every_rank=True,
@@ -140,6 +121,11 @@ class ConnectionMonitorCallback(TrainerCallback):
             sharpness.owner = "ConnectionMonitorCallback (sharpness)"
         self._pending = -1  # the step whose forward is armed
         self._guard: Any = None  # the model's forward hook that disarms and ends the max logits' reading
+
+    @property
+    def sharpness(self) -> SharpnessSampler | None:
+        """The curvature sampler (the monitor's)."""
+        return self.monitor.sharpness
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any

@@ -297,30 +297,42 @@ def test_rules_see_the_loops_own_values():
     assert "loss" not in monitor.last_values  # shown to the rules, not logged
 
 
-def test_every_entry_point_takes_the_sampling_options_with_the_same_defaults():
-    """The keyword signatures, kept for IDE help, are those of the one definition: SamplingOptions."""
+def test_each_option_is_declared_once_and_every_entry_point_takes_it_by_keyword():
+    """Defaults and checks live in SamplingOptions (SharpnessSampler); the entry points take typed ``**keywords``."""
     import dataclasses
     import inspect
 
-    from connmon.callbacks import ConnectionMonitor
+    from connmon.callbacks import ConnectionMonitor, SharpnessMonitor
+    from connmon.curvature.sampler import SharpnessKeywords, SharpnessSampler
     from connmon.integrations.transformers import ConnectionMonitorCallback
-    from connmon.sampling import SamplingOptions
+    from connmon.sampling import SamplingKeywords, SamplingOptions
 
-    declared = {field.name: field.default for field in dataclasses.fields(SamplingOptions)}
+    def written(annotations):  # a TypedDict keeps its string annotations as ForwardRefs
+        return {name: getattr(kind, "__forward_arg__", kind) for name, kind in annotations.items()}
 
-    def defaults(cls):
-        return {name: p.default for name, p in inspect.signature(cls).parameters.items() if name in declared}
-
-    sinks = ("model", "log", "wandb", "alerts", "optimizer", "sharpness", "loss_fn", "options", "owner")
-    monitor_options = {name for name in inspect.signature(connmon.Monitor).parameters if name not in sinks}
-    assert monitor_options == set(declared) | {"log_on_every_rank"}
-    for entry_point in (ConnectionMonitor, ConnectionMonitorCallback, connmon.Monitor):
-        assert defaults(entry_point) == declared, entry_point
+    fields = {field.name: field.type for field in dataclasses.fields(SamplingOptions)}
+    assert written(SamplingKeywords.__annotations__) == fields  # the same names and types, as written
+    for entry_point, keywords in ((ConnectionMonitor, "SamplingKeywords"),
+                                  (ConnectionMonitorCallback, "SamplingKeywords"), (connmon.Monitor, "SamplingKeywords"),
+                                  (SharpnessMonitor, "SharpnessKeywords")):  # fmt: skip
+        parameters = inspect.signature(entry_point).parameters
+        assert not set(parameters) & set(fields), entry_point  # no option re-declared with a default of its own
+        (rest,) = [p for p in parameters.values() if p.kind is p.VAR_KEYWORD]
+        assert rest.annotation == f"Unpack[{keywords}]", entry_point
+    sampler = inspect.signature(SharpnessSampler).parameters
+    assert written(SharpnessKeywords.__annotations__) == {n: p.annotation for n, p in sampler.items() if n != "owner"}
+    assert SharpnessMonitor(lambda module, batch: 0, every_n_steps=3, cadence="fixed").sampler.every_n_steps == 3
+    with pytest.raises(TypeError, match="ConnectionMonitor got an unexpected keyword argument 'every_n_step'; the"):
+        ConnectionMonitor(every_n_step=5)
     with pytest.raises(ValueError, match="spectrum_k must be"):
         ConnectionMonitor(spectrum_k=0)  # checked by SamplingOptions, whichever entry point builds it
     callback = ConnectionMonitor(every_n_steps=7, edge_queries=None, layers=[1])
     options = callback.monitor.options  # the monitor reads its options there, never from copies of its own
     assert (options.every_n_steps, options.edge_queries, options.layers) == (7, None, (1,))
+    assert options.spectrum_k == SamplingOptions().spectrum_k  # the one default
+    given = SamplingOptions(every_n_steps=9, diagnostics=("walk",))
+    assert ConnectionMonitor(options=given).options is given
+    assert connmon.Monitor(options=given, spectrum_k=4).options.every_n_steps == 9  # keywords replace its values
     with pytest.warns(DeprecationWarning, match="Monitor.every_n_steps is now Monitor.options.every_n_steps"):
         assert callback.monitor.every_n_steps == 7
 
