@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import inspect
 import os
 import statistics
 import tempfile
@@ -50,6 +49,7 @@ from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from torch.utils.data import DataLoader
 
 from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
+from connmon.sampling import SamplingOptions
 
 STEPS = 201
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
@@ -256,7 +256,7 @@ def main() -> None:
     if light_cost:
         light, full = statistics.median(light_cost), statistics.median(full_cost)
         print(f"\none sampled step costs, in training steps (every_n_steps=10 run): light {light:.2f}, full {full:.2f}")
-        cadence = inspect.signature(ConnectionMonitor).parameters["full_every_n_samples"].default
+        cadence = SamplingOptions().full_every_n_samples  # the default
         per_sample = ((cadence - 1) * light + full) / cadence
         print(f"amortized at the default full_every_n_samples={cadence} ({per_sample:.2f} steps per sample): ", end="")
         print(f"every_n_steps=100 {1 + per_sample / 100:.4f}x, every_n_steps=10 {1 + per_sample / 10:.3f}x")
