@@ -1,8 +1,12 @@
 # The two commands of a fresh clone, each doing its own set-up:
 #
 #   make example    # a virtual environment in .venv (once), then the example: a small GPT with ConnectionMonitor
-#   make test       # the same environment, then the default tests (under 10 minutes on 2 cores)
-#   make test ALL=1 # every test: also the suite-scale runs and the multi-process ones (what CI runs)
+#   make test       # the same environment, then the default tests (about 3 minutes on 2 cores)
+#   make test ALL=1 # every test: also the suite-scale runs and the multi-process ones (what CI runs, about 12 minutes)
+#
+# The tests run in WORKERS pytest-xdist processes (default: one per core, at most 4), each with one OpenMP thread:
+# two torch processes with a thread per core each would oversubscribe the cores, where OpenMP threads spin and small
+# kernels run many times slower. The 20 slowest tests are listed at the end.
 #
 # The environment is built once and rebuilt only when pyproject.toml changes. torch comes first, from TORCH (the
 # CPU build CI pins; on a CUDA machine: make test TORCH="torch==2.13.0" TORCH_INDEX=https://download.pytorch.org/whl/cu126,
@@ -15,6 +19,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 LITGPT ?= litgpt==0.5.13
 ALL ?=
+WORKERS ?= auto
 
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.connmon-installed
@@ -25,7 +30,7 @@ example: $(STAMP)
 	$(BIN)/python examples/train_tiny_gpt.py  # W&B offline unless a login is set up
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(if $(ALL),--all)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(WORKERS) --maxprocesses 4 --durations=20 $(if $(ALL),--all)
 
 env: $(STAMP)
 
