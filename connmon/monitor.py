@@ -680,6 +680,7 @@ class Monitor(CopiesDetached):
                     unarmed=self._unarmed,
                     on_record=self._consume,
                     cost_clock=self.clock,
+                    owner=self.owner,
                 )
             )
         self._armed = stack

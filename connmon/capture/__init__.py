@@ -157,6 +157,7 @@ def armed(
     on_record: Callable[[AttentionRecord], None] | None = None,
     cost_clock: CostClock | None = None,
     unarmed: list[Layer] | None = None,
+    owner: str = "connmon.Monitor",
 ) -> Iterator[CaptureSession]:
     """Arm a capture for the forwards run inside the block; every hook is removed on exit, also on error.
 
@@ -171,6 +172,7 @@ def armed(
             monitors' cost figure).
         unarmed: with ``layers``, the attention layers left out, whose kernel calls stay their own (one may run
             inside an armed layer); default: the rest of :func:`attention_layers`.
+        owner: the entry point a warning's hint names (``ConnectionMonitor(probe=...)``, ...).
 
     Yields:
         The :class:`~connmon.capture.session.CaptureSession`; its ``records`` fill as the forward runs.
@@ -197,7 +199,7 @@ def armed(
     model = getattr(model, "_orig_mod", model)  # torch.compile wraps the module; hooks go on the original
     if layers is None:
         layers, unarmed = attention_layers(model), []
-    session = CaptureSession(layers, num_sequences, max_tokens, dtype, on_record, cost_clock)
+    session = CaptureSession(layers, num_sequences, max_tokens, dtype, on_record, cost_clock, owner)
     handles = []
     with contextlib.ExitStack() as stack:
         try:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from connmon._collectives import gathered
 from connmon._cost import CostClock
 from connmon._pause import is_paused
+from connmon._ranks import user_stacklevel
 from connmon.capture.record import AttentionRecord, reconstruction_error
 from connmon.capture.scores import allowed_by, attention_scores
 
@@ -97,8 +98,10 @@ class CaptureSession:
         dtype: torch.dtype,
         on_record: Callable[[AttentionRecord], None] | None,
         cost_clock: CostClock | None = None,
+        owner: str = "connmon.Monitor",
     ) -> None:
         self.layers = {id(layer.module): layer for layer in layers}
+        self.owner = owner  # the entry point a hint names (its probe option)
         self.cost_clock = cost_clock
         self.num_sequences = num_sequences
         self.max_tokens = max_tokens
@@ -343,10 +346,11 @@ class CaptureSession:
         tolerance = RECONSTRUCTION_TOLERANCE.get(pending.output_dtype, 1e-3)
         if pending.dropout:
             warn_once(
-                f"connmon: {layer.name}: attention dropout is active in the recorded forward, so the records hold the "
-                "pre-dropout probabilities and their reconstruction cannot be checked (NaN); record in eval mode "
-                "(ConnectionMonitor(probe=...)) for exact records",
-                key=("dropout", id(module)),
+                f"connmon: attention dropout is active in the recorded training forward ({layer.name}, and every "
+                "layer with it): the walk is read from the attention probabilities before dropout, and "
+                "reconstruction_error is not logged (the output is not that walk's). For exact records of the model "
+                f"in eval mode pass a fixed batch, {self.owner}(probe=batch, ...)",
+                key="dropout",
             )
         elif error > tolerance and bool(torch.isfinite(record.max_logit).all()):
             # NaN passes (a truncated window), and so does a non-finite forward, which the metrics flag as NaN: a
@@ -442,4 +446,4 @@ def warn_once(message: str, key: object = None) -> None:
     key = message if key is None else key
     if key not in _WARNED:
         _WARNED.add(key)
-        warnings.warn(message, stacklevel=3)
+        warnings.warn(message, stacklevel=user_stacklevel())

@@ -312,9 +312,8 @@ def test_each_option_is_declared_once_and_every_entry_point_takes_it_by_keyword(
 
     fields = {field.name: field.type for field in dataclasses.fields(SamplingOptions)}
     assert written(SamplingKeywords.__annotations__) == fields  # the same names and types, as written
-    for entry_point, keywords in ((ConnectionMonitor, "SamplingKeywords"),
-                                  (ConnectionMonitorCallback, "SamplingKeywords"), (connmon.Monitor, "SamplingKeywords"),
-                                  (SharpnessMonitor, "SharpnessKeywords")):  # fmt: skip
+    attention = [(each, "SamplingKeywords") for each in (ConnectionMonitor, ConnectionMonitorCallback, connmon.Monitor)]
+    for entry_point, keywords in [*attention, (SharpnessMonitor, "SharpnessKeywords")]:
         parameters = inspect.signature(entry_point).parameters
         assert not set(parameters) & set(fields), entry_point  # no option re-declared with a default of its own
         (rest,) = [p for p in parameters.values() if p.kind is p.VAR_KEYWORD]
@@ -784,3 +783,22 @@ def test_a_second_run_in_the_same_folder_never_writes_over_or_removes_the_firsts
     assert sum("this run did not write" in line for line in said) == 1
     assert {name: files_after_second[name] for name in files_after_first} == files_after_first  # run 1's untouched
     assert sorted(files_after_second) == ["step=5.ckpt", "step=7-v1.ckpt", "step=7.ckpt"]
+
+
+def test_attention_dropout_is_said_once_for_the_model_at_the_users_line_naming_the_entry_point():
+    import connmon.capture.session as session
+
+    session._WARNED.discard("dropout")
+    layer = torch.nn.TransformerEncoderLayer(16, 2, dropout=0.1, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 3, enable_nested_tensor=False)
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",), owner="MyLoop")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(2):
+            with monitor.step(step):
+                model(torch.randn(2, 5, 16)).sum().backward()
+    said = [w for w in seen if "dropout" in str(w.message)]
+    assert len(said) == 1  # one for the model, not one per layer or per sample
+    assert "MyLoop(probe=batch" in str(said[0].message) and "reconstruction_error is not logged" in str(said[0].message)
+    assert said[0].filename == __file__  # the user's line, not connmon's
+    assert monitor.samples == 2 and "connmon/attention_entropy/L02" in monitor.last_values

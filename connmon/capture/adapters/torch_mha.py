@@ -63,7 +63,7 @@ class TorchMultiheadAttention(Adapter):
                 session.skip(mod, "it is called as cross-attention (query is not key/value)")
                 return
             if query.is_nested or output[0].is_nested:
-                session.skip(mod, _FAST_PATH)
+                session.skip(mod, _FAST_PATH.format(owner=session.owner))
                 return
             with session.guarded(mod):
                 self._feed(mod, session, bound, output[0])
@@ -77,7 +77,8 @@ class TorchMultiheadAttention(Adapter):
 
         def bypassed(args: tuple, kwargs: dict, output: object) -> None:
             if session.wants(module) and not session.pending(module).entered:
-                session.skip(module, _FAST_PATH)  # the fused encoder path never called self_attn
+                # the fused encoder path never called self_attn
+                session.skip(module, _FAST_PATH.format(owner=session.owner))
 
         # The layer refuses its fused path when any forward hook sits on it or inside it, so there connmon reads
         # through the forwards themselves: the layer takes the path it would take unarmed.
@@ -168,7 +169,7 @@ class ForwardWrapper:
 _FAST_PATH = (
     "nn.TransformerEncoderLayer took its fused fast path (eval mode without gradients), which computes attention "
     "without calling this module or on nested tensors, so there is nothing exact to record; it runs unchanged. "
-    "Record a training forward, a probe (ConnectionMonitor(probe=...)), or call "
+    "Record a training forward, a probe ({owner}(probe=...)), or call "
     "torch.backends.mha.set_fastpath_enabled(False) in your code"
 )
 
