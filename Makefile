@@ -40,7 +40,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	$(BIN)/python -m pip uninstall --quiet --yes litgpt  # a rebuild: the check below is of what connmon needs
+	if $(BIN)/python -m pip show litgpt >/dev/null 2>&1; then $(BIN)/python -m pip uninstall --quiet --yes litgpt; fi  # a rebuild: the check below is of what connmon needs
 	$(BIN)/python -m pip check
 	$(BIN)/python -m pip install --quiet --no-deps "$(LITGPT)"
 	@echo "== $(LITGPT) went in without its pins (huggingface-hub<1.4, jsonargparse<=4.41), which transformers 5 and \

@@ -61,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="connmon", description=__doc__.split("\n\n")[0])
+    description = __doc__.split("\n\n")[0].replace("``", "")  # reST literals, read as plain text in a terminal
+    parser = argparse.ArgumentParser(prog="connmon", description=description)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     analyze = commands.add_parser("analyze", help="diagnose every attention layer of a model from one forward pass")
     analyze.add_argument(

@@ -166,7 +166,7 @@ def main() -> None:
     print(f"W&B run ({'online' if online else 'offline'}): {run_dir}")
     print(f"  look at it in the terminal:  wandb leet {run_dir}")
     if not online:
-        print(f"  upload it later:             wandb sync {run_dir}")
+        print(f"  upload it later:             wandb sync {run_dir}   (after wandb login, once)")
     print(f"  read it in a script:         wandb leet inspect --json {run_dir}")
     print(f"CSV log: {csv_logger.log_dir}/metrics.csv")
     print(f"  figures of this run:         connmon report {csv_logger.log_dir}")

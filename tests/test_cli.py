@@ -165,3 +165,8 @@ def test_report_reads_an_offline_wandb_run(tmp_path, monkeypatch):
     assert written(out, ("over_training", "gaps_by_depth", "depth_drift", "logged_spectra", "logged_gaps_by_depth"))
     summary = (out / "summary.md").read_text()
     assert "3 samples, steps 0..2" in summary and "latest figure the run itself logged" in summary
+
+
+def test_help_reads_as_plain_text():
+    result = subprocess.run([sys.executable, "-m", "connmon.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "The connmon command" in result.stdout and "``" not in result.stdout

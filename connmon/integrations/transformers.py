@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from typing_extensions import Unpack
 
@@ -50,8 +51,8 @@ class ConnectionMonitorCallback(TrainerCallback):
     monitor's state (cadence, drift references, alert baselines) is saved
     as ``connmon_monitor.pt`` in every checkpoint folder and read back when training resumes from one.
 
-    The Trainer's progress callback prints every logged row, connmon's keys included; ``disable_tqdm=True`` with
-    ``log_level="warning"`` keeps the console quiet.
+    connmon's rows reach every ``report_to`` backend and ``log_history`` but not the console (the Trainer's progress
+    printer shows its own rows only).
 
     Args:
         trainer: the Trainer whose ``log`` carries the values (the callback is added with ``trainer.add_callback``).
@@ -282,9 +283,16 @@ class ConnectionMonitorCallback(TrainerCallback):
         self._curvature_step = None
 
     def _log(self, values: dict[str, float], step: int) -> None:
+        """``trainer.log`` (every reporter, ``log_history``), without the console printers' copy of the row."""
         control = self.trainer.control
         due = control.should_log  # Trainer.log clears it, which would cancel the loss row of this step
-        self.trainer.log(values)
+        handler = self.trainer.callback_handler
+        callbacks = handler.callbacks
+        handler.callbacks = [cb for cb in callbacks if not isinstance(cb, (ProgressCallback, PrinterCallback))]
+        try:
+            self.trainer.log(values)
+        finally:
+            handler.callbacks = callbacks
         self.trainer.control.should_log = due
 
 

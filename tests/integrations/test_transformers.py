@@ -260,3 +260,12 @@ def test_a_second_run_in_the_same_output_dir_saves_no_restore_point_over_the_fir
         ):
             trainer.train()
     assert {p.name: p.read_bytes() for p in (tmp_path / "checkpoint-4").iterdir() if p.is_file()} == saved
+
+
+def test_connmon_rows_reach_the_log_history_but_not_the_console(tmp_path, capsys):
+    trainer = make_trainer(tmp_path, logging_steps=1)  # disable_tqdm: the PrinterCallback prints every row it gets
+    trainer.add_callback(ConnectionMonitorCallback(trainer, every_n_steps=2, diagnostics=("walk",)))
+    trainer.train()
+    printed = capsys.readouterr().out
+    assert "'loss'" in printed and "connmon/" not in printed  # the Trainer's own rows still print
+    assert any("connmon/attention_entropy/all" in row for row in trainer.state.log_history)
