@@ -45,6 +45,7 @@ from connmon.sinks.panels import write_panels
 __all__ = ["DIAGNOSTICS", "SAMPLING_OPTIONS", "Diagnostic", "LogFn", "Monitor", "SamplingOptions"]
 
 LogFn = Callable[..., Any]  # called as log(values, step=step)
+LONG_SAMPLE_S = 2.0  # a sample that keeps the training waiting longer is said, once per run, with what it did
 SAMPLING_OPTIONS = OPTION_NAMES  # the sampling options every entry point takes with the same names and defaults
 
 
@@ -186,6 +187,7 @@ class Monitor(CopiesDetached):
         budget = options.budget
         self._budget = None if budget is None else FullSampleBudget(budget, options.every_n_steps, owner)
         self._sample_began = 0.0  # the clock's spent seconds when the current sample was armed
+        self._said_long = False  # a long sample was said (once per run)
         self._start_step: int | None = None  # the first step asked about since attach: where training time starts
         self.loss_fn = loss_fn
         self._optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
@@ -747,10 +749,29 @@ class Monitor(CopiesDetached):
         """
         with self.clock.measuring(), torch.inference_mode(False):  # a sample under inference mode keeps normal states
             scalars = self._finish(step, rule_values)
+        self._say_if_long(step)
         if self._budget is not None:
             full, stride, began = self._is_full(self.samples - 1), self.full_every_n_samples, self._sample_began
             self.full_every_n_samples = self._budget.record(self.clock, step, full, began, stride) or stride
         return scalars
+
+    def _say_if_long(self, step: int) -> None:
+        """One line, the first time a sample took longer than ``LONG_SAMPLE_S``: how long, and what it was doing."""
+        took = self.clock.spent - self._sample_began
+        if took <= LONG_SAMPLE_S or self._said_long:
+            return
+        self._said_long = True
+        if self._is_full(self.samples - 1):
+            what = (
+                f"a full sample: the connection spectra and edge isometry gaps of {len(self.selected)} layers, which "
+                f"the next {self.full_every_n_samples - 1} samples skip"
+            )
+        else:
+            what = "a light sample"
+        warn_rank_zero(
+            f"{self.owner}: the sample at step {step} took {took:.1f} s ({what}); a larger full_every_n_samples, "
+            "diagnostics without 'spectrum', or budget=0.01 spends less"
+        )
 
     def _finish(self, step: int, rule_values: Mapping[str, float] | None) -> dict[str, float]:
         full = self._is_full()

@@ -802,3 +802,18 @@ def test_attention_dropout_is_said_once_for_the_model_at_the_users_line_naming_t
     assert "MyLoop(probe=batch" in str(said[0].message) and "reconstruction_error is not logged" in str(said[0].message)
     assert said[0].filename == __file__  # the user's line, not connmon's
     assert monitor.samples == 2 and "connmon/attention_entropy/L02" in monitor.last_values
+
+
+def test_a_long_sample_is_said_once_with_what_it_was_doing(monkeypatch):
+    import connmon.monitor
+
+    monkeypatch.setattr(connmon.monitor, "LONG_SAMPLE_S", 0.0)  # every sample is "long" here
+    torch.manual_seed(0)
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=1, full_every_n_samples=3, owner="MyLoop")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(model, batches(3), monitor)
+    said = [str(w.message) for w in seen if "took" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("MyLoop: the sample at step 0 took ")
+    assert "a full sample: the connection spectra and edge isometry gaps of 2 layers" in said[0]
