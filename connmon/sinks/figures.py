@@ -68,8 +68,8 @@ def depth_figure(values: Mapping[str, Tensor], title: str = "gaps across depth")
             ax.plot(np.arange(len(y)), y, marker="o", label=name)
     ax.set(xlabel="layer", ylabel="value", title=title)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if ax.lines:
-        ax.legend(fontsize="small")
+    if ax.lines:  # below the axes, where it covers no line
+        fig.legend(fontsize="small", loc="outside lower center", ncols=min(len(ax.lines), 3))
     return fig
 
 
@@ -103,6 +103,9 @@ def walks_figure(walks: Mapping[int, Tensor], title: str = "walk matrices P (fir
         norm = PowerNorm(gamma=0.3, vmin=0.0, vmax=1.0)
         image = ax.imshow(walk.detach().cpu().double().numpy(), cmap="magma", norm=norm)
         ax.set_title(f"L{index:02d}")
+        for axis in (ax.xaxis, ax.yaxis):  # token positions: whole numbers, few enough not to run together
+            axis.set_major_locator(MaxNLocator(nbins=5, integer=True))
+        ax.tick_params(labelsize="small")
     for ax in axes[len(walks) :]:
         ax.set_axis_off()
     if image is not None:  # one colour bar with ticks spread along the power scale, not crowded at its top
@@ -142,11 +145,11 @@ def series_figure(series: Mapping[str, tuple[list[int], list[float]]], title: st
         ax.plot(steps, values, marker="o" if len(steps) == 1 else ".", lw=1)
         ax.ticklabel_format(axis="y", useOffset=False)
         finite = [v for v in values if np.isfinite(v)]
-        if finite and max(finite) - min(finite) <= 1e-6 * max(1.0, *map(abs, finite)):  # round-off, not a trend
-            middle, pad = (max(finite) + min(finite)) / 2, max(1.0, *map(abs, finite)) * 0.05
-            ax.set_ylim(middle - pad, middle + pad)
         if "reconstruction_error" in key and finite and min(finite) > 0:  # round-off near 1e-7: a log axis shows it
             ax.set_yscale("log")
+        elif finite and max(finite) - min(finite) <= 1e-6 * max(1.0, *map(abs, finite)):  # round-off, not a trend
+            middle, pad = (max(finite) + min(finite)) / 2, max(1.0, *map(abs, finite)) * 0.05
+            ax.set_ylim(middle - pad, middle + pad)
         ax.set_title(key if len(steps) != 1 else f"{key} (1 sample, step {steps[0]})", fontsize="small")
         ax.set(xlabel="step", ylabel=key.split("/")[1] if key.count("/") >= 1 else key)
     for ax in axes[len(series) :]:

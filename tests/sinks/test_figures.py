@@ -13,7 +13,8 @@ def test_depth_figure_has_integer_layer_ticks_and_leaves_empty_series_out():
     )
     ax = fig.axes[0]
     assert [line.get_label() for line in ax.lines] == ["ov_isometry_gap"]
-    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["ov_isometry_gap"]
+    assert ax.get_legend() is None  # the figure's legend, below the axes: it covers no line
+    assert [text.get_text() for text in fig.legends[0].get_texts()] == ["ov_isometry_gap"]
     ticks = [t for t in ax.get_xticks() if 0 <= t <= 2]
     assert all(float(t).is_integer() for t in ticks)
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("layer", "value")
@@ -75,3 +76,14 @@ def test_the_reconstruction_error_is_drawn_on_a_log_axis_and_the_rest_on_a_linea
     fig = series_figure({"connmon/reconstruction_error/all": error, "connmon/attention_entropy/all": entropy})
     scales = {ax.get_title(): ax.get_yscale() for ax in fig.axes}
     assert scales == {"connmon/attention_entropy/all": "linear", "connmon/reconstruction_error/all": "log"}
+
+
+def test_token_axes_have_whole_number_ticks_and_a_round_off_series_keeps_its_points_in_view():
+    walks = walks_figure({0: torch.softmax(torch.randn(37, 37), -1)})
+    for axis in (walks.axes[0].xaxis, walks.axes[0].yaxis):
+        ticks = [t for t in axis.get_majorticklocs() if 0 <= t <= 36]
+        assert 2 <= len(ticks) <= 6 and all(float(t).is_integer() for t in ticks)
+    values = [1.1e-7, 1.3e-7, 1.2e-7]  # reconstruction_error: round-off, on a log axis that shows it
+    fig = series_figure({"connmon/reconstruction_error/all": ([0, 100, 200], values)})
+    low, high = fig.axes[0].get_ylim()
+    assert fig.axes[0].get_yscale() == "log" and low < min(values) and max(values) < high
