@@ -28,7 +28,7 @@ def run_of(trainer: Trainer) -> LightningRun:
     """The run of ``trainer``'s current fit (made at the first callback's ``setup``; one per process)."""
     run = _RUNS.get(trainer)
     if run is None:
-        run = _RUNS[trainer] = LightningRun()
+        run = _RUNS[trainer] = LightningRun(trainer)
     return run
 
 
@@ -40,12 +40,12 @@ class LightningRun:
     becomes ``trainer.should_stop``; a restore point is ``trainer.save_checkpoint`` once the optimizer stepped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
         self.attention: list[Monitor] = []
         self.sharpness: SharpnessSampler | None = None
         self.alerts: AlertRunner | None = None
         self.monitor: Monitor | None = None  # put together at the fit's start
-        self.trainer: Trainer | None = None
         self._started = False
         self._ended = False
         self._step_at_batch_start = -1
@@ -75,7 +75,6 @@ class LightningRun:
         """At the fit's start (every callback's ``on_fit_start``; the first call does it): the monitor, attached."""
         if self.monitor is not None:
             return self.monitor
-        self.trainer = trainer
         if self.alerts is not None and not self.attention and self.sharpness is None:
             rank_zero_warn("DriftAlert watches the values of a ConnectionMonitor, and the Trainer has none: add one")
         if self.attention:
@@ -85,9 +84,8 @@ class LightningRun:
         monitor.use(alerts=self.alerts, sharpness=self.sharpness)
         monitor.agree = lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False)
         sink = find_sink(trainer.loggers)
-        for each in self.attention:
+        for each in {*self.attention, monitor}:
             each.sink = sink
-        monitor.sink = sink
         if self.alerts is not None and self.alerts.restore_points is not None:
             self._restore_root = trainer.strategy.broadcast(_restore_root(trainer))
         monitor.add_listener(self._after_rules)
@@ -131,29 +129,29 @@ class LightningRun:
             monitor.close()
             monitor.log = None
         if self.monitor is not None:
-            self.monitor.close()
+            if not self.attention:  # the run's own curvature-only monitor: closed nowhere else
+                self.monitor.close()
             self.monitor.use()
             self.monitor.agree = bool
             self.monitor.remove_listener(self._after_rules)
             self.monitor.remove_listener(self._after_rules, of="curvature")
             if self._curvature_listener is not None:
                 self.monitor.remove_listener(self._curvature_listener, of="curvature")
-        if self.trainer is not None:
-            _RUNS.pop(self.trainer, None)
+        _RUNS.pop(self.trainer, None)
 
     # --- what the monitor calls ---------------------------------------------------------------------------------------
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Every logger of the trainer (the monitor calls it on rank zero)."""
-        for logger in self.trainer.loggers if self.trainer is not None else ():
+        for logger in self.trainer.loggers:
             logger.log_metrics(values, step=step)
 
-    def rule_values(self, trainer: Trainer) -> dict[str, float]:
+    def rule_values(self) -> dict[str, float]:
         """The LightningModule's own logged scalars (``self.log``: loss, grad norm, ...) for the rules, if any."""
         if self.alerts is None:
             return {}
         scalars = {}
-        for key, value in trainer.callback_metrics.items():
+        for key, value in self.trainer.callback_metrics.items():
             if isinstance(value, Tensor) and value.numel() == 1:
                 scalars[key] = float(value.item())
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -162,7 +160,7 @@ class LightningRun:
 
     def _after_rules(self, step: int, values: dict[str, float]) -> None:
         trainer = self.trainer
-        if trainer is None or self.monitor is None or self.alerts is None:
+        if self.monitor is None or self.alerts is None:
             return
         if self.monitor.should_stop and not trainer.should_stop:
             trainer.should_stop = True

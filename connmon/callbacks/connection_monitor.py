@@ -139,11 +139,11 @@ class ConnectionMonitor(CopiesDetached, Callback):
         self.monitor.unwatch_logits()
         if self.monitor.is_armed:
             self.monitor.disarm()
-            self.monitor.finish(self._sample_step, run_of(trainer).rule_values(trainer))
+            self.monitor.finish(self._sample_step, run_of(trainer).rule_values())
             return
         if self.options.probe is not None and stepped and self.monitor.due(trainer.global_step):
             # the model after global_step optimizer steps
-            self.monitor.run_probe(pl_module, trainer.global_step, run_of(trainer).rule_values(trainer))
+            self.monitor.run_probe(pl_module, trainer.global_step, run_of(trainer).rule_values())
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Say what the monitor cost (console, and the W&B run's summary)."""

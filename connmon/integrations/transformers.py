@@ -110,10 +110,10 @@ class ConnectionMonitorCallback(TrainerCallback):
         options = sampling_options(options, "ConnectionMonitorCallback", **sampling)
         # Trainer.log runs on every process, and its reporters pick rank zero
         self.monitor = Monitor(
-            options=options, alerts=alerts, owner="ConnectionMonitorCallback", log=self._log, log_on_every_rank=True,
+            options=options, owner="ConnectionMonitorCallback", log=self._log, log_on_every_rank=True,
             optimizer_hook=False,
         )  # fmt: skip
-        self.monitor.use(alerts=alerts, sharpness=sharpness)  # the optimizer comes with train()
+        self.monitor.use(alerts=alerts, sharpness=sharpness)  # not the constructor's: the optimizer comes with train()
         self.loss_fn = loss_fn or _model_loss
         self._reading = False  # the curvature's own forwards are running: the capture's guard ignores them
         self._batch_hook: Any = None
