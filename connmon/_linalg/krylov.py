@@ -21,17 +21,17 @@ Design notes:
   returned whether or not they converged.
 * A residual test shows that a Ritz value is near *an* eigenvalue, not that no eigenvalue above it was skipped (on
   near-uniform layers, whose top moduli are clustered within 1e-3, a float32 solve can return the 1st, 6th, 7th,
-  ... and report all of them converged). :func:`certified` therefore merges two solves from independent starts:
-  the values either found, in order, and a value counts as converged only if both solves found it and every value
-  before it. An eigenvalue whose eigenvector both random starts nearly miss, or a second copy of a multiple one,
-  can still be missed by both.
+  ... and report all of them converged). :func:`certified` therefore merges solves from independent starts: the
+  values any found, in order, and a value counts as converged only if two solves found it and every value before
+  it (the caller runs a third start where the first two disagree). An eigenvalue whose eigenvector every random
+  start nearly misses, or a second copy of a multiple one, can still be missed by all.
 * An invariant subspace found early (breakdown) is kept and the basis continues from a fresh random vector, so
   operators of low rank are fine. Non-finite numbers end the iteration with NaN eigenvalues, never a hang.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -197,15 +197,15 @@ def _nan_result(k: int, matvecs: int, restarts: int) -> KrylovResult:
     return KrylovResult(nan.astype(np.complex128), nan, np.zeros(k, dtype=bool), matvecs, restarts)
 
 
-def certified(first: KrylovResult, second: KrylovResult, k: int, which: Which, tol: float) -> KrylovResult:
-    """Merge two solves of one operator from different starts into ``k`` values whose order is certified.
+def certified(solves: Sequence[KrylovResult], k: int, which: Which, tol: float) -> KrylovResult:
+    """Merge solves of one operator from independent starts into ``k`` values whose order is certified.
 
-    The converged values of both are pooled (a value both found, to ten times their residuals or ``tol`` relative,
-    counts once, with the larger residual) and sorted by
-    ``which`` (a conjugate pair with the positive imaginary part first); the first ``k`` are returned. Entry ``i``
-    is converged when both solves found it and every entry before it: a value only one solve found may have
-    others above it that neither found. Where fewer than ``k`` values converged the first solve's remaining Ritz
-    values fill the list, unconverged.
+    The converged values of every solve are pooled (values of two solves that agree to ten times their residuals, or
+    ``tol`` relative, count once, with the larger residual) and sorted by ``which`` (a conjugate pair with the
+    positive imaginary part first); the first ``k`` are returned. Entry ``i`` is converged when at least two solves
+    found it and every entry before it: a value only one solve found is evidence that the others skip values there,
+    so values below it may have others above them that none found. Where fewer than ``k`` values converged the first
+    solve's remaining Ritz values fill the list, unconverged.
 
     Examples:
         >>> import numpy as np
@@ -213,34 +213,46 @@ def certified(first: KrylovResult, second: KrylovResult, k: int, which: Which, t
         >>> def result(values):
         ...     values = np.array(values, dtype=complex)
         ...     return KrylovResult(values, np.full(len(values), 1e-9), np.ones(len(values), bool), 10, 1)
-        >>> merged = certified(result([5, 3, 2]), result([5, 4, 3]), 3, "LM", tol=1e-5)  # the first skipped 4
+        >>> merged = certified([result([5, 3, 2]), result([5, 4, 3])], 3, "LM", tol=1e-5)  # the first skipped 4
         >>> merged.eigenvalues.real.tolist(), merged.converged.tolist()
         ([5.0, 4.0, 3.0], [True, False, False])
+        >>> certified([result([5, 3, 2]), result([5, 4, 3]), result([5, 4, 3])], 3, "LM", tol=1e-5).converged.tolist()
+        [True, True, True]
     """
-    pool: list[tuple[complex, float, bool]] = []  # (value, residual, found by both)
-    unmatched = [i for i in range(len(second.eigenvalues)) if second.converged[i]]
-    for value, residual, ok in zip(first.eigenvalues, first.residuals, first.converged, strict=True):
-        if not ok:
-            continue
-        match = next((j for j in unmatched if _same_value(value, residual, second, j, tol)), None)
-        if match is not None:
-            unmatched.remove(match)
-            residual = max(residual, second.residuals[match])
-        pool.append((complex(value), float(residual), match is not None))
-    pool += [(complex(second.eigenvalues[j]), float(second.residuals[j]), False) for j in unmatched]
+    pool: list[list] = []  # [value, residual, solves that found it]
+    for solve in solves:
+        matched: set[int] = set()
+        for value, residual, ok in zip(solve.eigenvalues, solve.residuals, solve.converged, strict=True):
+            if not ok:
+                continue
+            entry = next(
+                (i for i, (v, r, _) in enumerate(pool) if i not in matched and _same_value(value, residual, v, r, tol)),
+                None,
+            )
+            if entry is None:
+                matched.add(len(pool))
+                pool.append([complex(value), float(residual), 1])
+            else:
+                matched.add(entry)
+                pool[entry][1], pool[entry][2] = max(pool[entry][1], float(residual)), pool[entry][2] + 1
     pool.sort(key=lambda entry: (-float(sort_key(np.array([entry[0]]), which)[0]), -entry[0].imag))
     pool = pool[:k]
-    both = np.cumprod([entry[2] for entry in pool]).astype(bool) if pool else np.zeros(0, dtype=bool)
+    agreed = np.cumprod([entry[2] >= 2 for entry in pool]).astype(bool) if pool else np.zeros(0, dtype=bool)
+    first = solves[0]
     rest = [i for i in range(len(first.eigenvalues)) if not first.converged[i]][: k - len(pool)]
     values = np.array([e[0] for e in pool] + [first.eigenvalues[i] for i in rest], dtype=np.complex128)
     residuals = np.array([e[1] for e in pool] + [first.residuals[i] for i in rest], dtype=np.float64)
-    converged = np.concatenate([both, np.zeros(len(rest), dtype=bool)])
+    converged = np.concatenate([agreed, np.zeros(len(rest), dtype=bool)])
     return KrylovResult(
-        values, residuals, converged, first.num_matvecs + second.num_matvecs, first.num_restarts + second.num_restarts
+        values,
+        residuals,
+        converged,
+        sum(solve.num_matvecs for solve in solves),
+        sum(solve.num_restarts for solve in solves),
     )
 
 
-def _same_value(value: complex, residual: float, other: KrylovResult, j: int, tol: float) -> bool:
+def _same_value(value: complex, residual: float, other: complex, other_residual: float, tol: float) -> bool:
     """Whether two Ritz values approximate one eigenvalue: within ten times their residuals, or ``tol`` relative."""
-    scale = max(abs(value), abs(other.eigenvalues[j]))
-    return abs(value - other.eigenvalues[j]) <= max(10 * (residual + other.residuals[j]), tol * scale)
+    scale = max(abs(value), abs(other))
+    return abs(value - other) <= max(10 * (residual + other_residual), tol * scale)

@@ -172,7 +172,8 @@ def _krylov_per_layer(
     residuals = torch.zeros(*batch, k, dtype=torch.float64)
     converged = torch.zeros(*batch, k, dtype=torch.bool)
     matvecs = torch.zeros(batch, dtype=torch.long)
-    # values beyond the k-th guard its order; a second start with twice the basis certifies it (see _krylov)
+    # values beyond the k-th guard its order; a second start with twice the basis certifies it, a third where the
+    # two disagree (see connmon._linalg.krylov.certified)
     seed, ncv = options.pop("seed", 0), options.get("ncv")
     wanted = k if normal_equations else max(k, min(k + _GUARD, (ncv or n * d) - 2, n * d - 2))
     wider = {**options, "ncv": min(n * d, 2 * (ncv or max(2 * wanted + 1, 30)))}
@@ -186,7 +187,13 @@ def _krylov_per_layer(
         solve = partial(krylov_schur, operator, n * d, wanted, which=which, dtype=attn.dtype, device=attn.device)
         found = solve(seed=seed, **options)
         if not normal_equations:
-            found = certified(found, solve(seed=seed + _SECOND_SEED, **wider), k, which, tol)
+            solves = [found, solve(seed=seed + _SECOND_SEED, **wider)]
+            found = certified(solves, k, which, tol)
+            # they disagree on the order of converged values: a third start, with the second's basis, arbitrates
+            # (where neither converged, on layers of nearly tied values, a third would run out of restarts too)
+            if not found.converged.all() and any(each.converged.all() for each in solves):
+                solves.append(solve(seed=seed + 2 * _SECOND_SEED, **wider))
+                found = certified(solves, k, which, tol)
         values[index] = torch.from_numpy(found.eigenvalues)
         residuals[index] = torch.from_numpy(found.residuals)
         converged[index] = torch.from_numpy(found.converged)
@@ -377,8 +384,11 @@ def connection_spectra(
     """The ``k`` eigenvalues of largest modulus and the rightmost one, of the walk part, from one decomposition.
 
     Equal to ``connection_spectrum(..., k, "LM")`` and ``connection_spectrum(..., 1, "LR")[..., 0]``, but the exact
-    paths (one head, dense, causal) decompose once for both; the Krylov path runs twice. This is what the spectral
-    radius and the connection Laplacian gap need together.
+    paths (one head, dense, causal) decompose once for both, and the Krylov path solves for the rightmost only on the
+    layers whose certified largest values do not settle it: every other eigenvalue ``mu`` has ``Re mu <= |mu| <=
+    |lambda_m|``, the smallest certified modulus, so a certified value whose real part reaches it is the rightmost
+    (trained layers, whose largest walk-part eigenvalue is real and positive, mostly are settled). This is what the
+    spectral radius and the connection Laplacian gap need together.
 
     Args:
         attn: ``(*, H, n, n)``.
@@ -412,7 +422,7 @@ def connection_spectra(
     valid = _padded(attn) if deflate else None
     direct = method in ("auto", "dense", "kron", "causal") and 1 <= k <= size and valid is None
     chosen = _choose(method, attn, n, d) if direct else None
-    if chosen in (None, "krylov"):  # two solves (or the checks and padding of connection_spectrum)
+    if chosen in (None, "krylov"):  # the Krylov solves (or the checks and padding of connection_spectrum)
         options: dict[str, Any] = dict(solver, deflate=deflate, return_info=True)
         if chosen == "krylov":
             options["method"] = "krylov"
@@ -420,8 +430,22 @@ def connection_spectra(
         if not bool(largest.converged[..., 0].any()):  # no radius anywhere: the rightmost solve is not attempted
             nan = largest.eigenvalues.new_full(largest.converged.shape[:-1], complex(float("nan"), float("nan")))
             return Spectra(largest.eigenvalues, nan, largest.converged, torch.zeros_like(nan.real, dtype=torch.bool))
-        right = connection_spectrum(attn, w_v, w_o, k=1, which="LR", **options)
-        return Spectra(largest.eigenvalues, right.eigenvalues[..., 0], largest.converged, right.converged[..., 0])
+        rightmost, known = _rightmost_among(largest)
+        if not bool(known.all()):  # one LR solve, on the layers whose largest values do not settle it
+            batch = rightmost.shape
+            need = (~known).flatten().nonzero().squeeze(-1)
+
+            def pick(tensor: Tensor, dims: int) -> Tensor:
+                tail = tensor.shape[tensor.dim() - dims :]
+                return tensor.expand(*batch, *tail).reshape(-1, *tail)[need]
+
+            if options.get("scale") is not None:
+                options["scale"] = pick(torch.as_tensor(options["scale"]), 0)
+            right = connection_spectrum(pick(attn, 3), pick(w_v, 3), pick(w_o, 3), k=1, which="LR", **options)
+            rightmost, known = rightmost.flatten().clone(), known.flatten().clone()
+            rightmost[need], known[need] = right.eigenvalues[..., 0], right.converged[..., 0]
+            rightmost, known = rightmost.reshape(batch), known.reshape(batch)
+        return Spectra(largest.eigenvalues, rightmost, largest.converged, known)
     if chosen == "kron" and attn.shape[-3] != 1:
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={attn.shape[-3]}")
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
@@ -431,6 +455,23 @@ def connection_spectra(
     largest = (found["LM"] * inverse_scale.unsqueeze(-1)).expand(*batch, k)
     rightmost = (found["LR"][..., 0] * inverse_scale).expand(batch)
     return Spectra(largest, rightmost, largest.isfinite(), rightmost.isfinite())
+
+
+def _rightmost_among(largest: SpectrumResult) -> tuple[Tensor, Tensor]:
+    """The rightmost eigenvalue where the certified largest ones settle it: ``(values (*,), settled (*,) bool)``.
+
+    Every eigenvalue outside a certified prefix ``lambda_1..lambda_m`` of the largest moduli has ``Re mu <= |mu| <=
+    |lambda_m|``; so when the largest ``Re lambda_j`` reaches ``|lambda_m|`` (each side moved by ten times its
+    residual, the bound :func:`connmon._linalg.krylov.certified` matches values by), ``lambda_j`` is the rightmost.
+    """
+    values, margin = largest.eigenvalues, 10 * largest.residuals.to(largest.eigenvalues.real.dtype)
+    prefix = largest.converged.int().cumprod(dim=-1).bool()
+    last = (prefix.sum(dim=-1, keepdim=True) - 1).clamp(min=0)
+    bound = (values.abs() + margin).gather(-1, last).squeeze(-1)
+    real = torch.where(prefix, values.real, torch.full_like(margin, -float("inf")))
+    best = real.argmax(dim=-1, keepdim=True)  # the first of a conjugate pair: positive imaginary part
+    settled = prefix[..., 0] & ((real - margin).gather(-1, best).squeeze(-1) >= bound)
+    return values.gather(-1, best).squeeze(-1), settled
 
 
 def _no_walk_part(attn: Tensor, solver: dict) -> bool:

@@ -146,12 +146,12 @@ class SpectrumMetrics(LayerwiseMean):
     part. The spectral radius comes from the ``k`` walk eigenvalues of largest modulus, which are kept per layer in
     ``last_spectra`` (``(B_s, k)`` complex, the latest record of each layer) for histograms and figures. A
     one-token sequence has no walk part (NaN, left out of the means). On bidirectional layers the spectrum comes
-    from a restarted Krylov solver, run twice from independent starts; a value that has not met its tolerance after
-    ``max_restarts`` restarts, or whose rank the two solves do not agree on, is left out too (the radius when the
-    largest eigenvalue is not certified, the gap when the rightmost is not, each such entry of the spectrum),
-    because a Ritz value can be far from any eigenvalue, and a converged one can have skipped another above it.
-    That happens when the top eigenvalues are nearly tied, as in a randomly initialized layer whose attention is
-    near uniform; trained layers converge in about 15 restarts.
+    from a restarted Krylov solver, run from two independent starts (three where two disagree); a value that has not
+    met its tolerance after ``max_restarts`` restarts, or whose rank no two solves agree on, is left out too (the
+    radius when the largest eigenvalue is not certified, the gap when the rightmost is not, each such entry of the
+    spectrum), because a Ritz value can be far from any eigenvalue, and a converged one can have skipped another
+    above it. That happens when the top eigenvalues are nearly tied, as in a randomly initialized layer whose
+    attention is near uniform; trained layers converge in about 15 restarts.
 
     Args:
         num_layers: number of captured attention layers.

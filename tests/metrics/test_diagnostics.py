@@ -199,10 +199,12 @@ def test_reversibility_is_left_out_on_causal_layers_where_the_mask_alone_sets_it
 
 def test_spectra_of_unconverged_krylov_solves_are_left_out_not_logged():
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    layer = nn.TransformerEncoderLayer(64, 4, 64, dropout=0.0, batch_first=True)
+    with torch.no_grad():  # near-uniform attention: clustered top eigenvalues, which converge slowly
+        layer.self_attn.in_proj_weight[:128] *= 0.1
     model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
-    (record,) = connmon.capture(model, torch.randn(2, 24, 32))  # (24 - 1) * 32 > 512: the Krylov path
-    for restarts, converged in ((1, False), (30, True)):
+    (record,) = connmon.capture(model, torch.randn(2, 128, 64))  # (128 - 1) * 64 > 512: the Krylov path
+    for restarts, converged in ((0, False), (30, True)):
         spectra = F.connection_spectra(record.attn, record.w_v, record.w_o, k=8, max_restarts=restarts)
         assert spectra.largest_converged[:, 0].tolist() == [converged, converged]
         metric = SpectrumMetrics(1, max_restarts=restarts)
@@ -225,9 +227,10 @@ def test_each_spectral_value_is_left_out_only_where_its_own_solve_did_not_conver
     layer = nn.TransformerEncoderLayer(d_model=64, nhead=4, dropout=0.0, batch_first=True)
     model = nn.TransformerEncoder(layer, num_layers=1, enable_nested_tensor=False).eval()
     (record,) = connmon.capture(model, torch.randn(8, 32, 64))
-    spectra = F.connection_spectra(record.attn, record.w_v, record.w_o, k=8, max_restarts=30)
-    assert not spectra.largest_converged.all()  # the order of some values of this layer is not certified
-    metric = SpectrumMetrics(1, max_restarts=30)
+    spectra = F.connection_spectra(record.attn, record.w_v, record.w_o, k=8, max_restarts=2)
+    assert not spectra.largest_converged.all()  # two restarts do not certify every value of this layer
+    assert spectra.largest_converged[:, 0].any() and spectra.rightmost_converged.any()  # but some
+    metric = SpectrumMetrics(1, max_restarts=2)
     metric.update(record)
     out = metric.compute()
     radius, rightmost = spectra.largest.abs()[:, 0].double(), spectra.rightmost.real.double()
