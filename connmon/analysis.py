@@ -11,14 +11,23 @@ import torch
 from torch import nn
 
 from connmon.capture import AttentionRecord, attention_layers, capture
-from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
+from connmon.metrics.readings import (
+    DRIFT,
+    SPECTRUM,
+    TRANSPORT,
+    WALK,
+    read_drift,
+    read_spectrum,
+    read_transport,
+    read_walk,
+)
 
 __all__ = ["LAYER_METRICS", "Report", "analyze"]
 
 LAYER_METRICS = tuple(
     name
-    for group in (WalkMetrics, TransportMetrics, SpectrumMetrics, DriftMetrics)
-    for name in group.metrics
+    for group in (WALK, TRANSPORT, SPECTRUM, DRIFT)
+    for name in group
     if name not in ("time_drift", "transport_drift")  # they compare two samples; a Report has one
 )
 
@@ -70,7 +79,7 @@ def analyze(
     """Capture one forward pass of ``model(*args, **kwargs)`` and compute every per-layer diagnostic.
 
     Records are analysed as they stream out of the forward, so memory holds one layer's maps at a time. The values
-    are those of :mod:`connmon.metrics` (one definition for training and post-hoc), with the edge isometry gap over
+    are :mod:`connmon.metrics.readings`' (one definition for training and post-hoc), with the edge isometry gap over
     more edges than in training (``edge_queries`` queries, ``edge_samples`` keys each: standard error at most 0.045
     per sequence at the defaults).
 
@@ -106,27 +115,26 @@ def analyze(
         >>> report.model["reconstruction_error"] < 1e-5
         True
     """
-    num_layers = len(attention_layers(getattr(model, "_orig_mod", model)))
-    spectra = SpectrumMetrics(num_layers, k=spectrum_k)
-    groups = [
-        WalkMetrics(num_layers),
-        TransportMetrics(
-            num_layers, edge_samples=edge_samples, edge_queries=edge_queries, edge_lanczos_steps=edge_lanczos_steps
-        ),
-        spectra,
-        DriftMetrics(num_layers),
-    ]
+    attention_layers(getattr(model, "_orig_mod", model))  # no readable attention: its clear error, before a forward
     report = Report()
+    previous_layer: list[Any] = [None]  # (index, walk) of the record before, for depth_drift
 
     def consume(record: AttentionRecord) -> None:
         layer: dict[str, Any] = {"name": record.name, "index": record.index}
-        for group in groups:  # the same definitions the training-time metrics use
-            for name, column in zip(group.metrics, group.measure(record).unbind(-1), strict=True):
+        before = previous_layer[0]
+        walk = read_walk(record)
+        transport, _ = read_transport(
+            record, edge_samples=edge_samples, edge_queries=edge_queries, edge_lanczos_steps=edge_lanczos_steps
+        )
+        spectrum, largest = read_spectrum(record, k=spectrum_k)
+        drift, walk_matrix, _ = read_drift(record, before[1] if before and before[0] == record.index - 1 else None)
+        previous_layer[0] = (record.index, walk_matrix)
+        for names, values in ((WALK, walk), (TRANSPORT, transport), (SPECTRUM, spectrum), (DRIFT, drift)):
+            for name, column in zip(names, values.unbind(-1), strict=True):  # what the training-time metrics average
                 finite = column[torch.isfinite(column)]
                 if name in LAYER_METRICS and finite.numel():
                     layer[name] = finite.double().mean().item()
-        spectrum = spectra.last_spectra[record.index]
-        layer["connection_spectrum"] = [[[v.real, v.imag] for v in row.tolist()] for row in spectrum]
+        layer["connection_spectrum"] = [[[v.real, v.imag] for v in row.tolist()] for row in largest]
         report.layers.append(layer)
         if on_record is not None:
             on_record(record)

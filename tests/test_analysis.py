@@ -40,3 +40,27 @@ def test_analyze_reports_every_metric_per_layer_and_model_means():
     decoded = json.loads(report.to_json())
     assert decoded["layers"][1]["name"] == "blocks.1.attn"
     assert not any(isinstance(v, float) and math.isnan(v) for v in decoded["model"].values())
+
+
+def test_a_report_reads_what_the_training_metrics_average():
+    """One definition for training and post-hoc: each value of a report is the training accumulators' mean."""
+    from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 20, 32)  # bidirectional, (20 - 1) * 32 > 512: the Krylov spectrum
+    report = connmon.analyze(model, x)
+    groups = [WalkMetrics(2), TransportMetrics(2, edge_samples=4, edge_queries=32), SpectrumMetrics(2), DriftMetrics(2)]
+    for record in connmon.capture(model, x):
+        for group in groups:
+            group.update(record)
+    compared = 0
+    for group in groups:
+        values = group.compute()
+        for name in group.metrics:
+            for index, reported in enumerate(report.layers):
+                if name in LAYER_METRICS and math.isfinite(values[name][index]):
+                    assert reported[name] == pytest.approx(values[name][index].item(), rel=1e-12), (name, index)
+                    compared += 1
+    assert compared >= 2 * (len(LAYER_METRICS) - 1)  # every metric of both layers (depth drift: the second only)

@@ -294,7 +294,7 @@ def edge_isometry_gap(
     """Expected isometry gap (``r = d``) of the edge transport ``T_ij = sum_h a^h_ij T_h`` over the walk's edges.
 
     Edges are weighted by ``P_ij / n``: a uniform query ``i`` and a key ``j`` drawn from the walk. A query row with
-    no allowed key (a padding query, see :func:`connmon.metrics.layerwise.valid_queries`) is not a query of the walk:
+    no allowed key (a padding query, see :func:`connmon.metrics.readings.valid_queries`) is not a query of the walk:
     ``n`` counts the rows with a key, ``num_queries`` are drawn among them, and a layer with none has gap 0. The
     gates are ``a^h_ij = A^h_ij / W_ij`` with ``W = sum_h A^h``. Each edge needs the SVD of an ``r x r`` core,
     ``r = min(d, H d_h)``.

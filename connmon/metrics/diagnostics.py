@@ -2,7 +2,7 @@
 
 Each group delegates to :mod:`connmon.functional`; values are per sequence (a transport diagnostic, which depends
 on the weights only, counts once per sequence so that every group averages over the same sequences). In a padded
-batch every diagnostic reads a sequence's valid tokens only (:func:`connmon.metrics.layerwise.valid_queries`).
+batch every diagnostic reads a sequence's valid tokens only (:func:`connmon.metrics.readings.valid_queries`).
 
 Examples:
     >>> import torch
@@ -24,13 +24,21 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import torch
 from torch import Tensor
 
-import connmon.functional as F
 from connmon.capture import AttentionRecord
 from connmon.capture.session import warn_once
-from connmon.metrics.layerwise import LayerwiseMean, per_sequence, valid_queries
+from connmon.metrics.layerwise import LayerwiseMean
+from connmon.metrics.readings import (
+    DRIFT,
+    SPECTRUM,
+    TRANSPORT,
+    WALK,
+    read_drift,
+    read_spectrum,
+    read_transport,
+    read_walk,
+)
 
 __all__ = ["DriftMetrics", "SpectrumMetrics", "TransportMetrics", "WalkMetrics"]
 
@@ -43,32 +51,10 @@ class WalkMetrics(LayerwiseMean):
         **kwargs: passed to ``torchmetrics.Metric``.
     """
 
-    metrics: ClassVar[tuple[str, ...]] = (
-        "stochasticity_gap",
-        "attention_entropy",
-        "attention_entropy_normalized",
-        "reversibility_gap",
-        "walk_spectral_gap",
-        "max_attention_logit",
-        "reconstruction_error",
-    )
+    metrics: ClassVar[tuple[str, ...]] = WALK
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
-        attn = valid_queries(record)  # padding queries are not part of the walk
-        P = F.walk_matrix(attn)
-        batch = P.shape[0]
-        causal = (P.triu(1) == 0).all(dim=-1).all(dim=-1)  # the walk ends on the first token: 0 by the mask alone
-        reversibility = F.reversibility_gap(P).masked_fill(causal, float("nan"))  # left out, never logged as 0
-        columns = [
-            F.stochasticity_gap(P),
-            F.attention_entropy(attn),
-            F.attention_entropy(attn, normalized=True),
-            reversibility,
-            F.walk_spectral_gap(P),
-            record.max_logit,
-            per_sequence(record.reconstruction_error, batch),
-        ]
-        return torch.stack([c.to(P.dtype) for c in columns], dim=-1)
+        return read_walk(record)
 
 
 class TransportMetrics(LayerwiseMean):
@@ -89,13 +75,7 @@ class TransportMetrics(LayerwiseMean):
         **kwargs: passed to ``torchmetrics.Metric``.
     """
 
-    metrics: ClassVar[tuple[str, ...]] = (
-        "head_isometry_gap",
-        "ov_isometry_gap",
-        "edge_isometry_gap",
-        "transport_symmetry_gap",
-        "transport_scale",
-    )
+    metrics: ClassVar[tuple[str, ...]] = TRANSPORT
 
     def __init__(
         self,
@@ -112,30 +92,14 @@ class TransportMetrics(LayerwiseMean):
         self.last_head_gaps: dict[int, Tensor] = {}  # (H,) per layer, the latest record, for histograms
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
-        w_v, w_o = record.w_v, record.w_o
-        batch = record.attn.shape[0]
-        head_gaps = F.head_isometry_gap(w_v, w_o, reduction="none")
-        self.last_head_gaps[record.index] = head_gaps
-        if self.measure_edges:
-            edges = F.edge_isometry_gap(
-                valid_queries(record),
-                w_v,
-                w_o,
-                num_samples=self.edge_samples,
-                num_queries=self.edge_queries,
-                lanczos_steps=self.edge_lanczos_steps,
-            )
-        else:
-            edges = torch.full((batch,), float("nan"), dtype=head_gaps.dtype, device=head_gaps.device)
-        ov = F.ov_singular_values(w_v, w_o)  # (d,): one SVD for ov_isometry_gap and transport_scale
-        columns = [
-            per_sequence(head_gaps.mean(), batch),
-            per_sequence(F.isometry_gap(ov), batch),
-            edges,
-            per_sequence(F.transport_symmetry_gap(w_v, w_o), batch),
-            per_sequence(ov.mean(dim=-1), batch),
-        ]
-        return torch.stack(columns, dim=-1)
+        values, self.last_head_gaps[record.index] = read_transport(
+            record,
+            edges=self.measure_edges,
+            edge_samples=self.edge_samples,
+            edge_queries=self.edge_queries,
+            edge_lanczos_steps=self.edge_lanczos_steps,
+        )
+        return values
 
 
 class SpectrumMetrics(LayerwiseMean):
@@ -160,12 +124,7 @@ class SpectrumMetrics(LayerwiseMean):
         **kwargs: passed to ``torchmetrics.Metric``.
     """
 
-    metrics: ClassVar[tuple[str, ...]] = (
-        "connection_spectral_radius",
-        "connection_operator_norm",
-        "connection_laplacian_gap",
-        "ov_spectral_radius",
-    )
+    metrics: ClassVar[tuple[str, ...]] = SPECTRUM
 
     def __init__(self, num_layers: int, k: int = 8, max_restarts: int = 30, **kwargs: object) -> None:
         super().__init__(num_layers, **kwargs)
@@ -177,25 +136,8 @@ class SpectrumMetrics(LayerwiseMean):
         self.last_spectra: dict[int, Tensor] = {}
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
-        args = (record.attn, record.w_v, record.w_o)
-        batch, n, d = record.attn.shape[0], record.attn.shape[-1], record.w_v.shape[-1]
-        scale = F.transport_scale(record.w_v, record.w_o)  # weight-only: once for the three diagnostics
-        ov = per_sequence(F.ov_spectral_radius(record.w_v, record.w_o, scale=scale), batch)
-        if n < 2:
-            nan = torch.full((batch,), float("nan"), dtype=record.attn.dtype, device=record.attn.device)
-            self.last_spectra[record.index] = torch.full((batch, self.k), float("nan"), dtype=torch.complex64)
-            return torch.stack([nan, nan, nan, ov.to(nan.dtype)], dim=-1)
-        spectra = F.connection_spectra(*args, k=min(self.k, (n - 1) * d), max_restarts=self.max_restarts, scale=scale)
-        # Ritz values of a Krylov solve out of restarts are not measurements: NaN, left out of the means
-        largest = spectra.largest.masked_fill(~spectra.largest_converged, complex(float("nan"), float("nan")))
-        self.last_spectra[record.index] = largest  # (B_s, k)
-        columns = [
-            largest.abs()[..., 0],
-            F.connection_operator_norm(*args, scale=scale),
-            (1 - spectra.rightmost.real).masked_fill(~spectra.rightmost_converged, float("nan")),
-            ov,
-        ]
-        return torch.stack([c.to(record.attn.dtype) for c in columns], dim=-1)
+        values, self.last_spectra[record.index] = read_spectrum(record, k=self.k, max_restarts=self.max_restarts)
+        return values
 
 
 class DriftMetrics(LayerwiseMean):
@@ -212,7 +154,7 @@ class DriftMetrics(LayerwiseMean):
         **kwargs: passed to ``torchmetrics.Metric``.
     """
 
-    metrics: ClassVar[tuple[str, ...]] = ("depth_drift", "time_drift", "transport_drift")
+    metrics: ClassVar[tuple[str, ...]] = DRIFT
 
     def __init__(self, num_layers: int, **kwargs: object) -> None:
         super().__init__(num_layers, **kwargs)
@@ -230,28 +172,19 @@ class DriftMetrics(LayerwiseMean):
         self.previous_transports = dict(state.get("transports", {}))
 
     def measure(self, record: AttentionRecord) -> Tensor:  # noqa: D102
-        P = F.walk_matrix(valid_queries(record))
-        T = F.ov_transport(record.w_v, record.w_o)
-        batch, nan = P.shape[0], torch.full((P.shape[0],), float("nan"), dtype=P.dtype, device=P.device)
-        depth = nan
+        previous_layer = None
         if self._depth_walk is not None and self._depth_walk[0] == record.index - 1:
-            if self._depth_walk[1].shape == P.shape:
-                depth = F.depth_drift(P, self._depth_walk[1])
-        old_walk = self.previous_walks.get(record.index)  # may come from a checkpoint saved on another device
-        time = F.time_drift(P, old_walk.to(P.device)) if old_walk is not None and old_walk.shape == P.shape else nan
+            previous_layer = self._depth_walk[1]
         old_transport = self.previous_transports.get(record.index)
-        if old_transport is not None and old_transport.shape != T.shape:
+        values, P, T = read_drift(record, previous_layer, self.previous_walks.get(record.index), old_transport)
+        if old_transport is not None and old_transport.shape != T.shape:  # not compared: read_drift gave NaN
             warn_once(
                 f"connmon: the transport_drift reference of layer {record.index} (from a checkpoint?) has shape "
                 f"{tuple(old_transport.shape)}, not this layer's {tuple(T.shape)}: it is dropped, and the drift starts "
                 "again from this sample",
                 key=("transport reference", record.index, tuple(old_transport.shape)),
             )
-            old_transport = None
-        transport = nan
-        if old_transport is not None:
-            transport = per_sequence(F.transport_drift(T, old_transport.to(T.device)), batch)
         self._depth_walk = (record.index, P)
         self.previous_walks[record.index] = P
         self.previous_transports[record.index] = T
-        return torch.stack([depth, time, transport.to(P.dtype)], dim=-1)
+        return values

@@ -89,31 +89,3 @@ class LayerwiseMean(Metric):
                 out[f"{name}/all"] = mean.new_tensor(float("nan"))
         out["nonfinite_layers"] = self.nonfinite.clone()
         return out
-
-
-def per_sequence(value: Tensor, batch: int) -> Tensor:
-    """A per-layer value (0-dim) or a per-sequence one (``(B_s,)``) as ``(B_s,)``."""
-    return value.reshape(-1).expand(batch) if value.numel() == 1 else value
-
-
-def valid_queries(record: AttentionRecord) -> Tensor:
-    """``record.attn`` with the rows of padding tokens (keys no query may attend) set to 0.
-
-    Every walk diagnostic leaves rows without an allowed key out, so the walk and transport metrics read the valid
-    tokens only, as if the sequence had been recorded alone (the spectrum is unchanged by such rows already).
-
-    Examples:
-        >>> import torch
-        >>> from connmon.capture import AttentionRecord
-        >>> from connmon.metrics.layerwise import valid_queries
-        >>> attn = torch.full((1, 1, 3, 3), 1 / 2).tril()  # token 2 is padding: no query attends it
-        >>> attn[..., 0, 0] = 1
-        >>> record = AttentionRecord("l", 0, attn, torch.zeros(1), torch.zeros(1, 1, 2), torch.zeros(1, 2, 1),
-        ...     torch.zeros(2), torch.zeros(1, 3, 2), torch.zeros(1, 3, 2), torch.tensor([[True, True, False]]),
-        ...     torch.tensor(0.0))
-        >>> valid_queries(record)[0, 0].tolist()
-        [[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.0, 0.0, 0.0]]
-    """
-    if record.key_mask is None:
-        return record.attn
-    return record.attn * record.key_mask[:, None, :, None].to(record.attn.dtype)

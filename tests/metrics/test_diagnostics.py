@@ -281,7 +281,7 @@ def test_the_edge_gap_of_a_padded_sequence_is_that_of_its_valid_tokens():
     zeros = torch.zeros(1, 9, 8)
     record = connmon.capture.AttentionRecord("l", 0, padded, torch.zeros(1), w_v, w_o, torch.zeros(8), zeros, zeros,
                                              valid, torch.tensor(0.0))  # fmt: skip
-    from connmon.metrics.layerwise import valid_queries
+    from connmon.metrics.readings import valid_queries
 
     for options in ({}, {"num_samples": 4}):  # the same draws for the valid rows (Lanczos probes would differ)
         alone = F.edge_isometry_gap(attn, w_v, w_o, **options)
