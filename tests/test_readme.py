@@ -145,3 +145,58 @@ def test_the_api_reference_turns_sphinx_roles_into_cross_references():
         'See <autoref identifier="connmon.capture" optional><code>connmon.capture</code></autoref>, '
         '<autoref identifier="connmon.alerts.Rule" optional><code>Rule</code></autoref> and `torch.nn.Module`.'
     )
+
+
+def _quick_start_blocks() -> list[str]:
+    """README's ```py blocks: the Lightning quick start, then the Hugging Face snippet (a user's objects missing)."""
+    return re.findall(r"```py\n(.*?)```", README.read_text(), re.S)
+
+
+def test_the_lightning_quick_start_runs_as_pasted_and_logs_what_it_says(tmp_path, monkeypatch):
+    """The quick start with a user's model and loader (a tiny GPT): it ends, and W&B holds each layer's keys and the
+    model-level ones at every 100th step, as its comment says."""
+    import wandb
+    from torch.utils.data import DataLoader
+
+    from tests.callbacks.lightning_models import LitGPT, corpus
+
+    monkeypatch.chdir(tmp_path)  # Lightning and W&B write where the user runs
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    wandb.teardown()  # W&B reads the environment once per process
+    lightning_block = _quick_start_blocks()[0]
+    namespace = {"model": LitGPT(), "train_loader": DataLoader(corpus(64), batch_size=8)}
+    exec(compile(lightning_block, "README.md (quick start)", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.global_step == 1000  # max_steps: the run ends
+    run_dir = wandb.run.dir
+    wandb.finish()
+    logged = [record["history"]["item"] for record in read_run(run_dir) if record.get("type") == "history"]
+    steps = [row["trainer/global_step"] for row in logged if "connmon/attention_entropy/L00" in row]
+    assert steps == list(range(0, 1000, 100))
+    assert all("connmon/attention_entropy/all" in row for row in logged if "connmon/attention_entropy/L00" in row)
+
+
+def test_the_hugging_face_snippet_runs_as_pasted_and_reaches_wandb_under_train(tmp_path, monkeypatch):
+    """The snippet with a user's Trainer (report_to="wandb", as its comment asks): the keys it names reach W&B."""
+    pytest.importorskip("transformers")
+    import wandb
+
+    from tests.integrations.test_transformers import make_trainer
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    wandb.teardown()
+    hugging_face_block = _quick_start_blocks()[1]
+    namespace = {"trainer": make_trainer(tmp_path, report_to=["wandb"], max_steps=200, logging_steps=50)}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(hugging_face_block, "README.md (Hugging Face)", "exec"), namespace)
+        namespace["trainer"].train()
+    run_dir = wandb.run.dir
+    wandb.finish()
+    logged = [record["history"]["item"] for record in read_run(run_dir) if record.get("type") == "history"]
+    steps = [row["train/global_step"] for row in logged if "train/connmon/attention_entropy/L00" in row]
+    assert steps == [100, 200]
+    assert "connmon" not in out.getvalue()  # the rows reach W&B, not the console
