@@ -189,9 +189,9 @@ def _krylov_per_layer(
         if not normal_equations:
             solves = [found, solve(seed=seed + _SECOND_SEED, **wider)]
             found = certified(solves, k, which, tol)
-            # they disagree on the order of converged values: a third start, with the second's basis, arbitrates
-            # (where neither converged, on layers of nearly tied values, a third would run out of restarts too)
-            if not found.converged.all() and any(each.converged.all() for each in solves):
+            # they disagree while one found its top k: a third start, with the second's basis, arbitrates (where
+            # neither found them, on layers of nearly tied values, a third would run out of restarts too)
+            if not found.converged.all() and any(each.converged[:k].all() for each in solves):
                 solves.append(solve(seed=seed + 2 * _SECOND_SEED, **wider))
                 found = certified(solves, k, which, tol)
         values[index] = torch.from_numpy(found.eigenvalues)
