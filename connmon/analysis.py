@@ -117,18 +117,18 @@ def analyze(
     """
     attention_layers(getattr(model, "_orig_mod", model))  # no readable attention: its clear error, before a forward
     report = Report()
-    previous_layer: list[Any] = [None]  # (index, walk) of the record before, for depth_drift
+    before: tuple[int, torch.Tensor] | None = None  # the previous record's index and walk, for depth_drift
 
     def consume(record: AttentionRecord) -> None:
+        nonlocal before
         layer: dict[str, Any] = {"name": record.name, "index": record.index}
-        before = previous_layer[0]
         walk = read_walk(record)
         transport, _ = read_transport(
             record, edge_samples=edge_samples, edge_queries=edge_queries, edge_lanczos_steps=edge_lanczos_steps
         )
         spectrum, largest = read_spectrum(record, k=spectrum_k)
         drift, walk_matrix, _ = read_drift(record, before[1] if before and before[0] == record.index - 1 else None)
-        previous_layer[0] = (record.index, walk_matrix)
+        before = (record.index, walk_matrix)
         for names, values in ((WALK, walk), (TRANSPORT, transport), (SPECTRUM, spectrum), (DRIFT, drift)):
             for name, column in zip(names, values.unbind(-1), strict=True):  # what the training-time metrics average
                 finite = column[torch.isfinite(column)]
