@@ -10,9 +10,13 @@ at the function's default (100). One run of ``connection_spectrum`` yields both 
 solves is what two starts certify (and their matvecs and time what they cost), the final merge what the default
 does. "wrong" counts certified values whose modulus is more than 1e-4 (relative) from the reference's of that rank.
 
+The solver works on the head-space operator ``G F`` (same eigenvalues as ``M = F G``, half the flops a product);
+``--operator full`` solves on ``M`` itself, as before, to compare the two.
+
 Usage:
     python benchmarks/bench_certified.py            # about 6 minutes on 2 CPU cores
     python benchmarks/bench_certified.py --quick    # n d up to 4096, about 2 minutes
+    python benchmarks/bench_certified.py --sizes 128x128 --restarts 30 --seeds 10 --operator full  # about 4 minutes
 """
 
 from __future__ import annotations
@@ -120,11 +124,23 @@ def row(n: int, d: int, seeds: int, restarts: int, references: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="n d up to 4096 only")
+    parser.add_argument("--sizes", nargs="+", help="layer sizes as NxD (default 48x64 64x64 128x128)")
+    parser.add_argument("--restarts", type=int, nargs="+", default=[30, 100], help="max_restarts (default 30 100)")
     parser.add_argument("--seeds", type=int, default=4, help="layers per size")
+    parser.add_argument(
+        "--operator", choices=("head-space", "full"), default="head-space", help="solve on G F (default) or on M"
+    )
     args = parser.parse_args()
     torch.set_num_threads(2)
-    sizes = [(48, 64), (64, 64)] + ([] if args.quick else [(128, 128)])
-    print(f"\n### Certified top-{K} of clustered walk parts, float32, tol 1e-5, {args.seeds} layers x 3 starts\n")
+    spectrum._HEAD_SPACE = args.operator == "head-space"
+    if args.sizes:
+        sizes = [tuple(int(part) for part in size.split("x")) for size in args.sizes]
+    else:
+        sizes = [(48, 64), (64, 64)] + ([] if args.quick else [(128, 128)])
+    print(
+        f"\n### Certified top-{K} of clustered walk parts, float32, tol 1e-5, {args.seeds} layers x 3 starts, "
+        f"operator: {args.operator}\n"
+    )
     print(
         "| n | d | walk part dim | max_restarts | two starts: certified | wrong | matvecs | s "
         "| with arbitration: certified | wrong | matvecs | s | third start ran |"
@@ -132,7 +148,7 @@ def main() -> None:
     print("|" + "---|" * 13)
     references: dict = {}
     for n, d in sizes:
-        for restarts in (30, 100):
+        for restarts in args.restarts:
             print(row(n, d, args.seeds, restarts, references), flush=True)
 
 

@@ -397,12 +397,15 @@ def _edge_gaps_by_lanczos(
     r_v, r_o = r_v.expand(*lead, *r_v.shape[-2:]).to(wide), r_o.expand(*lead, *r_o.shape[-2:]).to(wide)
     size = r_v.shape[-2]
     g = gates.repeat_interleave(d_h, dim=-1).flatten(-3, -2)  # (*, E, H*d_h)
-    gram = (r_o.mT @ r_o) * (r_v.mT @ r_v)  # (*, H*d_h, H*d_h): <columns> of O times <rows> of V
+    gram_o = r_o.mT @ r_o  # (*, H*d_h, H*d_h): <columns> of O
+    gram = gram_o * (r_v.mT @ r_v)  # times <rows> of V
     squares = ((g @ gram) * g).sum(dim=-1).clamp(min=0)  # (*, E): sum s^2 = ||C||_F^2
     edges = g.shape[-2]
 
-    def matvec(x: Tensor) -> Tensor:  # X = C^T C on each edge, x (N, r)
+    def matvec(x: Tensor) -> Tensor:  # X = C^T C = R_v diag(g) R_o^T R_o diag(g) R_v^T on each edge, x (N, r)
         xs = x.view(*lead, edges, size)
+        if gates.shape[-1] * d_h <= 2 * size:  # three GEMMs through R_o^T R_o, not four: cheaper unless H d_h > 2 r
+            return ((((xs @ r_v) * g) @ gram_o * g) @ r_v.mT).reshape(-1, size)
         y = ((xs @ r_v) * g) @ r_o.mT  # C x
         return (((y @ r_o) * g) @ r_v.mT).reshape(-1, size)  # C^T C x
 

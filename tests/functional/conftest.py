@@ -11,6 +11,7 @@ LAYER_CASES = {
     "single_head": dict(heads=1, n=5, d_h=4, d=4),
     "one_hot": dict(heads=4, n=6, d_h=2, d=8, sharpness=40.0),
     "wide_heads": dict(heads=4, n=5, d_h=3, d=6),  # H d_h > d
+    "narrow_heads": dict(heads=2, n=6, d_h=2, d=8),  # H d_h < d
 }
 
 

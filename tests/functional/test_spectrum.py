@@ -2,13 +2,14 @@ import numpy as np
 import pytest
 import scipy.sparse.linalg as spla
 import torch
+from scipy.optimize import linear_sum_assignment
 
 import connmon.functional as F
 import connmon.functional._causal
 import connmon.functional.spectrum as spectrum_module
 from connmon._linalg.heads import concat_heads
 from connmon._linalg.krylov import KrylovResult, certified, krylov_schur
-from connmon.functional.operator import rmatvec
+from connmon.functional.operator import head_space_matvec, rmatvec, walk_part
 from tests.functional import reference as ref
 
 
@@ -273,6 +274,26 @@ def test_connection_spectra_flag_krylov_solves_out_of_restarts():
     assert_same_eigenvalues(found.largest, ref.spectrum(*layer.np, deflate=deflate), atol=1e-8)
 
 
+def test_the_rightmost_is_solved_for_only_where_the_radius_converged(monkeypatch):
+    clustered = ref.make_layer(heads=4, n=40, d_h=4, d=16, sharpness=0.3, seed=3)
+    sharp = ref.make_layer(heads=4, n=40, d_h=4, d=16, sharpness=3.0, seed=4)
+    weights = (clustered.w_v, clustered.w_o)
+    solves = []
+
+    def counted(*args, **kwargs):
+        solves.append(kwargs["which"])
+        return krylov_schur(*args, **kwargs)
+
+    monkeypatch.setattr(spectrum_module, "krylov_schur", counted)
+    alone = F.connection_spectra(sharp.attn, *weights, k=8, max_restarts=2)
+    alone_solves, solves[:] = solves.count("LR"), []
+    both = F.connection_spectra(torch.stack([clustered.attn, sharp.attn]), *weights, k=8, max_restarts=2)
+    assert both.largest_converged[:, 0].tolist() == [False, True]
+    assert bool(both.rightmost[0].isnan()) and both.rightmost_converged.tolist() == [False, True]
+    assert alone_solves > 0 and solves.count("LR") == alone_solves  # the clustered layer's LR solve is not run
+    assert bool(both.rightmost[1] == alone.rightmost)
+
+
 @pytest.mark.parametrize("deflate", [False, True])
 def test_spectral_radius_and_laplacian_gap(layer, deflate):
     expected = ref.spectrum(*layer.np, deflate=deflate)
@@ -496,7 +517,7 @@ def test_values_of_clustered_layers_are_certified_in_order_a_third_start_arbitra
     monkeypatch.setattr(spectrum_module, "krylov_schur", counted)
     arbitrated = 0
     for seed in range(8):
-        attn, w_v, w_o = near_uniform_layer(seed)
+        attn, w_v, w_o = near_uniform_layer(seed, n=40)  # at n = 32, two starts certified all 8 values of all 8
         dense = F.connection_spectrum(attn.double(), w_v.double(), w_o.double(), k=16, method="dense")
         moduli = dense.abs().sort(descending=True).values
         solves.clear()
@@ -564,3 +585,20 @@ def test_the_largest_eigenvalues_settle_the_rightmost_when_one_reaches_the_small
     for index in range(2):
         expected = rightmost(*(t[index] for t in both))
         torch.testing.assert_close(found.rightmost[index].to(expected.dtype), expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_the_head_space_operator_has_the_walk_parts_eigenvalues(kv_heads, mask):
+    """G F (what the Krylov solver applies where H d_h = d) against M = F G, both dense, float64."""
+    layer = ref.make_layer(heads=4, kv_heads=kv_heads, n=7, d_h=3, d=12, mask=mask, seed=3)
+    part = walk_part(layer.attn)
+    v_cat, o_cat = concat_heads(layer.w_v, layer.w_o)
+    size = part.shape[-1] * 12
+    basis = torch.eye(size, dtype=torch.float64).view(size, part.shape[-1], 12)
+    head_space = head_space_matvec(part, v_cat @ o_cat, basis).flatten(-2).T  # column j: G F of basis vector j
+    expected = np.linalg.eigvals(ref.walk_operator(*layer.np))
+    got = np.linalg.eigvals(head_space.numpy())
+    rows, columns = linear_sum_assignment(np.abs(got[:, None] - expected[None, :]))  # the closest one-to-one match
+    assert len(got) == len(expected)
+    assert np.abs(got[rows] - expected[columns]).max() <= 1e-9 * np.abs(expected).max()
