@@ -404,10 +404,7 @@ def _edge_gaps_by_lanczos(
 
     def matvec(x: Tensor) -> Tensor:  # X = C^T C = R_v diag(g) R_o^T R_o diag(g) R_v^T on each edge, x (N, r)
         xs = x.view(*lead, edges, size)
-        if gates.shape[-1] * d_h <= 2 * size:  # three GEMMs through R_o^T R_o, not four: cheaper unless H d_h > 2 r
-            return ((((xs @ r_v) * g) @ gram_o * g) @ r_v.mT).reshape(-1, size)
-        y = ((xs @ r_v) * g) @ r_o.mT  # C x
-        return (((y @ r_o) * g) @ r_v.mT).reshape(-1, size)  # C^T C x
+        return ((((xs @ r_v) * g) @ gram_o * g) @ r_v.mT).reshape(-1, size)  # three GEMMs through R_o^T R_o
 
     probe = torch.randint(0, 2, (*lead, edges, size), generator=generator, device=g.device).to(wide) * 2 - 1
     c = (squares / size).sqrt().reshape(-1)  # sqrt of the mean eigenvalue of X
