@@ -79,6 +79,20 @@ def head_space_matvec(attn: Tensor, mix: Tensor, z: Tensor) -> Tensor:
     ``mix = V O`` ``(H*d_h, H*d_h)``. ``F G`` and ``G F`` have the same nonzero eigenvalues, and the same
     characteristic polynomial when ``H d_h = d``; a product costs one GEMM of ``n (H d_h)^2`` where :func:`matvec`
     costs two of ``n d H d_h``.
+
+    Examples:
+        >>> import torch
+        >>> from connmon._linalg.heads import concat_heads
+        >>> from connmon.functional.operator import head_space_matvec, matvec
+        >>> _ = torch.manual_seed(0)
+        >>> attn = torch.randn(2, 3, 3, dtype=torch.float64).softmax(-1)  # H=2, n=3
+        >>> w_v, w_o = torch.randn(2, 2, 4, dtype=torch.float64), torch.randn(2, 4, 2, dtype=torch.float64)  # H d_h = d
+        >>> v_cat, o_cat = concat_heads(w_v, w_o)
+        >>> fields = torch.eye(12, dtype=torch.float64).view(12, 3, 4)  # every basis field, as (n, d)
+        >>> m = matvec(attn, v_cat, o_cat, fields).flatten(-2).T  # M, column by column
+        >>> g_f = head_space_matvec(attn, v_cat @ o_cat, fields).flatten(-2).T
+        >>> torch.allclose(torch.linalg.det(m - 0.3 * torch.eye(12)), torch.linalg.det(g_f - 0.3 * torch.eye(12)))
+        True
     """
     heads = attn.shape[-3]
     y = (z @ mix.mT).unflatten(-1, (heads, -1)).transpose(-3, -2)  # (*, H, n, d_h)
