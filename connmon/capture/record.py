@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
-from connmon.functional import connection_matvec
+from connmon.functional import connection_matvec, ov_singular_values
 
 __all__ = ["AttentionRecord", "reconstruction_error"]
 
@@ -50,6 +51,14 @@ class AttentionRecord:
     def num_heads(self) -> int:
         """Number of query heads ``H``."""
         return self.attn.shape[-3]
+
+    @cached_property
+    def ov_singular_values(self) -> Tensor:
+        """``(d,)`` singular values of ``T_bar = sum_h O_h V_h``, computed once per record.
+
+        They are weight-only, so one SVD serves every diagnostic of the record (``transport_scale`` is their mean).
+        """
+        return ov_singular_values(self.w_v, self.w_o)
 
 
 def reconstruction_error(attn: Tensor, w_v: Tensor, w_o: Tensor, bias: Tensor, x: Tensor, output: Tensor) -> Tensor:

@@ -135,7 +135,7 @@ def read_transport(
         )
     else:
         edge_gaps = torch.full((batch,), float("nan"), dtype=head_gaps.dtype, device=head_gaps.device)
-    ov = F.ov_singular_values(w_v, w_o)  # (d,): one SVD for ov_isometry_gap and transport_scale
+    ov = record.ov_singular_values  # (d,): one SVD per record, for these and the spectrum's scale
     columns = [
         per_sequence(head_gaps.mean(), batch),
         per_sequence(F.isometry_gap(ov), batch),
@@ -154,7 +154,7 @@ def read_spectrum(record: AttentionRecord, *, k: int = 8, max_restarts: int = 30
     """
     args = (record.attn, record.w_v, record.w_o)
     batch, n, d = record.attn.shape[0], record.attn.shape[-1], record.w_v.shape[-1]
-    scale = F.transport_scale(record.w_v, record.w_o)  # weight-only: once for the three diagnostics
+    scale = record.ov_singular_values.mean(dim=-1)  # transport_scale, the record's one SVD
     ov = per_sequence(F.ov_spectral_radius(record.w_v, record.w_o, scale=scale), batch)
     if n < 2:
         nan = torch.full((batch,), float("nan"), dtype=record.attn.dtype, device=record.attn.device)
