@@ -489,9 +489,9 @@ class Monitor(CopiesDetached):
         return {"step": self._logit_step, "window": window, **self.logits.state_dict()}
 
     def _restore_logits(self) -> None:
-        state, self._pending_logits = self._pending_logits, None
-        if state is None or self.logits is None:
+        if self._pending_logits is None or self.logits is None:  # kept until attach builds the reader
             return
+        state, self._pending_logits = self._pending_logits, None
         self.logits.load_state_dict(state)
         self._logit_step = state.get("step")
         window = state.get("window")
