@@ -35,7 +35,7 @@ from connmon._saved_state import checked_state
 from connmon.alerts.restore import write_restore_point
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
-from connmon.capture.max_logit import HeadMaxLogits
+from connmon.capture.max_logit import HeadMaxLogits, fused_path_modules
 from connmon.capture.session import CaptureSession, Layer
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
@@ -401,7 +401,8 @@ class Monitor(CopiesDetached):
         self.metrics = {name: groups[name]() for name in self.options.diagnostics}
         if self.options.logit_every_n_steps is not None or self.qk_clip is not None or self.transport_clip is not None:
             modules, names = [layer.module for layer in self.selected], [layer.name for layer in self.selected]
-            self.logits = HeadMaxLogits(modules, names, clock=self.clock)
+            fused = fused_path_modules(getattr(model, "_orig_mod", model))
+            self.logits = HeadMaxLogits(modules, names, clock=self.clock, fused=fused)
         self._logit_step, self._logit_window, self._begun = None, None, None
         self._restore_logits()
         self.to(device_of(model))

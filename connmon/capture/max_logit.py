@@ -32,10 +32,11 @@ from torch.overrides import TorchFunctionMode
 from connmon._collectives import gathered, is_distributed, local, max_over_processes
 from connmon._cost import CostClock
 from connmon._pause import is_paused
+from connmon.capture.forward_wrapper import ForwardWrapper
 from connmon.capture.scores import allowed_by
 from connmon.capture.session import busy, remove_mode, warn_once
 
-__all__ = ["HeadLayout", "HeadMaxLogits", "head_max_logit"]
+__all__ = ["HeadLayout", "HeadMaxLogits", "fused_path_modules", "head_max_logit"]
 
 BLOCK_ELEMENTS = 1 << 22  # scores per block: 16 MiB of float32
 
@@ -99,6 +100,22 @@ def head_max_logit(
     return best
 
 
+def fused_path_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules of ``model`` whose layer has a fused path that any hook inside it turns off.
+
+    ``nn.TransformerEncoderLayer`` runs ``torch._transformer_encoder_layer_fwd`` in eval mode without gradients
+    unless a forward hook sits on it or inside it: its ``self_attn`` is read without one.
+
+    Examples:
+        >>> import torch
+        >>> from connmon.capture.max_logit import fused_path_modules
+        >>> layer = torch.nn.TransformerEncoderLayer(16, 4, batch_first=True)
+        >>> fused_path_modules(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))[0].num_heads
+        4
+    """
+    return [m.self_attn for m in model.modules() if isinstance(m, nn.TransformerEncoderLayer)]
+
+
 @dataclass(frozen=True)
 class Projection:
     """One side of a layer's heads (queries, keys, values or the output): a weight and its features per head.
@@ -139,7 +156,7 @@ class HeadLayout:
 class HeadMaxLogits:
     """Reads attention modules' SDPA calls in training forwards: each head's max logit, and its q/k layout.
 
-    Forwards are read while :meth:`watching` (its hooks exist only inside the block, as the capture's); the maxima
+    Forwards are read while :meth:`watching` (its wrappers exist only inside the block); the maxima
     add up across blocks (the micro-batches of a step) until :meth:`read`.
 
     Args:
@@ -147,6 +164,8 @@ class HeadMaxLogits:
         names: their names (for warnings).
         block_elements: the most scores held at once per call.
         clock: a :class:`connmon._cost.CostClock` the reading's time is counted on (it synchronizes the device).
+        fused: modules read without a hook: the ``self_attn`` of an ``nn.TransformerEncoderLayer``, which refuses its
+            fused eval path when any hook sits on it or inside it (:func:`fused_path_modules` finds them).
 
     Examples:
         >>> import torch
@@ -165,7 +184,9 @@ class HeadMaxLogits:
         names: Sequence[str],
         block_elements: int = BLOCK_ELEMENTS,
         clock: CostClock | None = None,
+        fused: Sequence[nn.Module] = (),
     ) -> None:
+        self.fused = list(fused)
         self.clock = clock  # the reading's time counts as the owner's (a Monitor's cost clock)
         self.modules = list(modules)
         self.names = list(names)
@@ -180,7 +201,7 @@ class HeadMaxLogits:
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
-        """Read the training forwards run inside the block (re-entrant; every hook is removed when it ends)."""
+        """Read the training forwards run inside the block (re-entrant; every wrapper is removed when it ends)."""
         if self._handles:
             yield
             return
@@ -191,21 +212,38 @@ class HeadMaxLogits:
             self.unwatch()
 
     def watch(self) -> None:
-        """Hook the modules (until :meth:`unwatch`); a no-op while hooked."""
+        """Hook the modules (until :meth:`unwatch`); a no-op while hooked.
+
+        A module in ``fused`` is read through a :class:`~connmon.capture.forward_wrapper.ForwardWrapper` instead,
+        never a hook, so its layer takes the path it takes unwatched.
+        """
         if self._handles:
             return
+        wrapped = {id(module) for module in self.fused}
         for index, module in enumerate(self.modules):
-            self._handles.append(module.register_forward_pre_hook(self._enter(index)))
-            self._handles.append(module.register_forward_hook(self._leave, always_call=True))
+            enter, leave = self._enter(index), self._leave(module)
+            if id(module) in wrapped:
+                self._handles.append(ForwardWrapper(module, lambda args, kwargs, e=enter: e(), None, leave))
+                continue
+            self._handles.append(module.register_forward_pre_hook(lambda *args, e=enter: e()))
+            self._handles.append(module.register_forward_hook(lambda *args, f=leave: f(True), always_call=True))
 
     def unwatch(self) -> None:
-        """Remove every hook (between forwards: the entry points call it after a micro-batch's forward)."""
-        for handle in self._handles:
+        """Remove every hook, and any reading a forward that raised left open (between forwards).
+
+        PyTorch runs a forward hook's clean-up for an ``Exception`` only: a ``KeyboardInterrupt`` inside a forward
+        leaves its reading open until here.
+        """
+        for handle in reversed(self._handles):
             handle.remove()
         self._handles = []
+        while self._modes:
+            remove_mode(self._modes.pop())
 
-    def _enter(self, index: int) -> Callable[[nn.Module, tuple], None]:
-        def enter(module: nn.Module, args: tuple) -> None:
+    def _enter(self, index: int) -> Callable[[], None]:
+        module = self.modules[index]
+
+        def enter() -> None:
             if not module.training or not torch.is_grad_enabled() or busy() or is_paused():
                 return
             if torch.compiler.is_compiling():  # inside a graph: nothing to read, and nothing traced
@@ -216,11 +254,15 @@ class HeadMaxLogits:
 
         return enter
 
-    def _leave(self, module: nn.Module, *args: object) -> None:
-        if self._modes and self._modes[-1].module is module:
-            watch = self._modes.pop()
-            remove_mode(watch)
-            watch.finish()
+    def _leave(self, module: nn.Module) -> Callable[[bool], None]:
+        def leave(completed: bool) -> None:
+            if self._modes and self._modes[-1].module is module:
+                watch = self._modes.pop()
+                remove_mode(watch)
+                if completed:  # a forward cut short says nothing about the layer
+                    watch.finish()
+
+        return leave
 
     def observe(self, index: int, value: Tensor) -> None:
         """Fold one call's ``(H,)`` maxima into layer ``index``'s running max."""

@@ -135,6 +135,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         if self._pending >= 0:  # an earlier train() ended inside a sampled step (its forward raised): not logged
             self._pending = -1
             self.monitor.discard()
+        self._forward_done()  # what a KeyboardInterrupt inside an earlier train()'s forward left (no hook ran then)
         self.monitor.reset()
         optimizer = kwargs.get("optimizer") or self.trainer.optimizer
         if model is None or not self.monitor.attach(model, optimizer):  # the optimizer: curvature and "backoff"

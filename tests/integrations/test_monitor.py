@@ -817,3 +817,81 @@ def test_a_long_sample_is_said_once_with_what_it_was_doing(monkeypatch):
     said = [str(w.message) for w in seen if "took" in str(w.message)]
     assert len(said) == 1 and said[0].startswith("MyLoop: the sample at step 0 took ")
     assert "a full sample: the connection spectra and edge isometry gaps of 2 layers" in said[0]
+
+
+def test_a_read_step_leaves_the_encoders_fused_eval_path_alone(monkeypatch):
+    """nn.TransformerEncoder in eval under no_grad, padded: its fused kernel runs as often watched as unwatched."""
+    from tests.capture.test_torch_mha import padded_encoder
+
+    model, x, padding = padded_encoder()
+    fused, calls = torch._transformer_encoder_layer_fwd, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", counted)
+    monitor = connmon.Monitor(model, every_n_steps=1, logit_every_n_steps=1, diagnostics=("walk",))
+    with torch.no_grad():
+        plain = model(x, src_key_padding_mask=padding)
+        unwatched = len(calls)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the capture says it skips the fused path
+            with monitor.step(0):
+                watched = model(x, src_key_padding_mask=padding)
+    assert unwatched == 2 and len(calls) == 2 * unwatched
+    assert torch.equal(plain, watched) and no_hooks(model)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+class Interrupted(torch.nn.Module):
+    """Raises KeyboardInterrupt from inside the attention forward of layer 0 (after its SDPA call) when armed."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.armed = model, False
+        self.handle = model.blocks[0].attn.c_proj.register_forward_hook(self.interrupt)
+
+    def interrupt(self, *args):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+    def forward(self, ids):
+        return self.model(ids)
+
+
+def test_a_keyboard_interrupt_inside_a_sampled_forward_leaves_no_mode_hook_or_flag():
+    """Nothing of connmon's outlives the interrupted step: no torch-function mode, hook, pause or busy flag; a
+    frozen teacher's forwards afterwards are not the student's, and the next step reads the student alone."""
+    from connmon._pause import is_paused
+    from connmon.capture.max_logit import head_max_logit
+    from connmon.capture.session import busy
+
+    torch.manual_seed(0)
+    student, teacher = Interrupted(TinyGPT()), TinyGPT()
+    for block in teacher.blocks:
+        block.attn.c_attn.weight.data[:32] *= 30  # a teacher with far larger logits
+    monitor = connmon.Monitor(student.model, every_n_steps=1, logit_every_n_steps=1, diagnostics=("walk",))
+    data = batches(3)
+    student.armed = True
+    with pytest.raises(KeyboardInterrupt), monitor.step(0):
+        student(data[0])
+    student.handle.remove()  # the user's own hook
+    assert torch._C._len_torch_function_stack() == 0 and not is_paused() and not busy()
+    assert no_hooks(student) and not monitor.is_armed
+    assert all("forward" not in vars(m) for m in student.modules())
+    teacher(data[1]).sum().backward()  # a frozen teacher run outside the monitor's steps
+    with monitor.step(1):
+        student(data[1]).sum().backward()
+    with monitor.step(2):
+        student(data[2])
+    seen = []
+    attn = student.model.blocks[0].attn
+    hook = attn.c_attn.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    student(data[1])
+    hook.remove()
+    q, k, _ = seen[0].split(32, dim=2)
+    q, k = (t.view(4, 10, 4, 8).transpose(1, 2) for t in (q, k))
+    truth = head_max_logit(q, k, is_causal=True).max().item()
+    assert monitor.last_values["connmon/step_max_logit/L00"] == pytest.approx(truth, rel=1e-6)

@@ -17,13 +17,14 @@ import contextlib
 import functools
 import inspect
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from connmon.capture.adapters.base import Adapter, head_maps
+from connmon.capture.forward_wrapper import ForwardWrapper
 from connmon.capture.session import CaptureSession
 
 _PARAMETERS = list(inspect.signature(nn.MultiheadAttention.forward).parameters)[1:]  # query, key, value, ...
@@ -116,54 +117,6 @@ class TorchMultiheadAttention(Adapter):
         )  # broadcast, never (B, H, n, n)
         session.put_scores(mod, q, k, additive, dropout=mod.training and mod.dropout > 0)
         session.put(mod, x=x, output=out)
-
-
-class ForwardWrapper:
-    """Calls ``before(args, kwargs)`` and ``after(args, kwargs, output)`` around a module's own ``forward``.
-
-    Not a hook: an attribute of the instance that ``nn.Module.__call__`` calls in place of the class's ``forward``
-    (hooks, if any, still run around it), so code that checks for hooks sees none. Removed like a hook handle; a
-    wrapper another one was stacked on after it turns into a plain call of the forward it wrapped.
-
-    Examples:
-        >>> import torch
-        >>> from connmon.capture.adapters.torch_mha import ForwardWrapper
-        >>> layer, seen = torch.nn.Linear(2, 2), []
-        >>> handle = ForwardWrapper(layer, None, lambda args, kwargs, out: seen.append(tuple(out.shape)))
-        >>> _ = layer(torch.zeros(3, 2))
-        >>> handle.remove()
-        >>> _ = layer(torch.zeros(1, 2))
-        >>> seen, "forward" in vars(layer), len(layer._forward_hooks)
-        ([(3, 2)], False, 0)
-    """
-
-    def __init__(self, module: nn.Module, before: Callable | None, after: Callable | None) -> None:
-        self.module, self.active = module, True
-        self.own = vars(module).get("forward")  # an instance forward of the user's own, kept as it is
-        inner = module.forward
-
-        @functools.wraps(inner)
-        def forward(*args: object, **kwargs: object) -> object:
-            if not self.active:
-                return inner(*args, **kwargs)
-            if before is not None:
-                before(args, kwargs)
-            output = inner(*args, **kwargs)
-            if after is not None:
-                after(args, kwargs, output)
-            return output
-
-        self.forward = forward
-        module.forward = forward
-
-    def remove(self) -> None:
-        """Take the wrapper off (idempotent)."""
-        self.active = False
-        if vars(self.module).get("forward") is self.forward:
-            if self.own is None:
-                del self.module.forward
-            else:
-                self.module.forward = self.own
 
 
 _FAST_PATH = (
