@@ -14,7 +14,7 @@ from connmon.alerts import RuleSet, default_rules, edge_of_stability_rule
 from connmon.callbacks import ConnectionMonitor, DriftAlert, SharpnessMonitor
 from connmon.curvature import sharpness_ratio
 from connmon.curvature.sampler import adaptive_interval
-from tests.callbacks.lightning_models import LitGPT, loader
+from tests.callbacks.lightning_models import VOCAB, LitGPT, loader
 from tests.callbacks.test_connection_monitor import read_csv
 
 RATIO = "connmon/sharpness_ratio"
@@ -447,3 +447,42 @@ def test_bad_options_are_refused_with_the_value():
         SharpnessMonitor(estimator="difference")
     with pytest.raises(ValueError, match="budget must be None or a fraction of training time in \\(0, 1\\)"):
         SharpnessMonitor(budget=5)
+
+
+class HandWrittenAttention(nn.Module):
+    """Causal attention by hand (its own softmax), the nanoGPT layout."""
+
+    def __init__(self, width: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in self.c_attn(x).split(width, 2))
+        scores = q @ k.mT / math.sqrt(width // self.heads)
+        future = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
+        attention = scores.masked_fill(future, float("-inf")).softmax(-1)
+        return self.c_proj((attention @ v).transpose(1, 2).reshape(batch, length, width))
+
+
+class TiedGPT(LitGPT):
+    """Hand-written attention and the input embedding tied to the output head, AdamW 1e-2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.model.blocks:
+            block.attn = HandWrittenAttention()
+        self.model.head = nn.Linear(32, VOCAB, bias=False)
+        self.model.head.weight = self.model.wte.weight
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_gradient_differences_read_what_exact_lanczos_reads_with_tied_embeddings(tmp_path):
+    """One tensor in two places of the graph: its curvature is read once, as exact Lanczos reads it."""
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
+    exact = Direct(2, products="double_backward")
+    fit(tmp_path, [monitor, exact], module=TiedGPT(), max_steps=6)
+    values = logged(tmp_path)
+    assert sorted(values) == [2, 4] and values == pytest.approx(exact.ratios, rel=0.02)
