@@ -125,7 +125,9 @@ class Monitor(CopiesDetached):
         (2, 0.0)
     """
 
-    _not_copied = (("_pre_hook", lambda: None), ("_armed", lambda: None), ("_session", lambda: None))  # hooks stay
+    _not_copied = (
+        ("_pre_hook", lambda: None), ("_post_hooks", list), ("_armed", lambda: None), ("_session", lambda: None),
+    )  # fmt: skip  # hooks stay
 
     def __init__(
         self,
@@ -193,8 +195,10 @@ class Monitor(CopiesDetached):
         self._optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self._step_now = 0  # the step of the latest monitor.step(): the one optimizer.step() completes
         self._pre_hook: Any = None
+        self._post_hooks: list[Any] = []  # the clip actions, after each optimizer step
         self.logits: HeadMaxLogits | None = None  # every head's max logit over the whole batch of a step
         self._transport_said_where = False  # the layers it cannot act on were named
+        self._said_nonfinite_logit = False  # a head QK-clip left alone for a non-finite max logit was named
         self._logit_step: int | None = None  # the step whose forwards the logits read now
         self._begun: int | None = None  # the step begin_step last ran for
         self._said_at: dict[str, int] = {}  # the step of each clip action's last line
@@ -423,9 +427,11 @@ class Monitor(CopiesDetached):
         """
         optimizers = [unwrap_optimizer(optimizer) for optimizer in optimizers]
         self._optimizer = optimizers[0] if len(optimizers) == 1 else None
-        if self._pre_hook is not None:
-            self._pre_hook.remove()
-            self._pre_hook = None
+        self._remove_optimizer_hooks()
+        if self.logits is not None and (self.qk_clip is not None or self.transport_clip is not None):
+            self._post_hooks = [
+                optimizer.register_step_post_hook(self._after_optimizer_step) for optimizer in optimizers
+            ]
         if self.sharpness is not None and self._optimizer is None:
             self.sharpness.turn_off(f"it needs exactly one optimizer, and the run has {len(optimizers)}")
         elif self.sharpness is not None and self._optimizer is not None:
@@ -436,6 +442,12 @@ class Monitor(CopiesDetached):
                 self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
         if self.alerts is not None:
             self.alerts.attach(optimizers, self.owner)
+
+    def _remove_optimizer_hooks(self) -> None:
+        for handle in [self._pre_hook, *self._post_hooks]:
+            if handle is not None:
+                handle.remove()
+        self._pre_hook, self._post_hooks = None, []
 
     def to(self, device: torch.device | str) -> Monitor:
         """Move the accumulators to ``device`` (where the model lives)."""
@@ -449,9 +461,10 @@ class Monitor(CopiesDetached):
         self.disarm()
         if self.logits is not None:
             self.logits.unwatch()
-        if self._pre_hook is not None:
-            self._pre_hook.remove()
-            self._pre_hook = None
+        if self.qk_clip is not None and not self._post_hooks:  # no optimizer's hook: the last step's clip is now
+            with self.clock.measuring():
+                self._read_step_logits(clip=True)
+        self._remove_optimizer_hooks()
         if self.sharpness is not None:
             self.sharpness.detach()
         if self.alerts is not None:
@@ -565,36 +578,74 @@ class Monitor(CopiesDetached):
     # --- the pieces the integrations drive ------------------------------------------------------------------------
 
     def begin_step(self, step: int) -> None:
-        """Optimizer step ``step`` begins (its first micro-batch): read the last step's max logits, watch this one's.
+        """Optimizer step ``step`` begins (its first micro-batch): decide whether this step's max logits are read.
 
-        The previous step's per-head max logits (every forward of it, MAX-reduced across processes: every process
-        calls this at the same steps) join the window the rules see at the next sample; with the ``"qk_clip"``
-        action, the heads above its threshold are scaled now, after that step's optimizer step and before this
-        step's forward; so does the ``"transport_clip"`` action, every ``transport_clip.every_n_steps`` steps. Called
+        The per-head max logits of a step (every forward of it, MAX-reduced across processes: every process calls
+        this at the same steps) join the window the rules see at the next sample. The clip actions act on them right
+        after the step's optimizer step, in the optimizer's step post-hook (:meth:`after_optimizer_step`), so the
+        last step of a run is clipped too and a step the optimizer skipped (a GradScaler's inf step) is not. Without
+        a known optimizer (a plain loop given none) they act here, on the step before, and at :meth:`close`. Called
         by :meth:`step` and by the entry points; a second call for the same step does nothing.
         """
-        if self.logits is None or step == self._logit_step or step == self._begun:
+        if self.logits is None or step == self._begun:
             return
         self._begun = step
         with self.clock.measuring():
-            table = self.logits.read() if self._logit_step is not None else None
-            if table is not None:
-                window = self._logit_window
-                self._logit_window = table if window is None or window.shape != table.shape else window.maximum(table)
-                if self.qk_clip is not None:
-                    self._clip(step, table)
-            transport = self.transport_clip
-            if transport is not None and step % transport.every_n_steps == 0:
-                self._clip_transport(step)
+            if self._post_hooks:
+                self._read_step_logits(clip=False)  # unread: the optimizer skipped that step, which is not clipped
+            else:
+                self._read_step_logits(clip=True)
+                self._transport_due(step)
             every = self.options.logit_every_n_steps
             watch = self.qk_clip is not None or (every is not None and step % every == 0)
-            watch = watch or (transport is not None and self.logits.layouts_pending())
+            watch = watch or (self.transport_clip is not None and self.logits.layouts_pending())
             self._logit_step = step if watch else None
 
+    def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.after_optimizer_step()
+
+    def after_optimizer_step(self) -> None:
+        """Right after an optimizer step: read that step's max logits and run the clip actions on them.
+
+        The optimizer's step post-hook calls it (the monitor registers one when a clip action is configured).
+        """
+        if self.logits is None or self._begun is None:
+            return
+        with self.clock.measuring():
+            self._read_step_logits(clip=True)
+            self._transport_due(self._begun + 1)
+
+    def _read_step_logits(self, clip: bool) -> None:
+        """Fold the watched step's max logits into the window; with ``clip``, the ``"qk_clip"`` action on them."""
+        if self.logits is None or self._logit_step is None:
+            return
+        step, self._logit_step = self._logit_step, None
+        table = self.logits.read()
+        if table is None:
+            return
+        window = self._logit_window
+        self._logit_window = table if window is None or window.shape != table.shape else window.maximum(table)
+        if clip and self.qk_clip is not None:
+            self._clip(step, table)
+
+    def _transport_due(self, steps_taken: int) -> None:
+        """The ``"transport_clip"`` action, every ``transport_clip.every_n_steps`` optimizer steps."""
+        transport = self.transport_clip
+        if transport is not None and steps_taken % transport.every_n_steps == 0:
+            self._clip_transport(steps_taken)
+
     def _clip(self, step: int, table: Tensor) -> None:
-        """The ``"qk_clip"`` action on the last step's table; one that raises is turned off, the run goes on."""
+        """The ``"qk_clip"`` action on a step's table; one that raises is turned off, the run goes on."""
         assert self.logits is not None and self.qk_clip is not None
         layouts = [self.logits.layout(index) for index in range(len(self.logits.modules))]
+        broken = torch.isnan(table) | torch.isposinf(table)
+        if bool(broken.any()) and not self._said_nonfinite_logit:
+            self._said_nonfinite_logit = True
+            layer, head = (int(i) for i in torch.nonzero(broken)[0])
+            warn_rank_zero(
+                f"{self.owner}: step {step}: {self.logits.names[layer]} head {head} has a non-finite max logit (an "
+                "overflowed query or key); QK-clip leaves such a head alone (said once)"
+            )
         try:
             clips = self.qk_clip.apply(self.logits.modules, table, layouts)
         except Exception as error:  # an action must not end the training run

@@ -69,7 +69,8 @@ class QKClip(HeadClipCount):
     def apply(self, modules: Sequence[nn.Module], table: Tensor, layouts: Sequence[HeadLayout | None]) -> list[tuple]:
         """Scale the heads of ``modules`` whose max logit in ``table`` ``(layers, H)`` exceeds the threshold.
 
-        A layer whose queries and keys were not found is left alone. Returns ``(layer, head, S)`` per clipped head.
+        A layer whose queries and keys were not found is left alone, and so is a head whose max logit is not finite
+        (an overflowed fp16 query: ``sqrt(tau / inf)`` would zero it). Returns ``(layer, head, S)`` per clipped head.
         """
         clips = []
         for index, (module, layout) in enumerate(zip(modules, layouts, strict=True)):
@@ -77,13 +78,14 @@ class QKClip(HeadClipCount):
                 continue
             heads = layout.query.rows.shape[0]
             logits = table[index, :heads].double()
-            if not bool((logits > self.threshold).any()):
+            over = torch.isfinite(logits) & (logits > self.threshold)  # a non-finite logit is no measure: never clipped
+            if not bool(over.any()):
                 continue
-            factors = torch.where(logits > self.threshold, self.threshold / logits, torch.ones_like(logits)).sqrt()
+            factors = torch.where(over, self.threshold / logits, torch.ones_like(logits)).sqrt()
             _scale(module, layout.query, factors)
             key_rows, key_factors = _key_heads(layout.key.rows, factors)
             _scale(module, layout.key, key_factors, key_rows)
-            clips += [(index, int(h), float(logits[h])) for h in torch.nonzero(logits > self.threshold).flatten()]
+            clips += [(index, int(h), float(logits[h])) for h in torch.nonzero(over).flatten()]
         return self.counted(clips)
 
 

@@ -1,0 +1,207 @@
+"""When the clip actions act: right after every optimizer step (the last one of a run too), never on a step the
+optimizer skipped or on a non-finite logit, and a resumed run clips as the uninterrupted one."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import connmon
+from connmon.alerts import AlertRunner, QKClip, TransportClip
+from connmon.capture.max_logit import HeadLayout, Projection
+from tests.capture.models import TinyGPT
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(step))
+
+
+def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+
+
+class Spy:
+    """Records the optimizer steps taken and the steps at which the clip action ran."""
+
+    def __init__(self, action):
+        self.steps, self.applied, self.taken = [], [], 0
+        apply = action.apply
+
+        def spied(*args, **kwargs):
+            self.applied.append(self.taken)
+            return apply(*args, **kwargs)
+
+        action.apply = spied
+
+    def stepped(self, *args):
+        self.taken += 1
+
+
+def runner(action) -> AlertRunner:
+    name = "qk_clip" if isinstance(action, QKClip) else "transport_clip"
+    return AlertRunner([], actions=(name,), **{name: action})
+
+
+def plain_run(model, optimizer, monitor, steps, start=0, scaler=None, inf_at=()):
+    for step in range(start, start + steps):
+        with monitor.step(step):
+            loss = loss_of(model, batch(step))
+        if step in inf_at:
+            loss = loss * float("inf")
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("make", [lambda: QKClip(threshold=2.0), lambda: TransportClip(factor=1.05)])
+def test_every_optimizer_step_is_clipped_right_after_it_the_last_one_too(make):
+    torch.manual_seed(0)
+    model, action = TinyGPT(), make()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    spy = Spy(action)
+    optimizer.register_step_post_hook(spy.stepped)
+    monitor = connmon.Monitor(model, every_n_steps=100, diagnostics=("walk",), optimizer=optimizer,
+                              alerts=runner(action))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain_run(model, optimizer, monitor, steps=4)
+    every = getattr(action, "every_n_steps", 1)
+    assert spy.applied == [s for s in range(1, 5) if s % every == 0]  # after each step, the monitor's hook after ours
+    assert action.clipped > 0 and action.last  # the last step's heads were clipped without another step or close()
+
+
+def test_a_step_the_grad_scaler_skips_is_not_clipped_and_a_non_finite_logit_never_clips():
+    torch.manual_seed(0)
+    model, clip = TinyGPT(), QKClip(threshold=2.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    spy = Spy(clip)
+    optimizer.register_step_post_hook(spy.stepped)
+    monitor = connmon.Monitor(model, every_n_steps=100, diagnostics=("walk",), optimizer=optimizer,
+                              alerts=runner(clip))  # fmt: skip
+    before = copy.deepcopy(model.state_dict())
+    scaler = torch.amp.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain_run(model, optimizer, monitor, steps=1, scaler=scaler, inf_at=(0,))
+        assert spy.taken == 0 and spy.applied == [] and clip.clipped == 0  # skipped: nothing moved
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        plain_run(model, optimizer, monitor, steps=1, start=1, scaler=scaler)
+    assert spy.applied == [1] and clip.clipped > 0
+
+    attention = torch.nn.Module()
+    attention.qkv = torch.nn.Linear(4, 12)
+    rows = torch.arange(4).view(2, 2)
+    layout = HeadLayout(*(Projection("qkv.weight", "qkv.bias", r) for r in (rows, rows + 4)))
+    weight = attention.qkv.weight.detach().clone()
+    for logit in (float("inf"), float("nan")):
+        assert QKClip(threshold=1e12).apply([attention], torch.tensor([[logit, 5.0]]), [layout]) == []
+    assert torch.equal(attention.qkv.weight, weight)
+
+
+def test_a_non_finite_max_logit_is_said_once_and_left_alone():
+    torch.manual_seed(0)
+    model, clip = TinyGPT(), QKClip(threshold=1e12)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    monitor = connmon.Monitor(model, every_n_steps=100, diagnostics=("walk",), optimizer=optimizer,
+                              alerts=runner(clip))  # fmt: skip
+    model.blocks[0].attn.c_attn.weight.data[0, 0] = float("inf")  # head 0's query overflows
+    before = model.blocks[0].attn.c_attn.weight.detach().clone()
+    with pytest.warns(UserWarning, match=r"step 0: blocks\.0\.attn head 0 has a non-finite max logit") as said:
+        for step in range(2):
+            with monitor.step(step):
+                model(batch(step))
+            optimizer.step()
+    assert sum("non-finite max logit" in str(w.message) for w in said) == 1
+    assert (
+        torch.equal(
+            model.blocks[0].attn.c_attn.weight,
+            before,
+        )
+        and clip.clipped == 0
+    )
+
+
+@pytest.mark.parametrize("make", [lambda: QKClip(threshold=2.0), lambda: TransportClip(factor=1.05)])
+def test_a_resumed_plain_loop_clips_as_the_uninterrupted_one_bitwise(make):
+    def fresh():
+        torch.manual_seed(0)
+        model, action = TinyGPT(), make()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        monitor = connmon.Monitor(model, every_n_steps=100, diagnostics=("walk",), optimizer=optimizer,
+                                  alerts=runner(action))  # fmt: skip
+        return model, optimizer, monitor, action
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer, monitor, action = fresh()
+        plain_run(model, optimizer, monitor, steps=6)
+        first, optimizer_a, monitor_a, action_a = fresh()
+        plain_run(first, optimizer_a, monitor_a, steps=3)
+        saved = copy.deepcopy((first.state_dict(), optimizer_a.state_dict(), monitor_a.state_dict()))
+        resumed, optimizer_b, monitor_b, action_b = fresh()
+        resumed.load_state_dict(saved[0])
+        optimizer_b.load_state_dict(saved[1])
+        monitor_b.load_state_dict(saved[2])
+        plain_run(resumed, optimizer_b, monitor_b, steps=3, start=3)
+    assert action_b.clipped == action.clipped and action.clipped > action_a.clipped > 0
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values(),
+                                                 strict=True))  # fmt: skip
+
+
+class AdamLit:
+    """A LitGPT trained with AdamW at a rate whose logits pass the threshold (built lazily: Lightning is heavy)."""
+
+    @staticmethod
+    def build():
+        from tests.callbacks.lightning_models import LitGPT
+
+        class Lit(LitGPT):
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=3e-2)
+
+        return Lit()
+
+
+def lightning_fit(tmp_path, clip, max_steps, ckpt_path=None, checkpoint=None):
+    import lightning as L
+
+    from connmon.callbacks import ConnectionMonitor, DriftAlert
+    from tests.callbacks.lightning_models import corpus
+
+    callbacks = [ConnectionMonitor(every_n_steps=100, diagnostics=("walk",)),
+                 DriftAlert(actions=("log", "qk_clip"), qk_clip=clip)]  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=max_steps, callbacks=callbacks + ([checkpoint] if checkpoint else []), logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=checkpoint is not None,
+        accelerator="cpu", devices=1,
+    )  # fmt: skip
+    module = AdamLit.build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        data = torch.utils.data.DataLoader(corpus(n=12), batch_size=4)  # 3 steps an epoch: the save ends one
+        trainer.fit(module, data, ckpt_path=ckpt_path)
+    return module
+
+
+def test_lightning_clips_the_last_step_and_a_resumed_fit_clips_as_the_uninterrupted_one(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    whole = QKClip(threshold=2.0)
+    spy = Spy(whole)
+    uninterrupted = lightning_fit(tmp_path / "whole", whole, max_steps=6)
+    assert len(spy.applied) == 6  # every optimizer step, the last one of the fit included
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    lightning_fit(tmp_path / "first", QKClip(threshold=2.0), max_steps=3, checkpoint=checkpoint)
+    resumed_clip = QKClip(threshold=2.0)
+    resumed = lightning_fit(tmp_path / "resumed", resumed_clip, max_steps=6,
+                            ckpt_path=str(next((tmp_path / "ckpt").glob("*.ckpt"))))  # fmt: skip
+    assert resumed_clip.clipped == whole.clipped > 0
+    for a, b in zip(uninterrupted.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
