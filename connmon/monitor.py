@@ -219,6 +219,14 @@ class Monitor(CopiesDetached):
                 "sharpness must be a connmon.curvature.sampler.SharpnessSampler or None, got "
                 f"{type(sharpness).__name__}"
             )
+        clips = [name for name in ("qk_clip", "transport_clip") if alerts is not None and name in alerts.actions]
+        if clips and not self.attention:
+            raise ValueError(
+                f"the {' and '.join(repr(c) for c in clips)} action{'s' if len(clips) > 1 else ''} read each head's max "
+                "logit from the attention, and this monitor reads none (attention=False; in Lightning: no "
+                "ConnectionMonitor among the Trainer's callbacks): add a ConnectionMonitor, or drop "
+                f"{' and '.join(repr(c) for c in clips)} from the actions"
+            )
         self.alerts = alerts
         self.sharpness = sharpness
         # sampled besides the cadence: what the alert rules that watch only a run's first steps need to compare

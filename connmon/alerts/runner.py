@@ -57,7 +57,7 @@ class AlertRunner:
         transport_clip: the :class:`connmon.alerts.TransportClip` for ``"transport_clip"`` (None: factor 2).
 
     Raises:
-        ValueError: for an unknown action or level, a history that is not an integer >= 0, a wait that is not a
+        ValueError: for an unknown action or level, a ``qk_clip`` or ``transport_clip`` given without its action, a history that is not an integer >= 0, a wait that is not a
             number >= 0, rules that are not Rule or AllOf objects (a rule factory such as ``default_rules`` passed
             uncalled is named), an on_alert that is not callable, or duplicate rule names.
 
@@ -96,6 +96,12 @@ class AlertRunner:
             raise ValueError(f"qk_clip must be a connmon.alerts.QKClip or None, got {qk_clip!r}")
         if transport_clip is not None and not isinstance(transport_clip, TransportClip):
             raise ValueError(f"transport_clip must be a connmon.alerts.TransportClip or None, got {transport_clip!r}")
+        for name, given in (("qk_clip", qk_clip), ("transport_clip", transport_clip)):
+            if given is not None and name not in actions:
+                raise ValueError(
+                    f"{name}={given!r} is configured, but {name!r} is not in actions={tuple(actions)!r}, so it would "
+                    f"never act: add {name!r} to actions, or leave {name} out"
+                )
         check_choice("stop_level", stop_level, LEVELS)
         check_number("history", history, low=0, integer=True)
         check_number("wait_duration", wait_duration, low=0)

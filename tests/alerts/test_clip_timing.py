@@ -205,3 +205,26 @@ def test_lightning_clips_the_last_step_and_a_resumed_fit_clips_as_the_uninterrup
     assert resumed_clip.clipped == whole.clipped > 0
     for a, b in zip(uninterrupted.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_clip_configured_where_it_could_never_act_is_refused_naming_what_is_missing(tmp_path):
+    from connmon.callbacks import DriftAlert, SharpnessMonitor
+
+    for name, action in (("qk_clip", QKClip(5.0)), ("transport_clip", TransportClip())):
+        with pytest.raises(ValueError, match=rf"{name}=.* is not in actions=\('log', 'wandb', 'stop'\).*add '{name}'"):
+            AlertRunner(**{name: action})
+        with pytest.raises(ValueError, match=rf"'{name}' is not in actions"):
+            DriftAlert(**{name: action})
+    with pytest.raises(ValueError, match=r"'qk_clip' action read each head's max logit.*attention=False"):
+        connmon.Monitor(attention=False, alerts=AlertRunner([], actions=("log", "qk_clip")))
+
+    import lightning as L
+
+    from tests.callbacks.lightning_models import loader
+
+    callbacks = [SharpnessMonitor(lambda module, b: module(b[0]).mean(), every_n_steps=2),
+                 DriftAlert(actions=("log", "qk_clip"))]  # fmt: skip
+    trainer = L.Trainer(max_steps=2, callbacks=callbacks, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match="no ConnectionMonitor among the Trainer's callbacks"):
+        trainer.fit(AdamLit.build(), loader())
