@@ -222,8 +222,8 @@ class Monitor(CopiesDetached):
         clips = [name for name in ("qk_clip", "transport_clip") if alerts is not None and name in alerts.actions]
         if clips and not self.attention:
             raise ValueError(
-                f"the {' and '.join(repr(c) for c in clips)} action{'s' if len(clips) > 1 else ''} read each head's max "
-                "logit from the attention, and this monitor reads none (attention=False; in Lightning: no "
+                f"the {' and '.join(repr(c) for c in clips)} action{'s' if len(clips) > 1 else ''} read each head's "
+                "max logit from the attention, and this monitor reads none (attention=False; in Lightning: no "
                 "ConnectionMonitor among the Trainer's callbacks): add a ConnectionMonitor, or drop "
                 f"{' and '.join(repr(c) for c in clips)} from the actions"
             )

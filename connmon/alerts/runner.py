@@ -57,9 +57,10 @@ class AlertRunner:
         transport_clip: the :class:`connmon.alerts.TransportClip` for ``"transport_clip"`` (None: factor 2).
 
     Raises:
-        ValueError: for an unknown action or level, a ``qk_clip`` or ``transport_clip`` given without its action, a history that is not an integer >= 0, a wait that is not a
-            number >= 0, rules that are not Rule or AllOf objects (a rule factory such as ``default_rules`` passed
-            uncalled is named), an on_alert that is not callable, or duplicate rule names.
+        ValueError: for an unknown action or level, a ``qk_clip`` or ``transport_clip`` given without its action, a
+            history that is not an integer >= 0, a wait that is not a number >= 0, rules that are not Rule or AllOf
+            objects (a rule factory such as ``default_rules`` passed uncalled is named), an on_alert that is not
+            callable, or duplicate rule names.
 
     Examples:
         >>> from connmon.alerts import AlertRunner, Rule, Threshold
