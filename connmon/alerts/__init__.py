@@ -26,7 +26,7 @@ from connmon.alerts.detectors import (
     Threshold,
 )
 from connmon.alerts.qk_clip import QKClip
-from connmon.alerts.restore import RestorePoints, load_restore_point, write_restore_point
+from connmon.alerts.restore import RestorePointError, RestorePoints, load_restore_point, write_restore_point
 from connmon.alerts.rules import (
     LEVELS,
     Alert,
@@ -63,6 +63,7 @@ __all__ = [
     "Level",
     "NonFinite",
     "QKClip",
+    "RestorePointError",
     "RestorePoints",
     "Rule",
     "RuleSet",

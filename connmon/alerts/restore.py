@@ -264,6 +264,11 @@ def load_restore_point(
     optimizer built), or into an unsharded model in one process; the training then goes on bitwise from where the
     point was saved.
 
+    Raises:
+        RestorePointError: (a ``ValueError``) naming the path and what is wrong: missing, truncated or torn (a file
+            cut short, a ``torch.distributed.checkpoint`` folder missing a shard), not a restore point, or of another
+            model.
+
     Examples:
         >>> import os, tempfile, torch
         >>> from connmon.alerts.restore import load_restore_point, write_restore_point
@@ -277,29 +282,93 @@ def load_restore_point(
     """  # noqa: E501
     path = os.fspath(path)
     model = getattr(model, "_orig_mod", model)
+    if not os.path.exists(path):
+        raise RestorePointError(f"{path}: no such restore point (neither a file nor a folder)")
     if os.path.isdir(path):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        saved = _load_folder(path, model, optimizer)
+    else:
+        if sharded(model):
+            raise RestorePointError(
+                f"{path} is a one-file restore point of an unsharded model: load it into the model as it was saved "
+                "(unsharded), or shard after loading"
+            )
+        saved = _load_file(path, model, optimizer)
+    if monitor is not None and saved.get("connmon") is not None:
+        monitor.load_state_dict(saved["connmon"])
+    return int(saved["step"])
 
-        optimizers = [optimizer] if optimizer is not None else []
-        model_state, optimizer_state = get_state_dict(model, optimizers)
-        state: dict[str, Any] = {"model": model_state, "extra": io.BytesIO()}
-        if optimizer is not None:
-            state["optimizer"] = optimizer_state
+
+class RestorePointError(ValueError):
+    """A restore point that cannot be loaded: the message names the path and what is wrong with it.
+
+    One ``Exception`` for every way a restore point fails to load (``torch.distributed.checkpoint`` raises
+    ``CheckpointException``, a ``BaseException``, which a resume script's ``except Exception`` would not catch).
+
+    Examples:
+        >>> import torch
+        >>> from connmon.alerts.restore import RestorePointError, load_restore_point
+        >>> try:
+        ...     load_restore_point("no/such/step=3.ckpt", torch.nn.Linear(2, 2))
+        ... except RestorePointError as error:
+        ...     print(error)
+        no/such/step=3.ckpt: no such restore point (neither a file nor a folder)
+    """
+
+
+def _load_file(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """A ``torch.save`` restore point into ``model`` and ``optimizer``; any failure a :class:`RestorePointError`."""
+    try:
+        saved = torch.load(path, weights_only=False)
+    except Exception as error:
+        size = os.path.getsize(path)
+        raise RestorePointError(
+            f"{path}: not readable as a restore point ({size} bytes; {type(error).__name__}: {error}): the file is "
+            "truncated or damaged (a save cut short), or not one write_restore_point wrote"
+        ) from error
+    if not isinstance(saved, Mapping) or not {"model", "step"} <= set(saved):
+        found = sorted(saved) if isinstance(saved, Mapping) else type(saved).__name__
+        raise RestorePointError(f"{path}: not a restore point (it holds {found}, not 'model' and 'step')")
+    try:
+        model.load_state_dict(saved["model"])
+        if optimizer is not None and saved.get("optimizer") is not None:
+            optimizer.load_state_dict(saved["optimizer"])
+    except Exception as error:
+        raise RestorePointError(
+            f"{path}: does not fit this model or optimizer ({type(error).__name__}: {error})"
+        ) from error
+    return dict(saved)
+
+
+def _load_folder(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """A ``torch.distributed.checkpoint`` restore point into ``model`` and ``optimizer``, each process its part."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    optimizers = [optimizer] if optimizer is not None else []
+    model_state, optimizer_state = get_state_dict(model, optimizers)
+    state: dict[str, Any] = {"model": model_state, "extra": io.BytesIO()}
+    if optimizer is not None:
+        state["optimizer"] = optimizer_state
+    try:
         dcp.load(state, checkpoint_id=path)
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
         state["extra"].seek(0)
         saved = pickle.loads(state["extra"].read())
-    else:
-        saved = torch.load(path, weights_only=False)
-        if sharded(model):
-            raise ValueError(
-                f"{path} is a one-file restore point of an unsharded model: load it into the model as it was saved "
-                "(unsharded), or shard after loading"
-            )
-        model.load_state_dict(saved["model"])
-        if optimizer is not None and saved.get("optimizer") is not None:
-            optimizer.load_state_dict(saved["optimizer"])
-    if monitor is not None and saved.get("connmon") is not None:
-        monitor.load_state_dict(saved["connmon"])
-    return int(saved["step"])
+    except (Exception, CheckpointException) as error:
+        what = _first_failure(error)
+        raise RestorePointError(
+            f"{path}: this torch.distributed.checkpoint restore point cannot be loaded ({what}): a shard file is "
+            "missing, truncated or damaged (a save cut short), or it was written for another model"
+        ) from None
+    return saved
+
+
+def _first_failure(error: BaseException) -> str:
+    """What went wrong, in one line: a ``CheckpointException``'s first rank's failure, or the error itself."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, Mapping) and failures:
+        rank, failure = next(iter(failures.items()))
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(error).__name__}: {error}"
