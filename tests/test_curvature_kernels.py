@@ -75,7 +75,9 @@ def test_bf16_autocast_reads_the_float32_loss_and_bf16_weights_are_refused_with_
     with pytest.raises(ValueError, match=r"the loss function runs the model under autocast \(torch\.bfloat16\)"):
         sharpness_ratio(autocast_inside, optimizer, steps=8, model=model)
     model.bfloat16()
-    with pytest.raises(ValueError, match=r"the parameters are torch\.bfloat16: a difference of two gradients"):
+    with pytest.raises(
+        ValueError, match=r"[0-9]+ of the [0-9]+ parameters are torch\.bfloat16: a difference of two gradients"
+    ):
         sharpness_ratio(lambda: next_token(model, ids), optimizer, steps=8, model=model)
 
 
@@ -110,3 +112,44 @@ def test_gradient_round_off_that_swamps_the_difference_is_caught_before_it_reads
     assert exact < 1 < unchecked.ratio  # the failure the check exists for
     assert exact <= checked.ratio < 1.5 * exact and checked.ratio < 1
     assert checked.gradient_evaluations > unchecked.gradient_evaluations
+
+
+class HalfBehindFloat(nn.Module):
+    """A float32 embedding first, float16 weights after it (the first parameter's dtype says nothing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, 16)
+        self.body = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, VOCAB)).half()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.body(self.embedding(ids).half()).float()
+
+
+def test_every_parameters_dtype_counts_a_float16_part_behind_a_float32_embedding_is_refused_and_said():
+    import warnings
+
+    import connmon
+    from connmon.curvature.sampler import SharpnessSampler
+
+    torch.manual_seed(0)
+    model = HalfBehindFloat()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ids = torch.randint(0, VOCAB, (4, TOKENS + 1))
+
+    def loss_fn(module, batch):
+        return nn.functional.cross_entropy(module(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+
+    with pytest.raises(ValueError, match=r"4 of the 5 parameters are torch\.float16: a difference of two gradients"):
+        sharpness_ratio(lambda: loss_fn(model, ids), optimizer, steps=8, model=model)
+    monitor = connmon.Monitor(model, every_n_steps=100, attention=False, optimizer=optimizer, loss_fn=loss_fn,
+                              sharpness=SharpnessSampler(every_n_steps=1, cadence="fixed"))  # fmt: skip
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(3):
+            with monitor.step(step, batch=ids):
+                loss_fn(model, ids).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert any("4 of the 5 parameters are torch.float16" in str(w.message) for w in said)
+    assert "connmon/sharpness_ratio" not in monitor.sharpness.last_values

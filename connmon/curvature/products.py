@@ -55,6 +55,33 @@ _RETAKES = 2
 _SHORTEST, _LONGEST = 1e-9, 1e-1  # bounds of ||h w|| / ||theta||
 
 
+def coarsest_dtype(params: Sequence[Tensor]) -> torch.dtype:
+    """The least precise dtype of ``params`` (every one counts), which sets the difference length.
+
+    Raises:
+        ValueError: where any parameter is of a dtype a gradient difference cannot resolve (float16, bfloat16),
+            naming how many are.
+
+    Examples:
+        >>> import torch
+        >>> from connmon.curvature.products import coarsest_dtype
+        >>> coarsest_dtype([torch.zeros(2, dtype=torch.float64), torch.zeros(2)])
+        torch.float32
+    """
+    counts: dict[torch.dtype, int] = {}
+    for p in params:
+        counts[p.dtype] = counts.get(p.dtype, 0) + 1
+    coarse = {dtype: n for dtype, n in counts.items() if dtype not in GRADIENT_CHANGE}
+    if coarse:
+        which = ", ".join(f"{n} of the {len(params)} parameters are {dtype}" for dtype, n in coarse.items())
+        raise ValueError(
+            f"{which}: a difference of two gradients at that precision is round-off (bf16 resolves 4e-3 of a "
+            "weight, float16 5e-4); train with float32 weights (mixed precision: autocast, under which the reading "
+            "computes in float32), or use the double-backward products"
+        )
+    return torch.float32 if torch.float32 in counts else torch.float64
+
+
 def scalar_loss(loss_fn: Callable[[], Tensor]) -> Tensor:
     """``loss_fn()`` as a 0-d tensor, or a ValueError that says what it returned."""
     loss = loss_fn()
@@ -138,13 +165,7 @@ class GradientDifferenceProducts:
         self.model = model
         self.evaluations = 0  # gradients of the step's whole loss taken
         self.fixed_length = relative_length
-        if params[0].dtype not in GRADIENT_CHANGE:
-            raise ValueError(
-                f"the parameters are {params[0].dtype}: a difference of two gradients at that precision is round-off "
-                "(bf16 resolves 4e-3 of a weight); train with float32 weights (bf16-mixed: autocast, under which "
-                "the reading computes in float32), or use the double-backward products"
-            )
-        self.target = gradient_change or GRADIENT_CHANGE[params[0].dtype]
+        self.target = gradient_change or GRADIENT_CHANGE[coarsest_dtype(params)]
         reason = _low_precision_policy(model)
         if reason is not None:
             raise ValueError(reason)

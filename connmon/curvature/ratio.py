@@ -23,6 +23,7 @@ from connmon.curvature.products import (
     DoubleBackwardProducts,
     GradientDifferenceProducts,
     Products,
+    coarsest_dtype,
     scalar_loss,
     step_weights,
 )
@@ -238,7 +239,7 @@ def sharpness_ratio(
                 # on (where a reading moves the cadence or an alert), a reading that falls by more than 10% at a 10x
                 # larger gradient change was noise: the larger step's reading replaces it (at most twice, up to a
                 # change of 0.1).
-                change = gradient_change or GRADIENT_CHANGE.get(params[0].dtype, GRADIENT_CHANGE[torch.float32])
+                change = gradient_change or GRADIENT_CHANGE[coarsest_dtype(params)]
                 for _ in range(2):
                     change *= 10
                     if not (eigenvalue / geometry.constant >= NOISE_CHECK_FROM and change <= 0.1 + 1e-12):
