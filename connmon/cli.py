@@ -331,6 +331,9 @@ def _workspace(args: argparse.Namespace) -> int:
     return 0
 
 
+HF_PREFIX = "train/"  # the Hugging Face Trainer's W&B integration logs every training row's keys under it
+
+
 def _report(args: argparse.Namespace) -> int:
     from connmon.sinks.figures import depth_figure, series_figure
 
@@ -338,7 +341,10 @@ def _report(args: argparse.Namespace) -> int:
         raise InputError(f"{args.run_dir} is not a directory")
     series, source = _read_run(args.run_dir)
     if not series:
-        raise InputError(f"{args.run_dir} has no connmon/ values (a ConnectionMonitor run logs connmon/<metric>/L<ll>)")
+        raise InputError(
+            f"{args.run_dir} has no connmon/ values (a ConnectionMonitor run logs connmon/<metric>/L<ll>, a Hugging "
+            "Face Trainer run train/connmon/<metric>/L<ll>)"
+        )
     out = args.out or args.run_dir / "connmon_report"
     out.mkdir(parents=True, exist_ok=True)
     last = _last_per_layer(series)
@@ -374,7 +380,9 @@ def _report(args: argparse.Namespace) -> int:
 def _logged_figures(run_dir: Path, out: Path) -> list[str]:
     """Copy the latest of each connmon figure a W&B run logged (``files/media/images/connmon/figures``) into ``out``."""
     latest: dict[str, tuple[int, Path]] = {}
-    for path in run_dir.rglob("media/images/connmon/figures/*.png"):
+    for path in run_dir.rglob("connmon/figures/*.png"):  # media/images/[train/]connmon/figures
+        if "media" not in path.parts:
+            continue
         stem, step, _ = path.stem.rsplit("_", 2)  # <name>_<W&B step>_<hash>; names may hold "_"
         if step.isdigit() and (stem not in latest or int(step) > latest[stem][0]):
             latest[stem] = (int(step), path)
@@ -388,8 +396,9 @@ def _logged_figures(run_dir: Path, out: Path) -> list[str]:
 def _read_run(run_dir: Path) -> tuple[dict[str, tuple[list[int], list[float]]], Path]:
     """``{key: (steps, values)}`` of every ``connmon/`` key of the one run under ``run_dir``, and the file it read.
 
-    The run is a Lightning ``metrics.csv`` or an offline W&B run (``*.wandb``); a directory holding several is an
-    error that lists them, never a silent pick.
+    The run is a Lightning ``metrics.csv`` or an offline W&B run (``*.wandb``; a Hugging Face Trainer's, whose
+    ``train/connmon/...`` keys and ``train/global_step`` are read as ``connmon/...`` at that step); a directory holding
+    several is an error that lists them, never a silent pick.
     """
     rows: list[dict[str, Any]] = []
     csv_files = sorted(run_dir.rglob("metrics.csv"))
@@ -414,14 +423,16 @@ def _read_run(run_dir: Path) -> tuple[dict[str, tuple[list[int], list[float]]], 
             record = json.loads(line) if line.startswith("{") else {}
             if record.get("type") == "history":
                 item = record["history"]["item"]
-                rows.append({**item, "step": item.get("trainer/global_step", item.get("_step"))})
+                step = item.get("trainer/global_step", item.get("train/global_step", item.get("_step")))
+                rows.append({**item, "step": step})
     else:
         raise InputError(f"{run_dir} holds neither a Lightning metrics.csv nor a W&B run (*.wandb)")
     series: dict[str, tuple[list[int], list[float]]] = {}
     for row in rows:
         if row.get("step") is None:
             continue
-        for key, value in row.items():
+        for logged_key, value in row.items():
+            key = logged_key.removeprefix(HF_PREFIX)  # the HF Trainer's W&B integration files its rows under train/
             if key.startswith("connmon/") and "_hist/" not in key and "/figures/" not in key:
                 try:
                     number = float(value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,6 +176,12 @@ def test_report_to_wandb_gets_the_keys_histograms_and_figures(tmp_path, monkeypa
     assert "train/connmon/spectrum_modulus_hist/L01._type" in keys
     assert "train/connmon/figures/spectra._type" in keys
     assert "train/loss" in keys
+    from connmon.cli import main
+
+    out = tmp_path / "report"  # connmon report reads the Trainer's train/connmon/... keys at train/global_step
+    assert main(["report", str(Path(run_dir).parent), "--out", str(out)]) == 0
+    summary = (out / "summary.md").read_text()
+    assert "3 samples, steps 2..6" in summary and "latest figure the run itself logged" in summary
 
 
 @pytest.mark.parametrize("every", [1, 2])
