@@ -61,6 +61,17 @@ def head_key(index: int, head: int) -> str:
     return f"{HEAD_MAX_LOGIT}L{index:02d}H{head:02d}"
 
 
+def head_place(index: int, head: int) -> str:
+    """``L<ll> head <h>``: where a head is, in every line connmon writes (alerts, clips), as its keys name layers.
+
+    Examples:
+        >>> from connmon import keys
+        >>> keys.head_place(2, 3)
+        'L02 head 3'
+    """
+    return f"L{index:02d} head {head}"
+
+
 def describe(key: str, value: float) -> str:
     """A logged key and its value in words, for an alert: which head or layer, which quantity.
 
@@ -73,7 +84,7 @@ def describe(key: str, value: float) -> str:
     """
     if key.startswith(HEAD_MAX_LOGIT):
         layer, head = key.removeprefix(HEAD_MAX_LOGIT).removeprefix("L").split("H")
-        return f"L{layer} head {int(head)}: max logit {value:.4g}"
+        return f"{head_place(int(layer), int(head))}: max logit {value:.4g}"
     if key in (SHARPNESS_RATIO, UPDATE_SHARPNESS_RATIO):
         return f"curvature along the step {value:.3g}x the optimizer's edge of stability"
     return f"{key} = {value:.4g}"

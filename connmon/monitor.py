@@ -651,7 +651,7 @@ class Monitor(CopiesDetached):
             self._said_nonfinite_logit = True
             layer, head = (int(i) for i in torch.nonzero(broken)[0])
             warn_rank_zero(
-                f"{self.owner}: step {step}: {self.logits.names[layer]} head {head} has a non-finite max logit (an "
+                f"{self.owner}: step {step}: {self._head_place(layer, head)} has a non-finite max logit (an "
                 "overflowed query or key); QK-clip leaves such a head alone (said once)"
             )
         try:
@@ -686,7 +686,7 @@ class Monitor(CopiesDetached):
         if not clips or not is_rank_zero() or not self._may_say("transport_clip", step):
             return
         heads = ", ".join(
-            f"{self.logits.names[layer]} head {head} ({high:.3g}x / {low:.3g}x)" for layer, head, high, low in clips[:4]
+            f"{self._head_place(layer, head)} ({high:.3g}x / {low:.3g}x)" for layer, head, high, low in clips[:4]
         )
         more = f" and {len(clips) - 4} more" if len(clips) > 4 else ""
         warn_rank_zero(
@@ -694,6 +694,10 @@ class Monitor(CopiesDetached):
             f"against their mean) clamped to within {self.transport_clip.factor:g}x of the mean "
             f"({self.transport_clip.clipped} head clips so far)"
         )
+
+    def _head_place(self, layer: int, head: int) -> str:
+        """``L<ll> head <h>`` of head ``head`` of the ``layer``-th layer read, as the alerts and the keys name it."""
+        return keys.head_place(self.selected[layer].index, head)
 
     def _may_say(self, action: str, step: int) -> bool:
         """At most one line per 100 steps for each clip action; True (and noted) when this step may say one."""
@@ -706,7 +710,7 @@ class Monitor(CopiesDetached):
     def _say_clips(self, step: int, clips: list[tuple[int, int, float]]) -> None:
         if self.qk_clip is None or self.logits is None or not self._may_say("qk_clip", step):
             return
-        heads = ", ".join(f"{self.logits.names[layer]} head {head} ({logit:.4g})" for layer, head, logit in clips[:4])
+        heads = ", ".join(f"{self._head_place(layer, head)} ({logit:.4g})" for layer, head, logit in clips[:4])
         more = f" and {len(clips) - 4} more" if len(clips) > 4 else ""
         warn_rank_zero(
             f"{self.owner}: QK-clip at step {step}: {heads}{more} above {self.qk_clip.threshold:g}, their query and "

@@ -146,7 +146,7 @@ def test_monitor_clips_after_each_optimizer_step_says_so_and_resumes_its_count()
     clip = TransportClip(factor=1.5, every_n_steps=2)
     runner = AlertRunner([], actions=("transport_clip",), transport_clip=clip)
     monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: None, alerts=runner)
-    with pytest.warns(UserWarning, match=r"transport clip at step 2: blocks\.\d\.attn head \d"):
+    with pytest.warns(UserWarning, match=r"transport clip at step 2: L0\d head \d"):
         _train(model, monitor, steps=5)
     assert clip.clipped > 0
     monitor.begin_step(6)

@@ -197,7 +197,7 @@ def test_monitor_clips_each_step_and_logs_the_window():
     clip = QKClip(threshold=2.0)
     monitor = connmon.Monitor(model, every_n_steps=2, diagnostics=("walk",), log=lambda v, step: logged.append(v),
                               alerts=AlertRunner([], actions=("qk_clip",), qk_clip=clip))  # fmt: skip
-    with pytest.warns(UserWarning, match=r"QK-clip at step 0: blocks\.\d\.attn head \d"):
+    with pytest.warns(UserWarning, match=r"QK-clip at step 0: L0\d head \d"):
         _train(model, monitor, steps=5)
     assert clip.clipped > 0
     before = [block.attn.c_attn.weight.detach().clone() for block in model.blocks]
