@@ -23,7 +23,7 @@ from typing_extensions import Unpack
 
 from connmon import keys
 from connmon._budget import FullSampleBudget
-from connmon._collectives import from_rank_zero
+from connmon._collectives import from_rank_zero, gathered_objects, is_distributed
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, cost_line, overhead_values
 from connmon._moved import renamed_name
@@ -32,6 +32,7 @@ from connmon._options import check_callable, check_choice
 from connmon._probe import device_of, probing, read_beside, run_forward
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon._saved_state import checked_state
+from connmon.alerts._head_rows import HeadClipCount
 from connmon.alerts.restore import write_restore_point
 from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
@@ -660,6 +661,7 @@ class Monitor(CopiesDetached):
             warn_rank_zero(f"{self.owner}: QK-clip raised {type(error).__name__}: {error}; it is off for this run")
             self.qk_clip = None
             return
+        clips = self._model_clips(self.qk_clip, clips, [table.shape[1]] * len(layouts))
         if clips and is_rank_zero():
             self._say_clips(step, clips)
 
@@ -683,6 +685,8 @@ class Monitor(CopiesDetached):
             warn_rank_zero(f"{self.owner}: the transport clip raised {type(error).__name__}: {error}; it is off now")
             self.transport_clip = None
             return
+        counts = [0 if layout is None or layout.output is None else layout.output.rows.shape[0] for layout in layouts]
+        clips = self._model_clips(self.transport_clip, clips, counts)
         if not clips or not is_rank_zero() or not self._may_say("transport_clip", step):
             return
         heads = ", ".join(
@@ -694,6 +698,27 @@ class Monitor(CopiesDetached):
             f"against their mean) clamped to within {self.transport_clip.factor:g}x of the mean "
             f"({self.transport_clip.clipped} head clips so far)"
         )
+
+    def _model_clips(self, action: HeadClipCount, clips: list[tuple], heads: list[int]) -> list[tuple]:
+        """A clip action's clips as the model's (under tensor parallelism a collective: every process calls it).
+
+        Under tensor parallelism every process's clips, its heads numbered as the model's (process ``r``'s head ``h``
+        of a layer is ``h`` plus the layer's heads on processes ``0..r-1``), and the action's count and latest clips
+        set to them; elsewhere ``clips``. ``heads``: this process's head count of each layer.
+        """
+        assert self.logits is not None
+        if not self.logits.tensor_parallel or not is_distributed():
+            return clips
+        parts = gathered_objects((clips, heads))
+        whole: list[tuple] = []
+        offset = [0] * len(heads)
+        for part, counts in parts:
+            whole += [(layer, head + offset[layer], *rest) for layer, head, *rest in part]
+            offset = [a + b for a, b in zip(offset, counts, strict=True)]
+        whole.sort(key=lambda clip: clip[:2])
+        action.clipped += len(whole) - len(clips)
+        action.last = whole
+        return whole
 
     def _head_place(self, layer: int, head: int) -> str:
         """``L<ll> head <h>`` of head ``head`` of the ``layer``-th layer read, as the alerts and the keys name it."""

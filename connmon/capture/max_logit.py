@@ -295,6 +295,11 @@ class HeadMaxLogits:
             max_over_processes(table, group)
         return None if bool(torch.isneginf(table).all()) else table
 
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether the layers' heads are split over the processes (each process reads and clips its own heads)."""
+        return self._tensor_parallel
+
     def whole(self, table: Tensor) -> Tensor:
         """``table`` with every head of the model: under tensor parallelism the processes' heads side by side.
 

@@ -207,8 +207,9 @@ def tp_clip_worker(rank: int, port: int, out: str) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         clips = _train_clipped(model, monitor, optimizer, clip, None)  # the same batch on both processes
         weights = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist() for p in model.parameters()]
+        counts = [action.clipped for action in clip]
         with open(os.path.join(out, f"tp{rank}.json"), "w") as file:
-            json.dump({"clips": clips, "weights": weights}, file)
+            json.dump({"clips": clips, "weights": weights, "counts": counts}, file)
     except BaseException:
         dist.destroy_process_group()
         raise
@@ -225,10 +226,9 @@ def test_tensor_parallel_qk_and_transport_clips_change_each_processs_heads_as_on
     monitor, clip = _clipping_monitor(model, threshold=6.0)
     clips = _train_clipped(model, monitor, torch.optim.AdamW(model.parameters(), lr=1e-2), clip, None)
     assert all(qk and transport for qk, transport in clips)
-    for action in range(2):  # each process's heads 0, 1 are the model's 2 * rank, 2 * rank + 1
-        local = [[sorted((layer, head + 2 * rank) for layer, head in step[action]) for step in r["clips"]]
-                 for rank, r in enumerate(ranks)]  # fmt: skip
-        whole = [sorted(map(tuple, step[action])) for step in clips]
-        assert [sorted(a + b) for a, b in zip(*local, strict=True)] == whole
+    for action in range(2):  # every process names the model's clips: its heads 0, 1 are the model's 2 r, 2 r + 1
+        whole = [sorted(map(list, step[action])) for step in clips]
+        assert all([sorted(step[action]) for step in r["clips"]] == whole for r in ranks)
+    assert all(r["counts"] == [action.clipped for action in clip] for r in ranks)  # the model's count
     for whole, parts in zip(model.parameters(), ranks[0]["weights"], strict=True):
         torch.testing.assert_close(torch.tensor(parts), whole.detach(), rtol=1e-3, atol=1e-4)
