@@ -850,17 +850,18 @@ class Monitor(CopiesDetached):
         if took <= LONG_SAMPLE_S or self._said_long:
             return
         self._said_long = True
-        if self._is_full(self.samples - 1):
-            what = (
-                f"a full sample: the connection spectra and edge isometry gaps of {len(self.selected)} layers, which "
-                f"the next {self.full_every_n_samples - 1} samples skip"
-            )
+        costly = [name for group, name in (("spectrum", "the connection spectra"), ("transport", "the edge isometry "
+                  "gaps")) if group in self.metrics]  # fmt: skip
+        layers = f"{len(self.selected)} layer{'s' if len(self.selected) != 1 else ''}"
+        if self._is_full(self.samples - 1) and costly:
+            skip = self.full_every_n_samples - 1
+            which = f"which the next {skip} samples skip" if skip else "which every sample computes"
+            what = f"a full sample: {' and '.join(costly)} of {layers}, {which}"
+            advice = "a larger full_every_n_samples, diagnostics without 'spectrum', or budget=0.01 spends less"
         else:
-            what = "a light sample"
-        warn_rank_zero(
-            f"{self.owner}: the sample at step {step} took {took:.1f} s ({what}); a larger full_every_n_samples, "
-            "diagnostics without 'spectrum', or budget=0.01 spends less"
-        )
+            what = f"a sample of {', '.join(self.options.diagnostics)} on {layers}"
+            advice = "a smaller num_sequences or max_tokens, or a larger every_n_steps, spends less"
+        warn_rank_zero(f"{self.owner}: the sample at step {step} took {took:.1f} s ({what}); {advice}")
 
     def _finish(self, step: int, rule_values: Mapping[str, float] | None) -> dict[str, float]:
         full = self._is_full()

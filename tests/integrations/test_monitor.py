@@ -816,7 +816,29 @@ def test_a_long_sample_is_said_once_with_what_it_was_doing(monkeypatch):
         train(model, batches(3), monitor)
     said = [str(w.message) for w in seen if "took" in str(w.message)]
     assert len(said) == 1 and said[0].startswith("MyLoop: the sample at step 0 took ")
-    assert "a full sample: the connection spectra and edge isometry gaps of 2 layers" in said[0]
+    assert "a full sample: the connection spectra and the edge isometry gaps of 2 layers" in said[0]
+    assert "which the next 2 samples skip" in said[0]
+
+
+@pytest.mark.parametrize(
+    "options, what",
+    [
+        ({"diagnostics": ("walk",)}, "(a sample of walk on 2 layers); a smaller num_sequences"),
+        ({"full_every_n_samples": 1}, "edge isometry gaps of 2 layers, which every sample computes)"),
+    ],
+)
+def test_a_long_sample_says_what_it_computed_and_nothing_it_did_not(monkeypatch, options, what):
+    import connmon.monitor
+
+    monkeypatch.setattr(connmon.monitor, "LONG_SAMPLE_S", 0.0)
+    torch.manual_seed(0)
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=1, **options)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(model, batches(2), monitor)
+    said = [str(w.message) for w in seen if "took" in str(w.message)]
+    assert len(said) == 1 and what in said[0] and "next 0 samples" not in said[0]
 
 
 def test_a_read_step_leaves_the_encoders_fused_eval_path_alone(monkeypatch):
