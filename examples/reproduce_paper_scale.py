@@ -23,11 +23,12 @@ at fixed ``c = d_h / d``, the free multiplicative convolution of two Marchenko-P
 ``1 / (1 + c z)^2``). :func:`free_product_gap` integrates that density; ``T_bar = W_O W_V`` is the case ``c = 1``, and
 so is an edge transport under the near-uniform attention of initialization.
 
-Writes docs/paper_scale_tables.md, docs/paper_scale_results.json and docs/figures/scale_*.png; docs/paper_findings.md
-discusses them.
+Writes paper_scale_tables.md, paper_scale_results.json and figures/scale_*.png into ``--out`` (default:
+./reproduce_paper_scale_out); ``--out docs`` regenerates those that docs/paper_findings.md discusses.
 
-    python examples/reproduce_paper_scale.py           # about 37 minutes on 2 CPU cores (it prints its time)
-    python examples/reproduce_paper_scale.py --quick   # a smoke run (tiny widths, few steps) for tests
+    python examples/reproduce_paper_scale.py             # about 37 minutes on 2 CPU cores (it prints its time)
+    python examples/reproduce_paper_scale.py --quick     # a smoke run (tiny widths, few steps) for tests
+    python examples/reproduce_paper_scale.py --out docs  # rewrite the tables, results and figures in docs/
 """
 
 from __future__ import annotations
@@ -450,7 +451,12 @@ def width_figure(study: dict, plan: Plan, metrics: tuple[str, ...], title: str) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny widths and steps (a smoke run)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("reproduce_paper_scale_out"),
+        help="the folder written (--out docs: the tables docs/ shows)",
+    )
     args = parser.parse_args()
     plan = QUICK if args.quick else Plan()
     torch.set_num_threads(min(2, torch.get_num_threads()))

