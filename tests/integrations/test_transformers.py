@@ -276,3 +276,29 @@ def test_connmon_rows_reach_the_log_history_but_not_the_console(tmp_path, capsys
     printed = capsys.readouterr().out
     assert "'loss'" in printed and "connmon/" not in printed  # the Trainer's own rows still print
     assert any("connmon/attention_entropy/all" in row for row in trainer.state.log_history)
+
+
+def test_qk_clip_runs_after_every_optimizer_step_the_last_too_and_a_resumed_run_clips_as_the_uninterrupted(tmp_path):
+    from connmon.alerts import QKClip
+
+    def clipping(folder, max_steps, **args):
+        clip = QKClip(threshold=0.3)
+        runner = AlertRunner([], actions=("qk_clip",), qk_clip=clip)
+        monitor = {"every_n_steps": 100, "diagnostics": ("walk",), "alerts": runner}
+        trainer = make_trainer(folder, monitor=monitor, max_steps=max_steps, learning_rate=3e-2,
+                               lr_scheduler_type="constant", **args)  # fmt: skip
+        applied = []
+        apply = clip.apply
+        clip.apply = lambda *a, **k: applied.append(trainer.state.global_step) or apply(*a, **k)
+        return trainer, clip, applied
+
+    whole, whole_clip, applied = clipping(tmp_path / "whole", 6)
+    whole.train()
+    assert applied == [0, 1, 2, 3, 4, 5]  # right after each optimizer step, before the Trainer counts it
+    first, _, _ = clipping(tmp_path / "first", 3, save_strategy="steps", save_steps=3)
+    first.train()
+    resumed, resumed_clip, _ = clipping(tmp_path / "resumed", 6)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-3"))
+    assert resumed_clip.clipped == whole_clip.clipped > 0
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # HF's resume reloads the RNG and data order
