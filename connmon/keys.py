@@ -25,6 +25,8 @@ CURVATURE_GRADIENTS = "connmon/overhead/curvature_gradients"
 
 # every head's max attention logit over the whole batch of every step (connmon.capture.max_logit)
 STEP_MAX_LOGIT = "step_max_logit"  # a metric name: connmon/step_max_logit/L<ll>, the max over the layer's heads
+# connmon/max_logit_bound/L<ll>: the largest logsumexp an SDPA kernel saved, every step since the last sample
+MAX_LOGIT_BOUND = "max_logit_bound"
 HEAD_MAX_LOGIT = "connmon/head_max_logit/"  # connmon/head_max_logit/L<ll>H<hh>: shown to the rules, not logged
 
 # what the monitors cost

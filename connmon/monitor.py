@@ -204,6 +204,7 @@ class Monitor(CopiesDetached):
         self._begun: int | None = None  # the step begin_step last ran for
         self._said_at: dict[str, int] = {}  # the step of each clip action's last line
         self._logit_window: Tensor | None = None  # (layers, H): the max since the last sample, for the rules
+        self._bound_window: Tensor | None = None  # (layers, H): the kernels' logsumexp bounds since the last sample
         self._pending_logits: dict | None = None  # a checkpoint's max logits, until attach builds the reader
         if model is not None:
             self.attach(model)
@@ -416,7 +417,7 @@ class Monitor(CopiesDetached):
             modules, names = [layer.module for layer in self.selected], [layer.name for layer in self.selected]
             fused = fused_path_modules(getattr(model, "_orig_mod", model))
             self.logits = HeadMaxLogits(modules, names, clock=self.clock, fused=fused)
-        self._logit_step, self._logit_window, self._begun = None, None, None
+        self._logit_step, self._logit_window, self._bound_window, self._begun = None, None, None, None
         self._restore_logits()
         self.to(device_of(model))
         self.clock.start()
@@ -509,7 +510,8 @@ class Monitor(CopiesDetached):
         if self.logits is None:
             return self._pending_logits
         window = None if self._logit_window is None else self._logit_window.tolist()
-        return {"step": self._logit_step, "window": window, **self.logits.state_dict()}
+        bounds = None if self._bound_window is None else self._bound_window.tolist()
+        return {"step": self._logit_step, "window": window, "bound_window": bounds, **self.logits.state_dict()}
 
     def _restore_logits(self) -> None:
         if self._pending_logits is None or self.logits is None:  # kept until attach builds the reader
@@ -520,6 +522,8 @@ class Monitor(CopiesDetached):
         window = state.get("window")
         device = device_of(self._model) if self._model is not None else torch.device("cpu")
         self._logit_window = None if window is None else torch.tensor(window, device=device)
+        bounds = state.get("bound_window")
+        self._bound_window = None if bounds is None else torch.tensor(bounds, device=device)
 
     def _config(self) -> dict[str, Any]:
         """What the time-drift references depend on: a checkpoint from another configuration cannot continue them."""
@@ -606,9 +610,10 @@ class Monitor(CopiesDetached):
                 self._read_step_logits(clip=True)
                 self._transport_due(step)
             every = self.options.logit_every_n_steps
-            watch = self.qk_clip is not None or (every is not None and step % every == 0)
-            watch = watch or (self.transport_clip is not None and self.logits.layouts_pending())
-            self._logit_step = step if watch else None
+            exact = (every is not None and step % every == 0) or self.logits.layouts_pending()
+            self.logits.exact = exact  # elsewhere the kernels' logsumexp bound; exact where it passes QK-clip's tau
+            self.logits.threshold = self.qk_clip.threshold if self.qk_clip is not None else None
+            self._logit_step = step
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.after_optimizer_step()
@@ -629,7 +634,10 @@ class Monitor(CopiesDetached):
         if self.logits is None or self._logit_step is None:
             return
         step, self._logit_step = self._logit_step, None
-        table = self.logits.read()
+        table, bounds = self.logits.read_both()
+        if bounds is not None:
+            seen = self._bound_window
+            self._bound_window = bounds if seen is None or seen.shape != bounds.shape else seen.maximum(bounds)
         if table is None:
             return
         window = self._logit_window
@@ -975,9 +983,15 @@ class Monitor(CopiesDetached):
     def _logit_values(self) -> tuple[dict[str, float], dict[str, float]]:
         """The max-logit window since the last sample, per layer (logged) and per head (for the rules); then reset."""
         window, self._logit_window = self._logit_window, None
+        bounds, self._bound_window = self._bound_window, None
+        layers: dict[str, float] = {}
+        heads: dict[str, float] = {}
+        if bounds is not None and self.logits is not None:
+            for layer, row in zip(self.selected, self.logits.whole(bounds).tolist(), strict=True):
+                if any(math.isfinite(value) for value in row):
+                    layers[keys.metric_key(keys.MAX_LOGIT_BOUND, layer.index)] = max(filter(math.isfinite, row))
         if window is None or self.logits is None:
-            return {}, {}
-        layers, heads = {}, {}
+            return layers, heads
         for layer, row in zip(self.selected, self.logits.whole(window).tolist(), strict=True):
             finite = {head: value for head, value in enumerate(row) if math.isfinite(value)}
             if finite:

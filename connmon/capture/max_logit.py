@@ -192,6 +192,10 @@ class HeadMaxLogits:
         self.names = list(names)
         self.block_elements = block_elements
         self._running: list[Tensor | None] = [None] * len(self.modules)
+        self._bounds: list[Tensor | None] = [None] * len(self.modules)  # the kernel's logsumexp bound, per head
+        self.exact = True  # this step's forwards read exactly (blockwise); False: the kernel's bound where it has one
+        self.threshold: float | None = None  # with exact False: a call whose bound passes it is read exactly too
+        self._said_no_bound: set[int] = set()  # layers whose calls carry no logsumexp (said once each)
         self._layouts: list[HeadLayout | None] = [None] * len(self.modules)
         self._seen_call = [False] * len(self.modules)
         self._tensor_parallel = False  # the projections are split over all processes by head (a 1-D mesh)
@@ -264,36 +268,52 @@ class HeadMaxLogits:
 
         return leave
 
-    def observe(self, index: int, value: Tensor) -> None:
-        """Fold one call's ``(H,)`` maxima into layer ``index``'s running max."""
-        running = self._running[index]
+    def observe(self, index: int, value: Tensor, bound: bool = False) -> None:
+        """Fold one call's ``(H,)`` maxima into layer ``index``'s running max (``bound``: the logsumexp bounds')."""
+        table = self._bounds if bound else self._running
+        running = table[index]
         if running is not None and running.shape != value.shape:
             value = torch.maximum(running.max(), value.max()).expand(running.shape)  # heads differ: keep the layer max
-        self._running[index] = value if running is None else torch.maximum(running, value)
+        table[index] = value if running is None else torch.maximum(running, value)
 
     def read(self, group: object = None) -> Tensor | None:
-        """``(layers, H)``, every head's max logit since the last read, MAX-reduced over ``group``; then reset.
+        """``(layers, H)``, every head's exact max logit since the last read, MAX-reduced over ``group``; then reset.
 
-        ``-inf`` for a layer that ran no SDPA call (and for heads beyond a layer's own count). None when no layer
+        ``-inf`` for a layer that ran no exact reading (and for heads beyond a layer's own count). None when no layer
         ran one at all on any process (every process must call it at the same steps under ``torch.distributed``).
+        The bounds since the last read are dropped; :meth:`read_both` returns them too.
         """
-        heads = max((r.numel() for r in self._running if r is not None), default=0)
-        device = next((r.device for r in self._running if r is not None), None)
+        return self.read_both(group)[0]
+
+    def read_both(self, group: object = None) -> tuple[Tensor | None, Tensor | None]:
+        """The exact table (as :meth:`read`) and the bound table, in one MAX all-reduce; then both reset.
+
+        The bound of a head is the largest logsumexp of its query rows that an SDPA kernel saved for its backward
+        (``max_j s_ij <= LSE_i <= max_j s_ij + log n_i``): at least its max logit and at most ``log n`` above, equal
+        when one key dominates. A head read exactly on a step counts its exact value in the bound table too.
+        """
+        width = max((r.numel() for r in [*self._running, *self._bounds] if r is not None), default=1)
+        exact, bounds = self._table(self._running, width), self._table(self._bounds, width)
+        both = torch.stack([exact, torch.maximum(bounds, exact)])  # an exact reading bounds itself
+        self._running, self._bounds = [None] * len(self.modules), [None] * len(self.modules)
+        if not self._tensor_parallel and is_distributed():
+            device = both.device
+            size = max_over_processes(torch.tensor([both.shape[2]], device=device), group)
+            if int(size) > both.shape[2]:
+                padding = both.new_full((2, both.shape[1], int(size) - both.shape[2]), -math.inf)
+                both = torch.cat([both, padding], 2)
+            max_over_processes(both, group)
+        return tuple(None if bool(torch.isneginf(t).all()) else t for t in both)  # type: ignore[return-value]
+
+    def _table(self, rows: list[Tensor | None], width: int) -> Tensor:
+        device = next((r.device for r in [*self._running, *self._bounds] if r is not None), None)
         if device is None:
             device = next((p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
-        table = torch.full((len(self.modules), max(heads, 1)), float("-inf"), device=device)
-        for index, running in enumerate(self._running):
+        table = torch.full((len(self.modules), width), float("-inf"), device=device)
+        for index, running in enumerate(rows):
             if running is not None:
                 table[index, : running.numel()] = running.float()
-        self._running = [None] * len(self.modules)
-        if self._tensor_parallel:  # every process holds its own heads, of the same batch: nothing to reduce
-            return None if bool(torch.isneginf(table).all()) else table
-        if is_distributed():
-            size = max_over_processes(torch.tensor([table.shape[1]], device=device), group)
-            if int(size) > table.shape[1]:
-                table = torch.cat([table, table.new_full((table.shape[0], int(size) - table.shape[1]), -math.inf)], 1)
-            max_over_processes(table, group)
-        return None if bool(torch.isneginf(table).all()) else table
+        return table
 
     @property
     def tensor_parallel(self) -> bool:
@@ -311,7 +331,8 @@ class HeadMaxLogits:
 
     def state_dict(self) -> dict:
         """The maxima not read yet (this process's), as lists."""
-        return {"running": [None if r is None else r.tolist() for r in self._running]}
+        return {"running": [None if r is None else r.tolist() for r in self._running],
+                "bounds": [None if r is None else r.tolist() for r in self._bounds]}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved (a checkpoint of another depth is ignored)."""
@@ -319,6 +340,8 @@ class HeadMaxLogits:
         if len(running) == len(self.modules):
             device = next((p.device for m in self.modules for p in m.parameters()), torch.device("cpu"))
             self._running = [None if r is None else torch.tensor(r, device=device) for r in running]
+            bounds = state.get("bounds") or [None] * len(running)
+            self._bounds = [None if r is None else torch.tensor(r, device=device) for r in bounds]
 
     def layouts_pending(self) -> bool:
         """Whether a layer's layout is still to be looked for (it has not run a read training forward yet)."""
@@ -377,16 +400,49 @@ class _Watch(TorchFunctionMode):
         query, key = local(call["query"]).detach(), local(call["key"]).detach()
         mask = call.get("attn_mask")
         mask = None if mask is None else local(mask).detach()
-        with torch.no_grad():
-            best = head_max_logit(query, key, mask, scale=call.get("scale"), is_causal=bool(call.get("is_causal")),
-                                  block_elements=self.tracker.block_elements)  # fmt: skip
-        self.tracker.observe(self.index, best)
+        tracker = self.tracker
+        bound = None if tracker.exact or self.find_layout else self._bound(result, mask)
+        if bound is not None:
+            tracker.observe(self.index, bound, bound=True)
+        crossed = bound is not None and tracker.threshold is not None and bool((bound > tracker.threshold).any())
+        if bound is None or crossed:
+            with torch.no_grad():
+                best = head_max_logit(query, key, mask, scale=call.get("scale"), is_causal=bool(call.get("is_causal")),
+                                      block_elements=tracker.block_elements)  # fmt: skip
+            tracker.observe(self.index, best)
         self.calls += 1
         if self.find_layout and self.calls == 1:
             value = local(call["value"]).detach()
             layout = replace(_layout(self.projections, query, key), value=_side(self.projections, value))
             self.attention_output = local(result).detach() if isinstance(result, Tensor) else None
             self.tracker._layouts[self.index] = layout
+
+    def _bound(self, result: object, mask: Tensor | None) -> Tensor | None:
+        """``(H,)`` each head's largest logsumexp the kernel saved for its backward, or None where it saved none.
+
+        None too for an additive float mask: its values (ALiBi, soft biases) enter the logsumexp, which then bounds
+        ``s + bias``, not the logit. Both are said once per layer; the call is then read exactly.
+        """
+        saved = getattr(getattr(result, "grad_fn", None), "_saved_logsumexp", None)
+        why = None
+        if not isinstance(saved, Tensor) or saved.dim() < 2:
+            why = "its attention kernel saves no logsumexp (the math backend, or a forward without gradients)"
+        elif mask is not None and mask.dtype != torch.bool:
+            why = "its additive float mask enters the kernel's logsumexp"
+        tracker = self.tracker
+        if why is not None:
+            if self.index not in tracker._said_no_bound:
+                tracker._said_no_bound.add(self.index)
+                warn_once(
+                    f"connmon: {tracker.names[self.index]}: {why}, so its per-step max logit is read exactly "
+                    "(blockwise q k^T) on every read step, not from the kernel's statistics",
+                    key=("no-bound", id(self.module)),
+                )
+            return None
+        assert isinstance(saved, Tensor)
+        lse = local(saved).detach().float()
+        lse = lse.reshape(-1, *lse.shape[-2:])  # (B, H, L)
+        return lse.nan_to_num(nan=-math.inf).amax(dim=(0, 2))
 
     def _multi_head(self, args: tuple, kwargs: dict) -> None:
         """``nn.MultiheadAttention``'s self-attention: its queries and keys from its own input projection."""
