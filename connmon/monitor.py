@@ -610,8 +610,8 @@ class Monitor(CopiesDetached):
                 self._read_step_logits(clip=True)
                 self._transport_due(step)
             every = self.options.logit_every_n_steps
-            exact = (every is not None and step % every == 0) or self.logits.layouts_pending()
-            self.logits.exact = exact  # elsewhere the kernels' logsumexp bound; exact where it passes QK-clip's tau
+            self.logits.exact = every is not None and step % every == 0  # elsewhere the kernels' logsumexp bound,
+            # and exact for a call whose bound passes QK-clip's tau
             self.logits.threshold = self.qk_clip.threshold if self.qk_clip is not None else None
             self._logit_step = step
 

@@ -401,7 +401,7 @@ class _Watch(TorchFunctionMode):
         mask = call.get("attn_mask")
         mask = None if mask is None else local(mask).detach()
         tracker = self.tracker
-        bound = None if tracker.exact or self.find_layout else self._bound(result, mask)
+        bound = None if tracker.exact else self._bound(result, mask)
         if bound is not None:
             tracker.observe(self.index, bound, bound=True)
         crossed = bound is not None and tracker.threshold is not None and bool((bound > tracker.threshold).any())

@@ -112,6 +112,16 @@ def build_workspace(
                     line_widths={},
                 )
             )
+            panels.append(  # every step's bound from the attention kernel's logsumexp (within log n above it)
+                wr.LinePlot(
+                    title="max logit bound (every step, kernel logsumexp)",
+                    x=x,
+                    metric_regex=f"^{re.escape(prefix)}connmon/{keys.MAX_LOGIT_BOUND}/L\\d+$",
+                    title_x="step",
+                    title_y="logsumexp bound",
+                    line_widths={},
+                )
+            )
         sections.append(
             ws.Section(name=f"connmon: {group}", panels=panels, is_open=True, layout_settings=_grid(panels))
         )
