@@ -15,25 +15,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_clips import timed
 from bench_instability import GPT
 
 from connmon.curvature.optimizer_state import optimizer_signals
-
-
-def timed(device: torch.device, work: Callable[[], object]) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    work()
-    sync()
-    return time.perf_counter() - start
 
 
 def row(width: int, args: argparse.Namespace) -> tuple[int, float, float]:

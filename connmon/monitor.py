@@ -635,13 +635,10 @@ class Monitor(CopiesDetached):
             return
         step, self._logit_step = self._logit_step, None
         table, bounds = self.logits.read_both()
-        if bounds is not None:
-            seen = self._bound_window
-            self._bound_window = bounds if seen is None or seen.shape != bounds.shape else seen.maximum(bounds)
+        self._bound_window = _folded(self._bound_window, bounds)
+        self._logit_window = _folded(self._logit_window, table)
         if table is None:
             return
-        window = self._logit_window
-        self._logit_window = table if window is None or window.shape != table.shape else window.maximum(table)
         if clip and self.qk_clip is not None:
             self._clip(step, table)
 
@@ -1039,6 +1036,13 @@ class Monitor(CopiesDetached):
             write_panels(self.sink, step, self.metrics, values, full=full, histograms=self.options.log_histograms,
                          figures=self.options.figures_every_n_samples is not None
                          and self.samples % self.options.figures_every_n_samples == 0)  # fmt: skip
+
+
+def _folded(window: Tensor | None, table: Tensor | None) -> Tensor | None:
+    """``window`` with ``table`` folded in (their max; ``table`` alone where the heads differ or none was kept)."""
+    if table is None:
+        return window
+    return table if window is None or window.shape != table.shape else window.maximum(table)
 
 
 def _remove(path: str) -> None:

@@ -101,27 +101,22 @@ def build_workspace(
             )
             for metric in metrics.metrics
         ]
-        if group == "walk":  # the largest logit of every head over the whole batch of the read steps, per layer
-            panels.append(
+        if group == "walk":  # per layer: the largest logit over the whole batch of the read steps, and every step's
+            # bound from the attention kernel's logsumexp (within log n above it)
+            panels += [
                 wr.LinePlot(
-                    title="step max logit (whole batch)",
+                    title=title,
                     x=x,
-                    metric_regex=f"^{re.escape(prefix)}connmon/{keys.STEP_MAX_LOGIT}/L\\d+$",
+                    metric_regex=f"^{re.escape(prefix)}connmon/{key}/L\\d+$",
                     title_x="step",
-                    title_y="max logit",
+                    title_y=axis,
                     line_widths={},
                 )
-            )
-            panels.append(  # every step's bound from the attention kernel's logsumexp (within log n above it)
-                wr.LinePlot(
-                    title="max logit bound (every step, kernel logsumexp)",
-                    x=x,
-                    metric_regex=f"^{re.escape(prefix)}connmon/{keys.MAX_LOGIT_BOUND}/L\\d+$",
-                    title_x="step",
-                    title_y="logsumexp bound",
-                    line_widths={},
+                for key, title, axis in (
+                    (keys.STEP_MAX_LOGIT, "step max logit (whole batch)", "max logit"),
+                    (keys.MAX_LOGIT_BOUND, "max logit bound (every step, kernel logsumexp)", "logsumexp bound"),
                 )
-            )
+            ]
         sections.append(
             ws.Section(name=f"connmon: {group}", panels=panels, is_open=True, layout_settings=_grid(panels))
         )
