@@ -28,6 +28,10 @@ STEP_MAX_LOGIT = "step_max_logit"  # a metric name: connmon/step_max_logit/L<ll>
 # connmon/max_logit_bound/L<ll>: the largest logsumexp an SDPA kernel saved, every step since the last sample
 MAX_LOGIT_BOUND = "max_logit_bound"
 HEAD_MAX_LOGIT = "connmon/head_max_logit/"  # connmon/head_max_logit/L<ll>H<hh>: shown to the rules, not logged
+# what QK-clip did since the last sample, per layer (metric names: connmon/<name>/L<ll>)
+QK_CLIPS = "qk_clips"  # head clips
+QK_CLIP_SCALE = "qk_clip_scale"  # the smallest factor a query or key row was scaled by, sqrt(tau / S) (1: none)
+LOGIT_AFTER_QK_CLIP = "logit_after_qk_clip"  # the layer's max logit on the clipped steps' batches once clipped
 
 # what the monitors cost
 OVERHEAD = "connmon/overhead"

@@ -205,6 +205,7 @@ class Monitor(CopiesDetached):
         self._said_at: dict[str, int] = {}  # the step of each clip action's last line
         self._logit_window: Tensor | None = None  # (layers, H): the max since the last sample, for the rules
         self._bound_window: Tensor | None = None  # (layers, H): the kernels' logsumexp bounds since the last sample
+        self._clip_window: dict[str, Any] | None = None  # what QK-clip did since the last sample (_clip)
         self._pending_logits: dict | None = None  # a checkpoint's max logits, until attach builds the reader
         if model is not None:
             self.attach(model)
@@ -418,6 +419,7 @@ class Monitor(CopiesDetached):
             fused = fused_path_modules(getattr(model, "_orig_mod", model))
             self.logits = HeadMaxLogits(modules, names, clock=self.clock, fused=fused)
         self._logit_step, self._logit_window, self._bound_window, self._begun = None, None, None, None
+        self._clip_window = None
         self._restore_logits()
         self.to(device_of(model))
         self.clock.start()
@@ -511,7 +513,11 @@ class Monitor(CopiesDetached):
             return self._pending_logits
         window = None if self._logit_window is None else self._logit_window.tolist()
         bounds = None if self._bound_window is None else self._bound_window.tolist()
-        return {"step": self._logit_step, "window": window, "bound_window": bounds, **self.logits.state_dict()}
+        clips = self._clip_window
+        if clips is not None:
+            clips = {**clips, "after": None if clips["after"] is None else clips["after"].tolist()}
+        return {"step": self._logit_step, "window": window, "bound_window": bounds, "clip_window": clips,
+                **self.logits.state_dict()}  # fmt: skip
 
     def _restore_logits(self) -> None:
         if self._pending_logits is None or self.logits is None:  # kept until attach builds the reader
@@ -524,6 +530,10 @@ class Monitor(CopiesDetached):
         self._logit_window = None if window is None else torch.tensor(window, device=device)
         bounds = state.get("bound_window")
         self._bound_window = None if bounds is None else torch.tensor(bounds, device=device)
+        clips = state.get("clip_window")
+        if clips is not None:
+            after = clips["after"]
+            self._clip_window = {**clips, "after": None if after is None else torch.tensor(after, device=device)}
 
     def _config(self) -> dict[str, Any]:
         """What the time-drift references depend on: a checkpoint from another configuration cannot continue them."""
@@ -667,8 +677,26 @@ class Monitor(CopiesDetached):
             self.qk_clip = None
             return
         clips = self._model_clips(self.qk_clip, clips, [table.shape[1]] * len(layouts))
+        self._note_clips(table, clips, [layout is not None and layout.query is not None and layout.key is not None
+                                        for layout in layouts])  # fmt: skip
         if clips and is_rank_zero():
             self._say_clips(step, clips)
+
+    def _note_clips(self, table: Tensor, clips: list[tuple], acted: list[bool]) -> None:
+        """Fold a step's clips into the window logged at the next sample (per layer).
+
+        The head clips, the smallest row scale ``sqrt(tau / S)``, and the max logit the step's batch has once clipped
+        (``tau`` where a head was).
+        """
+        assert self.qk_clip is not None
+        tau = self.qk_clip.threshold
+        window = self._clip_window or {"clips": [0] * len(acted), "scale": [1.0] * len(acted), "after": None}
+        for layer, _, logit in clips:
+            window["clips"][layer] += 1
+            window["scale"][layer] = min(window["scale"][layer], math.sqrt(tau / logit))
+        over = torch.isfinite(table) & (table > tau) & torch.tensor(acted, device=table.device).unsqueeze(1)
+        window["after"] = _folded(window["after"], torch.where(over, torch.full_like(table, tau), table))
+        self._clip_window = window
 
     def _clip_transport(self, step: int) -> None:
         """The ``"transport_clip"`` action; one that raises is turned off, the run goes on."""
@@ -981,8 +1009,17 @@ class Monitor(CopiesDetached):
         """The max-logit window since the last sample, per layer (logged) and per head (for the rules); then reset."""
         window, self._logit_window = self._logit_window, None
         bounds, self._bound_window = self._bound_window, None
+        clipped, self._clip_window = self._clip_window, None
         layers: dict[str, float] = {}
         heads: dict[str, float] = {}
+        if clipped is not None and self.logits is not None:
+            after = self.logits.whole(clipped["after"]).tolist()
+            for position, layer in enumerate(self.selected):
+                layers[keys.metric_key(keys.QK_CLIPS, layer.index)] = float(clipped["clips"][position])
+                layers[keys.metric_key(keys.QK_CLIP_SCALE, layer.index)] = clipped["scale"][position]
+                kept = [value for value in after[position] if math.isfinite(value)]
+                if kept:
+                    layers[keys.metric_key(keys.LOGIT_AFTER_QK_CLIP, layer.index)] = max(kept)
         if bounds is not None and self.logits is not None:
             for layer, row in zip(self.selected, self.logits.whole(bounds).tolist(), strict=True):
                 if any(math.isfinite(value) for value in row):

@@ -101,8 +101,8 @@ def build_workspace(
             )
             for metric in metrics.metrics
         ]
-        if group == "walk":  # per layer: the largest logit over the whole batch of the read steps, and every step's
-            # bound from the attention kernel's logsumexp (within log n above it)
+        if group == "walk":  # per layer: the largest logit over the whole batch of the read steps, every step's
+            # bound from the attention kernel's logsumexp (within log n above it), and what QK-clip did
             panels += [
                 wr.LinePlot(
                     title=title,
@@ -115,6 +115,9 @@ def build_workspace(
                 for key, title, axis in (
                     (keys.STEP_MAX_LOGIT, "step max logit (whole batch)", "max logit"),
                     (keys.MAX_LOGIT_BOUND, "max logit bound (every step, kernel logsumexp)", "logsumexp bound"),
+                    (keys.QK_CLIPS, "QK-clip: head clips since the last sample", "head clips"),
+                    (keys.QK_CLIP_SCALE, "QK-clip: smallest row scale sqrt(tau / S)", "scale"),
+                    (keys.LOGIT_AFTER_QK_CLIP, "QK-clip: max logit once clipped", "max logit"),
                 )
             ]
         sections.append(

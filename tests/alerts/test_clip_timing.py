@@ -228,3 +228,46 @@ def test_a_clip_configured_where_it_could_never_act_is_refused_naming_what_is_mi
                         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")  # fmt: skip
     with pytest.raises(ValueError, match="no ConnectionMonitor among the Trainer's callbacks"):
         trainer.fit(AdamLit.build(), loader())
+
+
+def test_what_qk_clip_did_is_logged_per_layer_at_the_next_sample_and_survives_a_checkpoint():
+    """Per layer since the last sample: the head clips, the smallest row scale sqrt(tau / S) and the max logit once
+    clipped, each recomputed here from the action's own record of every step's clips."""
+    torch.manual_seed(0)
+    model, action = TinyGPT(), QKClip(threshold=2.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    per_step: list[list[tuple]] = []
+    apply = action.apply
+
+    def recorded(modules, table, layouts):
+        clips = apply(modules, table, layouts)
+        per_step.append((table.clone(), list(clips)))
+        return clips
+
+    action.apply = recorded
+    logged: dict[int, dict] = {}
+    monitor = connmon.Monitor(
+        model, every_n_steps=3, diagnostics=("walk",), optimizer=optimizer, alerts=runner(action),
+        log=lambda values, step: logged.setdefault(step, values),
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain_run(model, optimizer, monitor, steps=4)  # samples at 0 and 3: the window of steps 0, 1, 2 at 3
+    window = per_step[:3]
+    layers = len(monitor.selected)
+    for layer in range(layers):
+        clips = [clip for _, step_clips in window for clip in step_clips if clip[0] == layer]
+        values = logged[3]
+        assert values[f"connmon/qk_clips/L{layer:02d}"] == len(clips)
+        scale = min((2.0 / logit) ** 0.5 for _, _, logit in clips) if clips else 1.0
+        assert values[f"connmon/qk_clip_scale/L{layer:02d}"] == pytest.approx(scale, rel=1e-12)
+        after = max(min(v, 2.0) for table, _ in window for v in table[layer].tolist())
+        assert values[f"connmon/logit_after_qk_clip/L{layer:02d}"] == pytest.approx(after, rel=1e-6)
+    assert any(values[f"connmon/qk_clips/L{layer:02d}"] > 0 for layer in range(layers))
+    # the window of step 3 is pending at the end: a checkpoint carries it into a fresh monitor
+    state = copy.deepcopy(monitor.state_dict())
+    resumed = connmon.Monitor(TinyGPT(), every_n_steps=3, diagnostics=("walk",), alerts=runner(QKClip(2.0)))
+    resumed.load_state_dict(state)
+    assert resumed._clip_window is not None
+    assert resumed._clip_window["clips"] == monitor._clip_window["clips"]
+    assert torch.equal(resumed._clip_window["after"], monitor._clip_window["after"])

@@ -33,7 +33,9 @@ def logged_keys(tmp_path_factory) -> set[str]:
         full_every_n_samples=1,
         figures_every_n_samples=1,
         wandb=run,
-        alerts=connmon.alerts.AlertRunner(),
+        alerts=connmon.alerts.AlertRunner(  # QK-clip at a threshold it passes: its keys are logged too
+            actions=(*connmon.alerts.DEFAULT_ACTIONS, "qk_clip"), qk_clip=connmon.alerts.QKClip(threshold=0.05)
+        ),
         optimizer=optimizer,
         sharpness=SharpnessSampler(every_n_steps=2, lanczos_steps=2),
         loss_fn=lambda net, ids: torch.nn.functional.cross_entropy(net(ids).flatten(0, 1), ids.flatten()),
