@@ -33,6 +33,11 @@ QK_CLIPS = "qk_clips"  # head clips
 QK_CLIP_SCALE = "qk_clip_scale"  # the smallest factor a query or key row was scaled by, sqrt(tau / S) (1: none)
 LOGIT_AFTER_QK_CLIP = "logit_after_qk_clip"  # the layer's max logit on the clipped steps' batches once clipped
 
+# the optimizer's own state after each step, the largest since the last sample (connmon.curvature.optimizer_state)
+UPDATE_RMS = "connmon/update_rms"
+STALE_SECOND_MOMENT = "connmon/stale_second_moment"
+UPDATE_TO_WEIGHT = "connmon/update_to_weight"
+
 # what the monitors cost
 OVERHEAD = "connmon/overhead"
 

@@ -38,6 +38,7 @@ from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
 from connmon.capture.max_logit import HeadMaxLogits, fused_path_modules
 from connmon.capture.session import CaptureSession, Layer
+from connmon.curvature.optimizer_state import OptimizerSignalWindow
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
 from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingKeywords, SamplingOptions, sampling_options
@@ -196,7 +197,10 @@ class Monitor(CopiesDetached):
         self._optimizer = unwrap_optimizer(optimizer) if optimizer is not None else None
         self._step_now = 0  # the step of the latest monitor.step(): the one optimizer.step() completes
         self._pre_hook: Any = None
-        self._post_hooks: list[Any] = []  # the clip actions, after each optimizer step
+        self._post_hooks: list[Any] = []  # after each optimizer step: the clip actions, the optimizer's state
+        self._clips_after_step = False  # the clip actions run in those hooks
+        every = options.optimizer_every_n_steps
+        self.optimizer_state = OptimizerSignalWindow() if every is not None else None  # its signals since the sample
         self.logits: HeadMaxLogits | None = None  # every head's max logit over the whole batch of a step
         self._transport_said_where = False  # the layers it cannot act on were named
         self._said_nonfinite_logit = False  # a head QK-clip left alone for a non-finite max logit was named
@@ -440,7 +444,10 @@ class Monitor(CopiesDetached):
         optimizers = [unwrap_optimizer(optimizer) for optimizer in optimizers]
         self._optimizer = optimizers[0] if len(optimizers) == 1 else None
         self._remove_optimizer_hooks()
-        if self.logits is not None and (self.qk_clip is not None or self.transport_clip is not None):
+        self._clips_after_step = self.logits is not None and (
+            self.qk_clip is not None or self.transport_clip is not None
+        )
+        if self._clips_after_step or self.optimizer_state is not None:
             self._post_hooks = [
                 optimizer.register_step_post_hook(self._after_optimizer_step) for optimizer in optimizers
             ]
@@ -459,7 +466,7 @@ class Monitor(CopiesDetached):
         for handle in [self._pre_hook, *self._post_hooks]:
             if handle is not None:
                 handle.remove()
-        self._pre_hook, self._post_hooks = None, []
+        self._pre_hook, self._post_hooks, self._clips_after_step = None, [], False
 
     def to(self, device: torch.device | str) -> Monitor:
         """Move the accumulators to ``device`` (where the model lives)."""
@@ -473,7 +480,7 @@ class Monitor(CopiesDetached):
         self.disarm()
         if self.logits is not None:
             self.logits.unwatch()
-        if self.qk_clip is not None and not self._post_hooks:  # no optimizer's hook: the last step's clip is now
+        if self.qk_clip is not None and not self._clips_after_step:  # no optimizer's hook: the last clip is now
             with self.clock.measuring():
                 self._read_step_logits(clip=True)
         self._remove_optimizer_hooks()
@@ -505,6 +512,7 @@ class Monitor(CopiesDetached):
             "full_every_n_samples": self.full_every_n_samples,
             "sharpness": self.sharpness.state_dict() if self.sharpness is not None else None,
             "logits": self._logit_state(),
+            "optimizer_state": self.optimizer_state.state_dict() if self.optimizer_state is not None else None,
         }
 
     def _logit_state(self) -> dict[str, Any] | None:
@@ -569,6 +577,8 @@ class Monitor(CopiesDetached):
         if state_dict.get("logits") is not None:
             self._pending_logits = state_dict["logits"]
             self._restore_logits()
+        if self.optimizer_state is not None and state_dict.get("optimizer_state") is not None:
+            self.optimizer_state.load_state_dict(state_dict["optimizer_state"])
 
     def reset(self) -> None:
         """Start the cadence and the time-drift references afresh (a new run)."""
@@ -610,11 +620,12 @@ class Monitor(CopiesDetached):
         a known optimizer (a plain loop given none) they act here, on the step before, and at :meth:`close`. Called
         by :meth:`step` and by the entry points; a second call for the same step does nothing.
         """
+        self._step_now = step
         if self.logits is None or step == self._begun:
             return
         self._begun = step
         with self.clock.measuring():
-            if self._post_hooks:
+            if self._clips_after_step:
                 self._read_step_logits(clip=False)  # unread: the optimizer skipped that step, which is not clipped
             else:
                 self._read_step_logits(clip=True)
@@ -626,18 +637,31 @@ class Monitor(CopiesDetached):
             self._logit_step = step
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.after_optimizer_step()
+        self.after_optimizer_step(optimizer)
 
-    def after_optimizer_step(self) -> None:
-        """Right after an optimizer step: read that step's max logits and run the clip actions on them.
+    def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Right after an optimizer step: the clip actions on that step's max logits, and ``optimizer``'s state.
 
-        The optimizer's step post-hook calls it (the monitor registers one when a clip action is configured).
+        The optimizer's step post-hook calls it (the monitor registers one for a clip action and for
+        ``optimizer_every_n_steps``). The state is read after every ``optimizer_every_n_steps``-th step (counted as
+        the steps taken, the one just taken included; every process at the same steps) into the window logged at the
+        next sample.
         """
-        if self.logits is None or self._begun is None:
-            return
         with self.clock.measuring():
-            self._read_step_logits(clip=True)
-            self._transport_due(self._begun + 1)
+            if self._clips_after_step and self.logits is not None and self._begun is not None:
+                self._read_step_logits(clip=True)
+                self._transport_due(self._begun + 1)
+            every = self.options.optimizer_every_n_steps
+            if optimizer is None or self.optimizer_state is None or every is None or (self._step_now + 1) % every:
+                return
+            try:
+                self.optimizer_state.read(optimizer)
+            except Exception as error:  # a reading must not end the training run
+                warn_rank_zero(
+                    f"{self.owner}: reading the optimizer's state raised {type(error).__name__}: {error}; it is off "
+                    "for this run"
+                )
+                self.optimizer_state = None
 
     def _read_step_logits(self, clip: bool) -> None:
         """Fold the watched step's max logits into the window; with ``clip``, the ``"qk_clip"`` action on them."""
@@ -908,6 +932,8 @@ class Monitor(CopiesDetached):
         scalars = self._scalars(values, broken_layers)
         layers, heads = self._logit_values()
         scalars.update(layers)
+        if self.optimizer_state is not None:
+            scalars.update(self.optimizer_state.take())
         scalars.update(overhead_values(self.clock, step - (self._start_step if self._start_step is not None else step)))
         if self.alerts is not None:
             scalars.update(self._run_rules({**(rule_values or {}), **heads, **scalars}, step))
@@ -958,6 +984,7 @@ class Monitor(CopiesDetached):
         calls it from the optimizer's step pre-hook; the Lightning and Hugging Face entry points from their
         trainer's pre-step event (``optimizer_hook=False``).
         """
+        self._step_now = step
         if self.sharpness is not None:
             self.publish_curvature(step, self.sharpness.before_step(step))
 
@@ -979,6 +1006,8 @@ class Monitor(CopiesDetached):
         if values is None:
             return
         values = dict(values)
+        if self.optimizer_state is not None:
+            values.update(self.optimizer_state.take())
         if self.alerts is not None:
             values.update(self._run_rules(values, step))
             if self.sharpness is not None:

@@ -52,11 +52,17 @@ class SamplingOptions:
             training step's time (the largest figures across processes, so the same everywhere; saved in its
             ``state_dict``; said once per change).
         logit_every_n_steps: read every head's max attention logit over the whole batch of every this-many-th
-            optimizer step (every training forward of it, MAX-reduced across processes:
+            optimizer step exactly (every training forward of it, MAX-reduced across processes:
             :mod:`connmon.capture.max_logit`), shown to the alert rules and logged at each sample as
-            ``connmon/step_max_logit/L<ll>``; None for never. A reading costs a training step 5% (256 tokens) to 25%
-            (4096 tokens) on a CPU (``benchmarks/bench_max_logit.py``), so every 25th step keeps it under 1%. The
-            ``"qk_clip"`` action reads it on every step.
+            ``connmon/step_max_logit/L<ll>``; None for never. An exact reading costs a training step 5% (256 tokens)
+            to 25% (4096 tokens) on a CPU (``benchmarks/bench_max_logit.py``); on the other steps each head's bound
+            comes free from the attention kernel's logsumexp (``connmon/max_logit_bound/L<ll>``), and the
+            ``"qk_clip"`` action reads exactly only a call whose bound passes its threshold.
+        optimizer_every_n_steps: after every this-many-th optimizer step, read the optimizer's own state (Adam's and
+            AdamW's update RMS, stale-second-moment share and update-to-weight ratio; SGD momentum's update-to-weight:
+            :mod:`connmon.curvature.optimizer_state`), logged at each sample as the largest since the previous one
+            (``connmon/update_rms``, ``connmon/stale_second_moment``, ``connmon/update_to_weight``); None for never.
+            It costs 1-1.5% of a CPU step (``benchmarks/bench_step_signals.py``).
 
     Raises:
         ValueError: for an invalid option (the message names it and the valid values).
@@ -87,12 +93,13 @@ class SamplingOptions:
     edge_lanczos_steps: int | None = 32
     budget: float | None = None
     logit_every_n_steps: int | None = 25
+    optimizer_every_n_steps: int | None = 1
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "num_sequences", "spectrum_k", "full_every_n_samples"):
             check_int(name, getattr(self, name))
         optional = ("max_tokens", "figures_every_n_samples", "edge_samples", "edge_queries", "edge_lanczos_steps",
-                    "logit_every_n_steps")  # fmt: skip
+                    "logit_every_n_steps", "optimizer_every_n_steps")  # fmt: skip
         for name in optional:
             check_int(name, getattr(self, name), optional=True)
         check_budget(self.budget)
@@ -151,6 +158,7 @@ class SamplingKeywords(TypedDict, total=False):
     edge_lanczos_steps: int | None
     budget: float | None
     logit_every_n_steps: int | None
+    optimizer_every_n_steps: int | None
 
 
 def sampling_options(

@@ -80,3 +80,38 @@ def test_an_optimizer_it_cannot_read_and_one_before_its_first_step_give_nothing(
     assert optimizer_signals(torch.optim.Adagrad(net.parameters())) == {}
     assert optimizer_signals(torch.optim.Adam(net.parameters())) == {}
     assert optimizer_signals(torch.optim.SGD(net.parameters(), lr=0.1)) == {}  # no momentum: no buffer kept
+
+
+def test_a_monitor_reads_the_optimizer_after_every_step_and_logs_the_largest_since_the_last_sample():
+    """The window logged at a sample is the largest of each signal over the steps since the previous one, each step's
+    value the definition's after that step; a checkpoint carries the window; None turns the reading off."""
+    import connmon
+    from tests.capture.models import TinyGPT
+
+    torch.manual_seed(0)
+    net = TinyGPT()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-2)
+    per_step: list[dict[str, float]] = []
+    optimizer.register_step_post_hook(lambda *_: per_step.append(reference(optimizer)))
+    logged: dict[int, dict[str, float]] = {}
+    monitor = connmon.Monitor(net, every_n_steps=3, diagnostics=("walk",), optimizer=optimizer,
+                              log=lambda values, step: logged.setdefault(step, values))  # fmt: skip
+    for step in range(5):
+        ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(step))
+        with monitor.step(step):
+            loss = torch.nn.functional.cross_entropy(net(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for name in ("update_rms", "stale_second_moment", "update_to_weight"):
+        assert f"connmon/{name}" not in logged[0]  # no step taken before the first sample
+        expected = max(values[name] for values in per_step[:3])  # steps 1..3 taken by the sample at step 3
+        assert logged[3][f"connmon/{name}"] == pytest.approx(expected, rel=1e-5)
+    pending = monitor.state_dict()["optimizer_state"]  # steps 4 and 5, not logged yet
+    assert pending["connmon/update_rms"] == pytest.approx(max(v["update_rms"] for v in per_step[3:]), rel=1e-5)
+    fresh = connmon.Monitor(TinyGPT(), every_n_steps=3, diagnostics=("walk",))
+    fresh.load_state_dict(monitor.state_dict())
+    assert fresh.optimizer_state.largest == pending
+    monitor.close()
+    off = connmon.Monitor(TinyGPT(), every_n_steps=3, optimizer_every_n_steps=None)
+    assert off.optimizer_state is None and not off._post_hooks

@@ -26,10 +26,56 @@ from torch import Tensor
 
 from connmon._collectives import is_distributed, local, sum_over_processes
 from connmon._optimizer import unwrap_optimizer
+from connmon.keys import PREFIX
 
-__all__ = ["OPTIMIZER_SIGNALS", "optimizer_signals"]
+__all__ = ["OPTIMIZER_SIGNALS", "OptimizerSignalWindow", "optimizer_signals"]
 
 OPTIMIZER_SIGNALS = ("update_rms", "stale_second_moment", "update_to_weight")
+
+
+class OptimizerSignalWindow:
+    """Every step's :func:`optimizer_signals`, kept as the largest of each since they were last taken.
+
+    A monitor reads it after each optimizer step (:meth:`read`) and logs what :meth:`take` returns at its next
+    sample, as ``connmon/<signal>``: a spike between two samples is not averaged away.
+
+    Examples:
+        >>> import torch
+        >>> from connmon.curvature.optimizer_state import OptimizerSignalWindow
+        >>> weight = torch.nn.Parameter(torch.ones(2))
+        >>> optimizer = torch.optim.SGD([weight], lr=0.01, momentum=0.9)
+        >>> window = OptimizerSignalWindow()
+        >>> for gradient in (3.0, -3.0, 0.0):  # update-to-weight 0.031, 0.003, 0.003
+        ...     weight.grad = torch.full((2,), gradient)
+        ...     optimizer.step()
+        ...     _ = window.read(optimizer)
+        >>> {k: round(v, 3) for k, v in window.take().items()}, window.take()
+        ({'connmon/update_to_weight': 0.031}, {})
+    """
+
+    def __init__(self) -> None:
+        self.largest: dict[str, float] = {}
+
+    def read(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """This step's signals as ``connmon/<signal>`` (a collective under ``torch.distributed``), folded in."""
+        values = {f"{PREFIX}{name}": value for name, value in optimizer_signals(optimizer).items()}
+        for key, value in values.items():
+            kept = self.largest.get(key)
+            self.largest[key] = value if kept is None or not value <= kept else kept  # NaN is kept: it says most
+        return values
+
+    def take(self) -> dict[str, float]:
+        """The largest of each signal since the last call (empty when no step was read), and a fresh window."""
+        largest, self.largest = self.largest, {}
+        return largest
+
+    def state_dict(self) -> dict[str, float]:
+        """The window not logged yet."""
+        return dict(self.largest)
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.largest = dict(state)
 
 
 @torch.no_grad()

@@ -151,6 +151,16 @@ def build_workspace(
             y=[f"{prefix}{CURVATURE_INTERVAL}", f"{prefix}{CURVATURE_GRADIENTS}"],
         )
     )
+    curvature += [
+        wr.LinePlot(
+            title=f"optimizer state: {title} (every step, largest since the last sample)", x=x, y=[f"{prefix}{key}"]
+        )
+        for key, title in (
+            (keys.UPDATE_RMS, "RMS of Adam's normalized update"),
+            (keys.STALE_SECOND_MOMENT, "share with |m_hat| > sqrt(v_hat)"),
+            (keys.UPDATE_TO_WEIGHT, "update-to-weight ratio"),
+        )
+    ]
     curvature.append(
         wr.LinePlot(
             title="connmon overhead (fraction of training time)",

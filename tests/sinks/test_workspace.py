@@ -26,7 +26,7 @@ def logged_keys(tmp_path_factory) -> set[str]:
     run = wandb.init(project="connmon-test", mode="offline", dir=str(tmp_path_factory.mktemp("wandb")))
     torch.manual_seed(0)
     model = TinyGPT(n_layer=3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)  # its state's keys are logged too
     monitor = connmon.Monitor(
         model,
         every_n_steps=1,
