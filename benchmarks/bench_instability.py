@@ -77,6 +77,7 @@ from connmon.callbacks.sharpness_monitor import RATIO_KEY
 from connmon.capture import paused
 from connmon.capture.max_logit import HeadMaxLogits
 from connmon.curvature import sharpness_ratio
+from connmon.curvature.optimizer_state import OPTIMIZER_SIGNALS, optimizer_signals
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tiny_gpt.py"
@@ -113,16 +114,20 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-LN transformer block."""
+    """A pre-LN transformer block (post-LN with ``post_ln``: each sublayer's sum normalized, as Vaswani et al.)."""
 
-    def __init__(self, n_embd: int, n_head: int, qk_norm: bool) -> None:
+    def __init__(self, n_embd: int, n_head: int, qk_norm: bool, post_ln: bool = False) -> None:
         super().__init__()
         self.ln_1, self.attn = nn.LayerNorm(n_embd), CausalSelfAttention(n_embd, n_head, qk_norm)
         self.ln_2 = nn.LayerNorm(n_embd)
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd))
+        self.post_ln = post_ln
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, T, C) -> (B, T, C)``."""
+        if self.post_ln:
+            x = self.ln_1(x + self.attn(x))
+            return self.ln_2(x + self.mlp(x))
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -131,11 +136,18 @@ class GPT(nn.Module):
     """The example's tiny GPT, with optional qk-layernorm."""
 
     def __init__(
-        self, vocab: int, tokens: int, qk_norm: bool, n_layer: int = 4, n_embd: int = 128, init: str = "torch"
+        self,
+        vocab: int,
+        tokens: int,
+        qk_norm: bool,
+        n_layer: int = 4,
+        n_embd: int = 128,
+        init: str = "torch",
+        post_ln: bool = False,
     ) -> None:
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab, n_embd), nn.Embedding(tokens, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, 4, qk_norm) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, 4, qk_norm, post_ln) for _ in range(n_layer))
         self.ln_f, self.head = nn.LayerNorm(n_embd), nn.Linear(n_embd, vocab)
         if init == "gpt2":  # nanoGPT's: N(0, 0.02), residual projections 0.02 / sqrt(2 n_layer), zero biases
             for name, parameter in self.named_parameters():
@@ -207,13 +219,22 @@ def learning_rate(config: dict, step: int) -> float:
     """The learning rate of a run at ``step``.
 
     An exponential ramp from ``start`` to ``peak`` over ``ramp`` steps, smooth or in stairs, then constant; or a
-    linear warmup from 0 to ``peak`` over ``ramp`` steps, then constant (``shape="warmup"``).
+    linear warmup from 0 to ``peak`` over ``ramp`` steps, then constant (``shape="warmup"``), or then a cosine decay
+    to a tenth of ``peak`` at step ``decay`` (``shape="cosine"``). ``lr_spike = (step, steps, factor)`` multiplies the
+    rate by ``factor`` for ``steps`` steps from ``step`` (a spike the run recovers from, or not).
 
     A linear ramp to the same peak was not used: it passes 1e-2 before this model learns anything (see above).
     """
+    spike = config.get("lr_spike")
+    if spike is not None and spike[0] <= step < spike[0] + spike[1]:
+        return spike[2] * learning_rate({**config, "lr_spike": None}, step)
     progress = min(1.0, step / config["ramp"]) if config["ramp"] else 1.0
+    if config.get("shape", "exp") == "cosine":
+        warm = config["peak"] * min(1.0, (step + 1) / config["ramp"]) if config["ramp"] else config["peak"]
+        after = min(1.0, max(0.0, (step - config["ramp"]) / max(1, config["decay"] - config["ramp"])))
+        return warm * (0.1 + 0.45 * (1 + math.cos(math.pi * after)))
     if config.get("shape", "exp") == "warmup":
-        return config["peak"] * min(1.0, (step + 1) / config["ramp"])
+        return config["peak"] * min(1.0, (step + 1) / config["ramp"]) if config["ramp"] else config["peak"]
     if config.get("shape", "exp") == "stairs":
         progress = math.floor(progress * STAIRS) / STAIRS
     return config["start"] * (config["peak"] / config["start"]) ** progress
@@ -222,11 +243,17 @@ def learning_rate(config: dict, step: int) -> float:
 def next_batch(
     config: dict, step: int, optimizer: torch.optim.Optimizer, data: torch.Tensor, gen: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """Set the run's LR for ``step`` and draw its batch of 16: ``(inputs, targets, lr)``."""
+    """Set the run's LR for ``step`` and draw its batch of 16: ``(inputs, targets, lr)``.
+
+    ``bad_batches = (step, steps)``: those steps train on uniformly random tokens (a bad shard: the loss spikes).
+    """
     lr = learning_rate(config, step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     batch = data[torch.randint(0, len(data), (16,), generator=gen)]
+    bad = config.get("bad_batches")
+    if bad is not None and bad[0] <= step < bad[0] + bad[1]:
+        batch = torch.randint(0, int(data.max()) + 1, batch.shape, generator=gen)
     return batch[:, :-1], batch[:, 1:], lr
 
 
@@ -257,8 +284,20 @@ def sample(
     return {k: v for k, v in out.items() if not any(k.startswith(f"connmon/{n}") for n in names)}
 
 
-def next_token_loss(model: nn.Module, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+def next_token_loss(
+    model: nn.Module, idx: torch.Tensor, target: torch.Tensor, z_loss: float = 0.0, peak: list | None = None
+) -> torch.Tensor:
+    """Cross-entropy, plus ``z_loss`` times the mean squared log-partition (PaLM's z-loss).
+
+    ``peak`` gets the largest output logit (detached).
+    """
+    logits = model(idx).flatten(0, 1)
+    loss = nn.functional.cross_entropy(logits, target.flatten())
+    if peak is not None:
+        peak.append(float(logits.detach().abs().max()))
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(logits, dim=-1).square().mean()
+    return loss
 
 
 def train(
@@ -271,7 +310,15 @@ def train(
     data = corpus(config, example)
     torch.manual_seed(config["seed"])
     depth = config["depth"]
-    model = GPT(example.VOCAB, example.TOKENS, config["qk_norm"], depth, config["width"], config.get("init", "torch"))
+    model = GPT(
+        example.VOCAB,
+        example.TOKENS,
+        config["qk_norm"],
+        depth,
+        config["width"],
+        config.get("init", "torch"),
+        config.get("post_ln", False),
+    )
     logits = HeadMaxLogits([block.attn for block in model.blocks], [f"L{i}" for i in range(depth)])
     if config.get("head_logits"):  # every step's per-head max logit, connmon's own reader
         logits.watch()
@@ -281,7 +328,8 @@ def train(
     if config["optimizer"] == "sgd":
         optimizer = torch.optim.SGD(model.parameters(), lr=config["peak"], momentum=0.9)
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], weight_decay=0.0)
+        betas = (0.9, config.get("beta2", 0.999))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=config["peak"], betas=betas, weight_decay=0.0)
     transport = TransportMetrics(depth)
     transport.measure_edges = False
     groups = [WalkMetrics(depth), transport, DriftMetrics(depth), *([SpectrumMetrics(depth)] if spectrum else [])]
@@ -289,6 +337,9 @@ def train(
         backoff.attach([optimizer], owner="bench")
     gen = torch.Generator().manual_seed(config["seed"])
     losses, grad_norms, samples, ratios, head_logits = [], [], {}, {}, []
+    signals: dict[str, list[float]] = {name: [] for name in OPTIMIZER_SIGNALS}  # the optimizer's state, every step
+    output_logits: list[float] = []  # the largest output logit, every step
+    z_loss = config.get("z_loss", 0.0)
     window, fired = None, []  # the logit window the back-off's rules see, and the steps it fired at
     start = time.perf_counter()
     for step in range(steps):
@@ -310,7 +361,7 @@ def train(
                 values.update({keys.head_key(index, head): value for head, value in enumerate(row)})
             _back_off(backoff, values, step, fired)
             window = None
-        loss = next_token_loss(model, idx, target)
+        loss = next_token_loss(model, idx, target, z_loss, output_logits)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
@@ -323,6 +374,8 @@ def train(
         if not math.isfinite(losses[-1]):
             break
         optimizer.step()
+        for name, value in optimizer_signals(optimizer).items():
+            signals[name].append(float(f"{value:.4g}"))
         if clip is not None and table is not None:  # K2's QK-clip: this step's logits, after its update
             clip.apply(logits.modules, table, [logits.layout(i) for i in range(depth)])
         if transport_clip is not None:  # after every update, on the layouts the reader found
@@ -335,6 +388,8 @@ def train(
         "sharpness": ratios,
         "head_logits": head_logits,
         "backoffs": fired,
+        "optimizer_signals": signals,
+        "output_logit": output_logits,
         "seconds": time.perf_counter() - start,
     }
 

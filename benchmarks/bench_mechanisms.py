@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from collections.abc import Callable
@@ -79,6 +80,8 @@ def configs(args: argparse.Namespace) -> list[dict]:
                 for factor in args.transport_clip:
                     runs.append({"arm": f"healthy transport-clip {factor:g}", "seed": seed, **healthy, "width": 128,
                                  "qk_norm": False, "transport_clip": factor})  # fmt: skip
+        if seed < args.mechanism_seeds:
+            runs += mechanism_arms(seed, args.steps)
         if args.ramp:
             ramp = {"seed": seed, "start": 1e-3, "ramp": 1500, "shape": "exp", "corpus": "markov", "width": 128}
             runs.append({"arm": "ramp", **ramp, "peak": 1e-1, "qk_norm": False})
@@ -96,6 +99,34 @@ def configs(args: argparse.Namespace) -> list[dict]:
     return runs
 
 
+def mechanism_arms(seed: int, steps: int) -> list[dict]:
+    """The mechanisms the field knows beyond logit growth, each beside the twin it differs from by one setting.
+
+    * ``adam beta2 0.999`` / ``adam beta2 0.95``: QK-norm (no logit growth), a warmup to 1e-2: Adam's second moment
+      out of date at beta2 = 0.999 (Wortsman et al. 2023b; Molybog et al. 2023) against its 0.95 twin.
+    * ``z-loss twin``: the beta2 0.95 run with PaLM's z-loss (1e-4): the output logits' drift without it.
+    * ``post-LN`` / ``pre-LN``: 3e-3 from the first step, no warmup (Xiong et al. 2020), no QK-norm.
+    * ``cosine`` / ``cosine qk-norm``: a warmup to 1e-2 and a cosine decay to a tenth over the run.
+    * ``bad batches`` / ``lr spike``: a healthy run (1e-3) that trains 5 steps on random tokens, or 3 steps at 30x
+      its rate, at step 400: a loss spike it recovers from (no alert is right).
+    """
+    base = {"seed": seed, "start": 0.0, "shape": "warmup", "corpus": "markov", "init": "torch", "width": 128}
+    high = {**base, "peak": 1e-2, "ramp": 100, "qk_norm": True}
+    healthy = {**base, "peak": 1e-3, "ramp": 100, "qk_norm": False}
+    cosine = {**base, "peak": 1e-2, "ramp": 100, "shape": "cosine", "decay": steps}
+    return [
+        {"arm": "adam beta2 0.999", **high, "beta2": 0.999},
+        {"arm": "adam beta2 0.95", **high, "beta2": 0.95},
+        {"arm": "z-loss twin", **high, "beta2": 0.95, "z_loss": 1e-4},
+        {"arm": "post-LN", **base, "peak": 3e-3, "ramp": 0, "qk_norm": False, "post_ln": True},
+        {"arm": "pre-LN", **base, "peak": 3e-3, "ramp": 0, "qk_norm": False},
+        {"arm": "cosine", **cosine, "qk_norm": False},
+        {"arm": "cosine qk-norm", **cosine, "qk_norm": True},
+        {"arm": "bad batches", **healthy, "bad_batches": [400, 5]},
+        {"arm": "lr spike", **healthy, "lr_spike": [400, 3, 30.0]},
+    ]
+
+
 def smoothed(losses: list[float], at: int | None = None) -> float:
     end = len(losses) if at is None else at + 1
     window = losses[max(0, end - SMOOTH) : end]
@@ -107,14 +138,28 @@ def failure(run: dict, twins: dict) -> tuple[int | None, str]:
     div = divergence(run["loss"])
     if div is not None:
         return div, "diverged"
-    twin = twins.get(_twin_key(run))
-    if run["arm"] == "logit growth" and twin is not None:
+    twin = twin_of(run, twins)
+    if twin is not None:
         margin = 0.25 * (run["loss"][0] - smoothed(twin["loss"]))
         steps = min(len(run["loss"]), len(twin["loss"]))
         behind = [smoothed(run["loss"], s) - smoothed(twin["loss"], s) > margin for s in range(steps)]
         if behind[-1]:  # behind its twin at the end: from the first step it stays behind for good
             return next(s for s in range(steps) if all(behind[s:])), "stuck"
     return None, ""
+
+
+TWIN_OF = {"logit growth": "qk-norm twin", "post-LN": "pre-LN", "adam beta2 0.999": "adam beta2 0.95",
+           "adam beta2 0.95": "z-loss twin", "cosine": "cosine qk-norm"}  # fmt: skip
+# a run that ends behind the arm named here (its twin that differs by one setting) has failed: stuck
+
+
+def twins_of(runs: list[dict]) -> dict:
+    """Every twin run by ``(arm, twin key)``."""
+    return {(r["arm"], _twin_key(r)): r for r in runs if r["arm"] in TWIN_OF.values()}
+
+
+def twin_of(run: dict, twins: dict) -> dict | None:
+    return twins.get((TWIN_OF.get(run["arm"]), _twin_key(run)))
 
 
 def _twin_key(run: dict) -> tuple:
@@ -124,10 +169,13 @@ def _twin_key(run: dict) -> tuple:
 LOGIT_EVERY = 25  # SamplingOptions.logit_every_n_steps default: the logits of every 25th step are read
 
 
-def fed(run: dict, curvature_every: int = SHARPNESS_EVERY) -> dict[int, dict[str, float]]:
+def fed(
+    run: dict, curvature_every: int = SHARPNESS_EVERY, curvature_steps: set[int] | None = None
+) -> dict[int, dict[str, float]]:
     """What the recipe's DriftAlert sees, step by step (the logit window since the last attention sample).
 
-    ``curvature_every``: the ratio as a sampler every this many steps would read it (a multiple of the recorded 40).
+    ``curvature_every``: the ratio as a sampler every this many steps would read it (a multiple of the recorded 40);
+    ``curvature_steps``: only the ratios of these steps (a cadence replayed by :func:`curvature_steps`).
     """
     series: dict[int, dict[str, float]] = {}
     window: list[list[float]] | None = None
@@ -143,7 +191,11 @@ def fed(run: dict, curvature_every: int = SHARPNESS_EVERY) -> dict[int, dict[str
             window = table if window is None else [[max(a, b) for a, b in zip(w, t, strict=True)]
                                                    for w, t in zip(window, table, strict=True)]  # fmt: skip
     for step, ratio in run.get("sharpness", {}).items():
-        if step != "off" and int(step) % curvature_every == 0:
+        if (
+            step != "off"
+            and int(step) % curvature_every == 0
+            and (curvature_steps is None or int(step) in curvature_steps)
+        ):
             series.setdefault(int(step), {})[keys.SHARPNESS_RATIO] = ratio
     return dict(sorted(series.items()))
 
@@ -187,7 +239,7 @@ def score(alerts: list[tuple[int, str, str]], fail: int | None, kind: str) -> tu
 
 def behind(run: dict, twins: dict) -> str:
     """How far behind its QK-norm twin a run ended, as a share of the twin's drop below the first loss."""
-    twin = twins.get(_twin_key(run))
+    twin = twin_of(run, twins)
     if twin is None or twin is run:
         return "-"
     drop = run["loss"][0] - smoothed(twin["loss"])
@@ -195,7 +247,7 @@ def behind(run: dict, twins: dict) -> str:
 
 
 def table(runs: list[dict], curvature_every: int = SHARPNESS_EVERY) -> None:
-    twins = {_twin_key(r): r for r in runs if r["arm"] == "qk-norm twin"}
+    twins = twins_of(runs)
     for name, rules in RULE_SETS.items():
         print(f"\n### {name}\n")
         print("| arm | LR | warmup | task | init | width | seed | failure (step) | alert (rule, key, step) | lead "
@@ -267,6 +319,101 @@ def clip_table(runs: list[dict]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+GRADIENTS_PER_SAMPLE = 11  # a finite-difference Lanczos sample: 8 products, g(theta) and the step search
+ATTENTION_COST = 0.03  # the recipe's light attention sample every 25 steps (benchmarks/README.md, bench_overhead.py)
+
+
+def moved(run: dict, last: int, step: int, signals: tuple[str, ...]) -> bool:
+    """Whether a first-tier signal moved in steps ``(last, step]`` against the 40 steps up to ``last``.
+
+    ``logit``: the largest head logit x1.5; ``optimizer``: the stale-second-moment share or the update-to-weight ratio
+    x2; ``loss``: the 10-step mean loss 1.2x its running minimum once the run has learned.
+    """
+    before, after = range(max(0, last - SHARPNESS_EVERY + 1), last + 1), range(last + 1, step + 1)
+    if "logit" in signals:
+        peak = [max(max(layer) for layer in table) for table in run["head_logits"]]
+        if max(peak[s] for s in after if s < len(peak)) >= 1.5 * max(peak[s] for s in before if s < len(peak)):
+            return True
+    if "optimizer" in signals:
+        for name in ("stale_second_moment", "update_to_weight"):
+            series = run.get("optimizer_signals", {}).get(name) or []
+            if len(series) > step and max(series[s] for s in after) >= 2 * max(series[s] for s in before):
+                return True
+    if "loss" in signals:
+        loss = run["loss"]
+        mean = [statistics.fmean(loss[max(0, s - 9) : s + 1]) for s in range(min(step + 1, len(loss)))]
+        low = min(mean[: last + 1])
+        if low < 0.9 * loss[0] and any(mean[s] >= 1.2 * low for s in after if s < len(mean)):
+            return True
+    return False
+
+
+def curvature_steps(run: dict, cadence: dict) -> set[int]:
+    """The recorded curvature samples a cadence would have taken (the recording's grid: every 40 steps).
+
+    ``cadence``: ``{"ladder": ((ratio, steps), ...)}`` for the ratio-driven ladder (the next sample that many steps
+    after, from the first rung the ratio reaches), ``{"base": steps, "signals": (...), "dense_ratio": r}`` for the
+    gated one: the next sample ``base`` steps later, or at the first recorded step where a first-tier signal moved
+    (:func:`moved`), or 40 steps later where the ratio was at least ``dense_ratio``.
+    """
+    ratios = {int(s): r for s, r in run.get("sharpness", {}).items() if s != "off"}
+    taken, due, last = set(), SHARPNESS_EVERY, 0
+    for step in sorted(ratios):
+        if step < due and not ("base" in cadence and moved(run, last, step, cadence["signals"])):
+            continue
+        taken.add(step)
+        ratio, last = ratios[step], step
+        if "ladder" in cadence:
+            due = step + next(gap for bound, gap in cadence["ladder"] if not ratio < bound)
+        else:
+            dense = not ratio < cadence.get("dense_ratio", math.inf)  # a NaN ratio is dense too
+            due = step + (SHARPNESS_EVERY if dense else cadence["base"])
+    return taken
+
+
+CADENCES: dict[str, dict] = {
+    "adaptive ladder (the default, on the recorded 40-step grid)": {
+        "ladder": ((0.5, 40), (0.25, 120), (-math.inf, 320))
+    },
+    "base 200, no gate": {"base": 200, "signals": ()},
+    "base 200, gated by logits": {"base": 200, "signals": ("logit",)},
+    "base 200, gated by logits, optimizer": {"base": 200, "signals": ("logit", "optimizer")},
+    "base 200, gated by logits, optimizer, loss": {"base": 200, "signals": ("logit", "optimizer", "loss")},
+    "base 200, gated by logits, dense from ratio 2": {"base": 200, "signals": ("logit",), "dense_ratio": 2.0},
+    "base 160, gated by logits, optimizer, dense from ratio 2": {
+        "base": 160,
+        "signals": ("logit", "optimizer"),
+        "dense_ratio": 2.0,
+    },
+}
+
+
+def cadence_table(runs: list[dict]) -> None:
+    """Each curvature cadence replayed on the recorded runs: the default rules' warnings, false alarms and cost."""
+    twins = twins_of(runs)
+    print("\n### The curvature's cadence, replayed (default rules; cost: 1 + attention 3% + 11 gradients a sample)\n")
+    print("| cadence | failures warned | divergence leads | false alarms (arms) | samples a run (median, max) | "
+          "estimated recipe cost (median, worst) |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
+    for name, cadence in CADENCES.items():
+        warned, failed, leads, false, where, counts, costs = 0, 0, [], 0, [], [], []
+        for run in runs:
+            fail, kind = failure(run, twins)
+            taken = curvature_steps(run, cadence)
+            alerts = first_alerts(RULE_SETS["defaults"], fed(run, SHARPNESS_EVERY, taken))
+            lead, wrong, _ = score(alerts, fail, kind)
+            failed += fail is not None
+            warned += lead != "-"
+            leads += [int(lead)] if lead.isdigit() else []
+            false += wrong
+            where += [run["arm"]] * wrong
+            counts.append(len(taken))
+            costs.append(1 + ATTENTION_COST + GRADIENTS_PER_SAMPLE * len(taken) / max(1, len(run["loss"])))
+        arms = ", ".join(f"{arm} {where.count(arm)}" for arm in sorted(set(where)))
+        print(f"| {name} | {warned}/{failed} | {sorted(leads)} | {false} ({arms}) | {statistics.median(counts):g}, "
+              f"{max(counts)} | {statistics.median(costs):.2f}x, {max(costs):.2f}x |")  # fmt: skip
+
+
 def candidates() -> dict[str, Callable[[], RuleSet]]:
     """One rule at a time: per-head logit levels and surges, and the edge rule at several bounds."""
     heads = keys.HEAD_MAX_LOGIT + "*"
@@ -298,7 +445,7 @@ def _one(rule: Rule | AllOf) -> Callable[[], RuleSet]:
 
 def search(runs: list[dict]) -> None:
     """Every candidate alone: failures warned (and how far ahead), false alarms on the runs that stay healthy."""
-    twins = {_twin_key(r): r for r in runs if r["arm"] == "qk-norm twin"}
+    twins = twins_of(runs)
     outcomes = [(run, *failure(run, twins), fed(run)) for run in runs]
     runs = [run for run in runs if not action_of(run)]
     print("\n### Candidates, one rule at a time\n")
@@ -333,6 +480,8 @@ def main() -> None:
     parser.add_argument("--growth", type=growth_setting, nargs="*", default=GROWTH,
                         help="logit-growth settings, each 'rate,warmup,task,init,width'")  # fmt: skip
     parser.add_argument("--no-ramp", dest="ramp", action="store_false", help="leave out the suite's LR ramp arms")
+    parser.add_argument("--mechanism-seeds", type=int, default=1,
+                        help="seeds of the other mechanisms' arms (mechanism_arms; 0 leaves them out)")  # fmt: skip
     parser.add_argument("--qk-clip", type=float, nargs="*", default=[], help="QK-clip arms at these thresholds")
     parser.add_argument("--transport-clip", type=float, nargs="*", default=[],
                         help="transport-clip arms (an experiment) at these factors, healthy runs included")  # fmt: skip
@@ -365,6 +514,7 @@ def main() -> None:
                 if args.save:
                     args.save.write_text(json.dumps(runs))
     table([run for run in runs if not action_of(run)], args.curvature_every)
+    cadence_table([run for run in runs if not action_of(run)])
     clip_table(runs)
     if args.search:
         search(runs)
