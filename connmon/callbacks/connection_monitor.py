@@ -116,6 +116,10 @@ class ConnectionMonitor(CopiesDetached, Callback):
         """Find the attention layers where the model now lives (an unreadable model: off, with one warning)."""
         run_of(trainer).begin(trainer, pl_module)
 
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The optimizers exist: the run's monitor reads their state after each step (and the clips act there)."""
+        run_of(trainer).start(trainer)
+
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """An epoch's first batch starts an optimizer step (Lightning steps on an epoch's last batch)."""
         self._first_micro_batch = True

@@ -360,3 +360,33 @@ def test_state_saved_with_torch_save_round_trips_through_weights_only_load_into_
     fresh = ConnectionMonitor(every_n_steps=4, diagnostics=("walk",), logit_every_n_steps=1)
     fresh.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     assert fresh.state_dict() == saved
+
+
+class AdamGPT(LitGPT):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_the_optimizers_state_is_read_after_every_step_and_logged_at_each_sample(tmp_path):
+    """Lightning steps the optimizer in a closure: the monitor's post-hook still reads its state after every step,
+    and each sample logs the largest of each signal since the previous one."""
+    from connmon.curvature.optimizer_state import optimizer_signals
+
+    seen: list[dict[str, float]] = []
+
+    class Recorder(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            optimizer = trainer.optimizers[0]
+            optimizer.register_step_post_hook(lambda *_: seen.append(optimizer_signals(optimizer)))
+
+    monitor = ConnectionMonitor(every_n_steps=3, diagnostics=("walk",))
+    run = L.Trainer(
+        max_steps=5, callbacks=[monitor, Recorder()], logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, log_every_n_steps=1,
+    )  # fmt: skip
+    run.fit(AdamGPT(), loader())
+    rows = {int(row["step"]): row for row in read_csv(tmp_path) if row.get("connmon/update_rms")}
+    assert sorted(rows) == [0, 3]  # a sample ends in on_train_batch_end, after its batch's optimizer step
+    for name in ("update_rms", "stale_second_moment", "update_to_weight"):
+        assert float(rows[0][f"connmon/{name}"]) == pytest.approx(seen[0][name], rel=1e-5)
+        assert float(rows[3][f"connmon/{name}"]) == pytest.approx(max(v[name] for v in seen[1:4]), rel=1e-5)

@@ -176,6 +176,9 @@ def test_report_to_wandb_gets_the_keys_histograms_and_figures(tmp_path, monkeypa
     assert "train/connmon/spectrum_modulus_hist/L01._type" in keys
     assert "train/connmon/figures/spectra._type" in keys
     assert "train/loss" in keys
+    states = [row["train/connmon/update_rms"] for row in scalars]  # the optimizer's state, read after every step
+    assert len(states) == 3 and all(0 < value < 10 for value in states)
+    assert all(0 <= row["train/connmon/stale_second_moment"] <= 1 for row in scalars)
     from connmon.cli import main
 
     out = tmp_path / "report"  # connmon report reads the Trainer's train/connmon/... keys at train/global_step
