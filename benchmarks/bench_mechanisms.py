@@ -13,6 +13,14 @@ batch (:class:`connmon.capture.max_logit.HeadMaxLogits`, as a Monitor logs it), 
 * ``healthy``: an ordinary rate (1e-3, warmup 100) on both tasks: logits triple early as attention learns.
 * ``ramp`` / ``ramp twin`` / ``control``: the suite's exponential LR ramp (1e-3 to 1e-1 over 1500 steps) without
   QK-norm, with it at the same ramp, and its healthy control (QK-norm, peak 3e-3).
+* the other mechanisms (:func:`mechanism_arms`, ``--mechanism-seeds``): Adam's second moment at beta2 0.999 against
+  0.95, the z-loss twin, post-LN without warmup against pre-LN, a high-rate cosine schedule with and without QK-norm,
+  and healthy runs whose loss spikes and recovers (bad batches, an LR spike). Every run also records the optimizer's
+  state after each step (:mod:`connmon.curvature.optimizer_state`) and its largest output logit.
+
+The cadence table replays curvature cadences on the recorded ratios (every 40 steps): the ratio-driven ladder, and a
+slow base cadence made dense where a first-tier signal moved (:func:`curvature_steps`), with the default rules'
+warnings, false alarms and the recipe's estimated cost.
 
 Failure is the suite's divergence rule (``bench_instability.divergence``: NaN, or the smoothed loss above 1.5x its
 running minimum for 10 steps once the run has learned). A run that never learns while its QK-norm twin does (final
