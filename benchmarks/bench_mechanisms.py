@@ -338,12 +338,17 @@ def moved(run: dict, last: int, step: int, signals: tuple[str, ...]) -> bool:
     x2; ``loss``: the 10-step mean loss 1.2x its running minimum once the run has learned.
     """
     before, after = range(max(0, last - SHARPNESS_EVERY + 1), last + 1), range(last + 1, step + 1)
-    if "logit" in signals:
+    if "logit" in signals or "logit above 20" in signals:
         peak = [max(max(layer) for layer in table) for table in run["head_logits"]]
-        if max(peak[s] for s in after if s < len(peak)) >= 1.5 * max(peak[s] for s in before if s < len(peak)):
+        now = max(peak[s] for s in after if s < len(peak))
+        floor = 20.0 if "logit above 20" in signals else -math.inf
+        if now >= 1.5 * max(peak[s] for s in before if s < len(peak)) and now > floor:
             return True
-    if "optimizer" in signals:
-        for name in ("stale_second_moment", "update_to_weight"):
+    names = [
+        n for n in ("stale_second_moment", "update_to_weight", "update_rms") if "optimizer" in signals or n in signals
+    ]
+    if names:
+        for name in names:
             series = run.get("optimizer_signals", {}).get(name) or []
             if len(series) > step and max(series[s] for s in after) >= 2 * max(series[s] for s in before):
                 return True
@@ -380,6 +385,27 @@ def curvature_steps(run: dict, cadence: dict) -> set[int]:
 
 
 CADENCES: dict[str, dict] = {
+    "base 200, gated by logits above 20": {"base": 200, "signals": ("logit above 20",)},
+    "base 200, gated by logits above 20, stale second moment": {
+        "base": 200,
+        "signals": ("logit above 20", "stale_second_moment"),
+    },
+    "base 200, gated by logits above 20, update RMS": {"base": 200, "signals": ("logit above 20", "update_rms")},
+    "base 200, gated by logits above 20, dense from ratio 2": {
+        "base": 200,
+        "signals": ("logit above 20",),
+        "dense_ratio": 2.0,
+    },
+    "base 200, gated by logits above 20, dense from ratio 1": {
+        "base": 200,
+        "signals": ("logit above 20",),
+        "dense_ratio": 1.0,
+    },
+    "base 120, gated by logits above 20, dense from ratio 1": {
+        "base": 120,
+        "signals": ("logit above 20",),
+        "dense_ratio": 1.0,
+    },
     "adaptive ladder (the default, on the recorded 40-step grid)": {
         "ladder": ((0.5, 40), (0.25, 120), (-math.inf, 320))
     },

@@ -3,7 +3,8 @@
 Every step gives, at no extra cost, each head's max-logit bound from the attention kernel's logsumexp
 (:mod:`connmon.capture.max_logit`) and the optimizer's own state (:mod:`connmon.curvature.optimizer_state`).
 :class:`FirstTierGate` keeps the last ``window`` steps of each, takes their largest as the reference at each curvature
-sample, and says a signal *moved* when a later step's value reaches ``factor`` times that reference. A
+sample, and says a signal *moved* when a later step's value reaches ``factor`` times that reference and is above
+the signal's floor. A
 :class:`~connmon.curvature.sampler.SharpnessSampler` with ``cadence="gated"`` then samples at its densest interval
 (:meth:`~connmon.curvature.sampler.SharpnessSampler.signal_moved`) instead of its slow base one.
 """
@@ -19,12 +20,13 @@ from connmon import keys
 
 __all__ = ["FIRST_TIER_FACTORS", "FirstTierGate"]
 
-# the signals the gate watches and the factor over its reference that counts as a move: benchmarks/README.md
-# (bench_mechanisms.py, the cadence table) has how they were chosen
-FIRST_TIER_FACTORS: dict[str, float] = {
-    keys.metric_key(keys.MAX_LOGIT_BOUND): 1.5,  # the largest bound over every layer and head
-    keys.STALE_SECOND_MOMENT: 2.0,
-    keys.UPDATE_TO_WEIGHT: 2.0,
+# the signals the gate watches: (the factor over its reference that counts as a move, the floor it must pass).
+# benchmarks/README.md (bench_mechanisms.py, the cadence table) has how they were chosen: the logits above 20 (a
+# healthy head's level at 64 tokens; their growth as attention learns, from 2 to 6, is no move), Adam's update RMS
+# (the update-to-weight ratio follows the learning rate's warmup, and the stale share moved on healthy runs)
+FIRST_TIER_FACTORS: dict[str, tuple[float, float]] = {
+    keys.metric_key(keys.MAX_LOGIT_BOUND): (1.5, 20.0),  # the largest bound over every layer and head
+    keys.UPDATE_RMS: (2.0, 0.0),
 }
 
 
@@ -32,20 +34,21 @@ class FirstTierGate:
     """Whether a first-tier signal moved since the last curvature sample.
 
     Args:
-        factors: each watched signal's key and the factor over its reference that counts as a move.
+        factors: each watched signal's key, the factor over its reference that counts as a move and the floor a
+            value must pass to count.
         window: steps whose largest value is a signal's reference at a curvature sample.
 
     Examples:
         >>> from connmon.curvature.first_tier import FirstTierGate
-        >>> gate = FirstTierGate({"logit": 1.5}, window=3)
+        >>> gate = FirstTierGate({"logit": (1.5, 4.0)}, window=3)
         >>> [gate.step({"logit": v}) for v in (2.0, 3.0, 2.5)]  # no curvature sample yet: no reference
         [False, False, False]
         >>> gate.sampled()  # the reference: 3.0, the largest of the last 3 steps
-        >>> [gate.step({"logit": v}) for v in (4.0, 4.6)]
+        >>> [gate.step({"logit": v}) for v in (4.0, 4.6)]  # 4.0 is below 1.5 x 3.0; 4.6 passes it and the floor
         [False, True]
     """
 
-    def __init__(self, factors: Mapping[str, float] | None = None, window: int = 40) -> None:
+    def __init__(self, factors: Mapping[str, tuple[float, float]] | None = None, window: int = 40) -> None:
         self.factors = dict(FIRST_TIER_FACTORS if factors is None else factors)
         self.window = window
         self.recent: dict[str, deque[float]] = {key: deque(maxlen=window) for key in self.factors}
@@ -58,7 +61,8 @@ class FirstTierGate:
             if key not in self.factors or not math.isfinite(value):
                 continue
             reference = self.reference.get(key)
-            moved |= reference is not None and reference > 0 and value >= self.factors[key] * reference
+            factor, floor = self.factors[key]
+            moved |= reference is not None and reference > 0 and value >= factor * reference and value > floor
             self.recent[key].append(value)
         return moved
 

@@ -12,6 +12,7 @@ import torch
 import connmon
 from connmon.alerts import AlertRunner, edge_of_stability_rule
 from connmon.callbacks import SharpnessMonitor
+from connmon.curvature.first_tier import FirstTierGate
 from connmon.curvature.sampler import SharpnessSampler, keys_of
 from tests.callbacks.lightning_models import LitGPT, loader
 
@@ -317,6 +318,8 @@ def gated_run(jump_at: int | None, steps: int = 24) -> list[int]:
     monitor = connmon.Monitor(model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer,
                               sharpness=sampler, log=lambda values, step: sampled.append(step) if RATIO in values
                               or UPDATE in values else None)  # fmt: skip
+    # the mechanism under test; the default signals are chosen on bench_mechanisms.py's runs
+    monitor.first_tier = FirstTierGate({"connmon/update_to_weight": (2.0, 0.0)})
     batches = itertools.cycle(loader())
     for step in range(steps):
         if step == jump_at:
