@@ -60,6 +60,7 @@ from connmon.alerts import (
     default_rules,
     edge_of_stability_rule,
 )
+from connmon.curvature.optimizer_state import OPTIMIZER_SIGNALS
 
 ATTENTION_EVERY = 25  # the README's recipe: a light attention sample every 25 steps
 SMOOTH = 20  # steps in the final smoothed loss
@@ -448,6 +449,33 @@ def cadence_table(runs: list[dict]) -> None:
               f"{max(counts)} | {statistics.median(costs):.2f}x, {max(costs):.2f}x |")  # fmt: skip
 
 
+def first_move(series: list[float], after: int = 225) -> int | None:
+    """The first step from ``after`` where the largest of 25 steps is twice the median of the 175 before them."""
+    for step in range(after, len(series)):
+        reference = statistics.median(series[step - 200 : step - 25])
+        if reference > 0 and max(series[step - 24 : step + 1]) >= 2 * reference:
+            return step
+    return None
+
+
+def signal_table(runs: list[dict]) -> None:
+    """When each optimizer signal first moved on each run, beside its failure: does it move first, and only there?"""
+    twins = twins_of(runs)
+    print("\n### The optimizer's state: its first move (the largest of 25 steps x2 the median of the 175 before)\n")
+    print("| arm | LR | seed | failure (step) | update RMS | stale second moment | update-to-weight |")
+    print("|---|---|---|---|---|---|---|")
+    moved = {name: 0 for name in OPTIMIZER_SIGNALS}
+    for run in runs:
+        fail, kind = failure(run, twins)
+        firsts = {name: first_move(run.get("optimizer_signals", {}).get(name) or []) for name in OPTIMIZER_SIGNALS}
+        for name, step in firsts.items():
+            moved[name] += step is not None
+        cells = [run["arm"], f"{run['peak']:g}", str(run["seed"]), f"{kind} ({fail})" if kind else "-",
+                 *("-" if firsts[name] is None else str(firsts[name]) for name in OPTIMIZER_SIGNALS)]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+    print(f"\nruns on which each moved (of {len(runs)}): " + ", ".join(f"{k} {v}" for k, v in moved.items()))
+
+
 def candidates() -> dict[str, Callable[[], RuleSet]]:
     """One rule at a time: per-head logit levels and surges, and the edge rule at several bounds."""
     heads = keys.HEAD_MAX_LOGIT + "*"
@@ -549,6 +577,7 @@ def main() -> None:
                     args.save.write_text(json.dumps(runs))
     table([run for run in runs if not action_of(run)], args.curvature_every)
     cadence_table([run for run in runs if not action_of(run)])
+    signal_table([run for run in runs if not action_of(run) and run.get("optimizer_signals")])
     clip_table(runs)
     if args.search:
         search(runs)
