@@ -28,10 +28,12 @@ The cadence (``cadence="adaptive"``, the default) follows the risk: ``every_n_st
 taken while the latest ratio is at least 0.5 (on the suite it passes 0.5 some 220-300 steps before a divergence);
 from 0.25 the next sample comes ``3 every_n_steps`` later, below 0.25 ``8 every_n_steps`` later (:data:`LADDER`,
 :func:`adaptive_interval`).
-``cadence="gated"`` makes the curvature a second tier behind the free per-step signals: the next sample comes
-``GATED_BASE`` (10) ``every_n_steps`` later, and ``every_n_steps`` later where the ratio was at least ``DENSE_RATIO``
-(2) or where a first-tier signal moved since the sample (the max-logit bound x1.5, the optimizer's stale-second-moment
-share or update-to-weight x2: :mod:`connmon.curvature.first_tier`, fed by a :class:`~connmon.Monitor`).
+``cadence="gated"`` (opt-in) makes the curvature a second tier behind the free per-step signals: the next sample
+comes ``GATED_BASE`` (10) ``every_n_steps`` later, and ``every_n_steps`` later where the ratio was at least
+``DENSE_RATIO`` (2) or where a first-tier signal moved since the sample (the max-logit bound x1.5 and above 20, Adam's
+update RMS x2: :mod:`connmon.curvature.first_tier`, fed by a :class:`~connmon.Monitor`). It samples less near the
+edge and warns later: on the mechanisms benchmark it kept one of the adaptive cadence's three divergence warnings
+(benchmarks/README.md), which is why ``"adaptive"`` stays the default.
 ``cadence="fixed"`` samples every ``every_n_steps``. Every sample logs the interval it chose,
 ``connmon/curvature_interval``, what the curvature has cost in gradients of the step's batch per training step,
 ``connmon/overhead/curvature_gradients``, and its time, ``connmon/overhead`` and ``connmon/overhead/curvature``
