@@ -69,7 +69,7 @@ RAMP_STEPS = 1500  # the suite's ramp reaches its peak at step 1500
 
 def configs(args: argparse.Namespace) -> list[dict]:
     runs = []
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         for rate, warmup, task, init, width in args.growth:
             common = {"seed": seed, "start": 0.0, "peak": rate, "ramp": warmup, "shape": "warmup", "corpus": task,
                       "init": init, "width": width, "depth": 4, "optimizer": "adamw"}  # fmt: skip
@@ -89,7 +89,7 @@ def configs(args: argparse.Namespace) -> list[dict]:
                 for factor in args.transport_clip:
                     runs.append({"arm": f"healthy transport-clip {factor:g}", "seed": seed, **healthy, "width": 128,
                                  "qk_norm": False, "transport_clip": factor})  # fmt: skip
-        if seed < args.mechanism_seeds:
+        if seed < args.first_seed + args.mechanism_seeds:
             runs += mechanism_arms(seed, args.steps)
         if args.ramp:
             ramp = {"seed": seed, "start": 1e-3, "ramp": 1500, "shape": "exp", "corpus": "markov", "width": 128}
@@ -543,6 +543,7 @@ def growth_setting(text: str) -> tuple:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds first-seed .. first-seed + seeds - 1")
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--growth", type=growth_setting, nargs="*", default=GROWTH,
                         help="logit-growth settings, each 'rate,warmup,task,init,width'")  # fmt: skip
