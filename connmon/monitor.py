@@ -447,9 +447,9 @@ class Monitor(CopiesDetached):
         optimizers = [unwrap_optimizer(optimizer) for optimizer in optimizers]
         self._optimizer = optimizers[0] if len(optimizers) == 1 else None
         self._remove_optimizer_hooks()
-        self._clips_after_step = self.logits is not None and (
+        self._clips_after_step = bool(optimizers) and self.logits is not None and (
             self.qk_clip is not None or self.transport_clip is not None
-        )
+        )  # with no optimizer known, the clips run at the next step's start and at close()
         if self._clips_after_step or self.optimizer_state is not None:
             self._post_hooks = [
                 optimizer.register_step_post_hook(self._after_optimizer_step) for optimizer in optimizers
