@@ -447,8 +447,10 @@ class Monitor(CopiesDetached):
         optimizers = [unwrap_optimizer(optimizer) for optimizer in optimizers]
         self._optimizer = optimizers[0] if len(optimizers) == 1 else None
         self._remove_optimizer_hooks()
-        self._clips_after_step = bool(optimizers) and self.logits is not None and (
-            self.qk_clip is not None or self.transport_clip is not None
+        self._clips_after_step = (
+            bool(optimizers)
+            and self.logits is not None
+            and (self.qk_clip is not None or self.transport_clip is not None)
         )  # with no optimizer known, the clips run at the next step's start and at close()
         if self._clips_after_step or self.optimizer_state is not None:
             self._post_hooks = [
