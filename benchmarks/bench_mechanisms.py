@@ -386,7 +386,7 @@ def curvature_steps(run: dict, cadence: dict) -> set[int]:
 
 
 CADENCES: dict[str, dict] = {
-    'cadence="gated" (base 200; logits above 20 x1.5, update RMS x2; dense from ratio 2)': {
+    "base 200, gated by logits above 20, update RMS, dense from ratio 2 (timed in a run)": {
         "base": 200,
         "signals": ("logit above 20", "update_rms"),
         "dense_ratio": 2.0,

@@ -13,8 +13,6 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
   differences, the adaptive cadence from every_n_steps=20) + ConnectionMonitor(every_n_steps=25,
   diagnostics=("walk",)) + DriftAlert; "recipe x4" the same with 4 micro-batches of 16 per step
   (accumulate_grad_batches=4), against "plain x4".
-* recipe (gated): the same with ``cadence="gated"``: the curvature every 200 steps, every 20 where the ratio is 2 or
-  more or a first-tier signal moved (the max-logit bound, the optimizer's state).
 * recipe (exact_lanczos): the same with exact Lanczos (double backward) every 20 steps, the previous default.
 * recipe (secant): the same with the secant along the update every 20 steps.
 * finite_difference_lanczos_10, secant_1, difference_10, exact_lanczos_10: one SharpnessMonitor alone at that fixed
@@ -105,9 +103,7 @@ def run(config: str, data: DataLoader, workdir: Path, lr: float = 3e-3) -> dict[
         callbacks.append(ConnectionMonitor(every_n_steps=every, figures_every_n_samples=None, **full))
     if config.startswith("recipe"):
         sharpness = SharpnessMonitor(next_token_loss)  # the defaults: gradient differences, adaptive from 20 steps
-        if config == "recipe (gated)":  # the curvature behind the free per-step signals
-            sharpness = SharpnessMonitor(next_token_loss, cadence="gated")
-        elif "(" in config:
+        if "(" in config:
             estimator = config.split("(")[1].rstrip(")")
             sharpness = SharpnessMonitor(next_token_loss, every_n_steps=20, estimator=estimator, cadence="fixed")
         callbacks += [
@@ -211,9 +207,9 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
     data = DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
     configs = [
-        "plain", "monitor_100", "monitor_10", "recipe", "recipe (gated)", "plain x4", "recipe x4",
-        "recipe (exact_lanczos)", "recipe (secant)", "finite_difference_lanczos_10", "secant_1", "difference_10",
-        "exact_lanczos_10", "lanczos budget 5%", "wandb.watch",
+        "plain", "monitor_100", "monitor_10", "recipe", "plain x4", "recipe x4", "recipe (exact_lanczos)",
+        "recipe (secant)", "finite_difference_lanczos_10", "secant_1", "difference_10", "exact_lanczos_10",
+        "lanczos budget 5%", "wandb.watch",
     ]  # fmt: skip
     if args.configs:
         configs = ["plain", *[c for c in configs if c in args.configs and c != "plain"]]

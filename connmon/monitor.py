@@ -23,7 +23,7 @@ from typing_extensions import Unpack
 
 from connmon import keys
 from connmon._budget import FullSampleBudget
-from connmon._collectives import from_rank_zero, gathered_objects, is_distributed, largest_over_processes
+from connmon._collectives import from_rank_zero, gathered_objects, is_distributed
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, cost_line, overhead_values
 from connmon._moved import renamed_name
@@ -38,7 +38,6 @@ from connmon.alerts.runner import AlertRunner
 from connmon.capture import AttentionRecord, armed, attention_layers
 from connmon.capture.max_logit import HeadMaxLogits, fused_path_modules
 from connmon.capture.session import CaptureSession, Layer
-from connmon.curvature.first_tier import FirstTierGate
 from connmon.curvature.optimizer_state import OptimizerSignalWindow
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.metrics import DriftMetrics, LayerwiseMean, SpectrumMetrics, TransportMetrics, WalkMetrics
@@ -242,8 +241,6 @@ class Monitor(CopiesDetached):
         self.extra_steps = alerts.rules.regime_steps(every) if alerts is not None and self.attention else frozenset()
         self.qk_clip = alerts.qk_clip if alerts is not None else None
         self.transport_clip = alerts.transport_clip if alerts is not None else None
-        gated = sharpness is not None and sharpness.cadence == "gated"
-        self.first_tier = FirstTierGate() if gated else None  # where the gated curvature reads densely
 
     # --- the plain-loop API ---------------------------------------------------------------------------------------
 
@@ -518,7 +515,6 @@ class Monitor(CopiesDetached):
             "sharpness": self.sharpness.state_dict() if self.sharpness is not None else None,
             "logits": self._logit_state(),
             "optimizer_state": self.optimizer_state.state_dict() if self.optimizer_state is not None else None,
-            "first_tier": self.first_tier.state_dict() if self.first_tier is not None else None,
         }
 
     def _logit_state(self) -> dict[str, Any] | None:
@@ -585,8 +581,6 @@ class Monitor(CopiesDetached):
             self._restore_logits()
         if self.optimizer_state is not None and state_dict.get("optimizer_state") is not None:
             self.optimizer_state.load_state_dict(state_dict["optimizer_state"])
-        if self.first_tier is not None and state_dict.get("first_tier") is not None:
-            self.first_tier.load_state_dict(state_dict["first_tier"])
 
     def reset(self) -> None:
         """Start the cadence and the time-drift references afresh (a new run)."""
@@ -663,7 +657,7 @@ class Monitor(CopiesDetached):
             if optimizer is None or self.optimizer_state is None or every is None or (self._step_now + 1) % every:
                 return
             try:
-                self._gate(self.optimizer_state.read(optimizer), self._step_now + 1)
+                self.optimizer_state.read(optimizer)
             except Exception as error:  # a reading must not end the training run
                 warn_rank_zero(
                     f"{self.owner}: reading the optimizer's state raised {type(error).__name__}: {error}; it is off "
@@ -679,21 +673,10 @@ class Monitor(CopiesDetached):
         table, bounds = self.logits.read_both()
         self._bound_window = _folded(self._bound_window, bounds)
         self._logit_window = _folded(self._logit_window, table)
-        if self.first_tier is not None and bounds is not None:
-            finite = bounds[torch.isfinite(bounds)]
-            largest = float(finite.max()) if finite.numel() else math.nan
-            if self.logits.tensor_parallel:  # each process holds its own heads: the model's largest, alike everywhere
-                largest = largest_over_processes(-math.inf if math.isnan(largest) else largest)[0]
-            self._gate({keys.metric_key(keys.MAX_LOGIT_BOUND): largest}, step + 1)
         if table is None:
             return
         if clip and self.qk_clip is not None:
             self._clip(step, table)
-
-    def _gate(self, values: Mapping[str, float], steps_taken: int) -> None:
-        """One step's first-tier values to the gated curvature's gate (the same values on every process)."""
-        if self.first_tier is not None and self.sharpness is not None and self.first_tier.step(values):
-            self.sharpness.signal_moved(steps_taken)
 
     def _transport_due(self, steps_taken: int) -> None:
         """The ``"transport_clip"`` action, every ``transport_clip.every_n_steps`` optimizer steps."""
@@ -1025,8 +1008,6 @@ class Monitor(CopiesDetached):
         if values is None:
             return
         values = dict(values)
-        if self.first_tier is not None:
-            self.first_tier.sampled()
         if self.optimizer_state is not None:
             values.update(self.optimizer_state.take())
         if self.alerts is not None:

@@ -28,12 +28,6 @@ The cadence (``cadence="adaptive"``, the default) follows the risk: ``every_n_st
 taken while the latest ratio is at least 0.5 (on the suite it passes 0.5 some 220-300 steps before a divergence);
 from 0.25 the next sample comes ``3 every_n_steps`` later, below 0.25 ``8 every_n_steps`` later (:data:`LADDER`,
 :func:`adaptive_interval`).
-``cadence="gated"`` (opt-in) makes the curvature a second tier behind the free per-step signals: the next sample
-comes ``GATED_BASE`` (10) ``every_n_steps`` later, and ``every_n_steps`` later where the ratio was at least
-``DENSE_RATIO`` (2) or where a first-tier signal moved since the sample (the max-logit bound x1.5 and above 20, Adam's
-update RMS x2: :mod:`connmon.curvature.first_tier`, fed by a :class:`~connmon.Monitor`). It samples less near the
-edge and warns later: on the mechanisms benchmark it kept one of the adaptive cadence's three divergence warnings
-(benchmarks/README.md), which is why ``"adaptive"`` stays the default.
 ``cadence="fixed"`` samples every ``every_n_steps``. Every sample logs the interval it chose,
 ``connmon/curvature_interval``, what the curvature has cost in gradients of the step's batch per training step,
 ``connmon/overhead/curvature_gradients``, and its time, ``connmon/overhead`` and ``connmon/overhead/curvature``
@@ -77,8 +71,8 @@ if TYPE_CHECKING:  # the rules are handed in by the entry points: the curvature 
 Estimator = Literal["finite_difference_lanczos", "exact_lanczos", "difference", "secant"]
 ESTIMATORS: tuple[Estimator, ...] = ("finite_difference_lanczos", "exact_lanczos", "difference", "secant")
 RENAMED_ESTIMATORS = {"gradient_difference": "finite_difference_lanczos", "lanczos": "exact_lanczos"}  # 0.1.0's names
-Cadence = Literal["adaptive", "fixed", "gated"]
-CADENCES: tuple[Cadence, ...] = ("adaptive", "fixed", "gated")
+Cadence = Literal["adaptive", "fixed"]
+CADENCES: tuple[Cadence, ...] = ("adaptive", "fixed")
 RATIO_KEY = keys.SHARPNESS_RATIO
 EIGENVALUE_KEY = keys.SHARPNESS_EIGENVALUE
 UPDATE_RATIO_KEY = keys.UPDATE_SHARPNESS_RATIO
@@ -88,10 +82,6 @@ GRADIENTS_KEY = keys.CURVATURE_GRADIENTS
 # The adaptive cadence: (ratio from which, times every_n_steps), densest first. benchmarks/README.md
 # (bench_sharpness.py: the suite's runs replayed under candidate ladders) has how this one was chosen.
 LADDER: tuple[tuple[float, int], ...] = ((0.5, 1), (0.25, 3), (0.0, 8))
-# The gated cadence: the next sample GATED_BASE every_n_steps later, every_n_steps later from a ratio of DENSE_RATIO
-# or where a first-tier signal moved (connmon.curvature.first_tier). bench_mechanisms.py's cadence table.
-GATED_BASE = 10
-DENSE_RATIO = 2.0
 _MAX_MICRO_BATCHES = 1024  # losses kept for one sampled step (a loop that never steps must not grow a list)
 
 
@@ -161,7 +151,7 @@ class SharpnessSampler(CopiesDetached):
             sampler stretches every interval by ``k``, the smallest stride whose measured mean cost fits at the
             densest interval (decided from the largest figures across processes, so identical everywhere, and saved
             in :meth:`state_dict`). Said once per change.
-        cadence: ``"adaptive"``, ``"gated"`` or ``"fixed"`` (see the module docstring).
+        cadence: ``"adaptive"`` or ``"fixed"``.
         storage: ``"device"``, or ``"cpu"`` to keep a gradient-difference solve's six parameter-sized vectors in host
             memory (see :func:`connmon.curvature.sharpness_ratio`).
         owner: the entry point named in warnings.
@@ -229,7 +219,6 @@ class SharpnessSampler(CopiesDetached):
         self.stride = 1  # with a budget: every interval times stride
         self.gradients = 0  # gradients of a step's batch the samples took (the cost in units of a training step's)
         self.next_step: int | None = None  # adaptive: the next sampled step (None: the first, at every_n_steps)
-        self.last_sampled_step: int | None = None  # the step of the latest sample
         self.held_until = 0  # no sample before this step: the rules watching the ratio are in their cooldown
         self.last_values: dict[str, float] = {}
         self.optimizer: torch.optim.Optimizer | None = None
@@ -280,7 +269,7 @@ class SharpnessSampler(CopiesDetached):
     def reset(self) -> None:
         """A new run: no sample taken, the budget's stride back to 1, the cadence from its start."""
         self.samples, self.stride, self.gradients, self.next_step, self.last_values = 0, 1, 0, None, {}
-        self.held_until, self.last_sampled_step = 0, None
+        self.held_until = 0
 
     def detach(self) -> None:
         """Remove the optimizer hook and drop any pending probe (its parameter copy) and kept losses."""
@@ -401,7 +390,6 @@ class SharpnessSampler(CopiesDetached):
             "gradients": self.gradients,
             "next_step": self.next_step,
             "held_until": self.held_until,
-            "last_sampled_step": self.last_sampled_step,
             "difference_length": self._difference_length,
         }
 
@@ -413,8 +401,6 @@ class SharpnessSampler(CopiesDetached):
         next_step = state_dict.get("next_step")
         self.next_step = int(next_step) if next_step is not None else None
         self.held_until = int(state_dict.get("held_until", 0))
-        last = state_dict.get("last_sampled_step")
-        self.last_sampled_step = int(last) if last is not None else None
         self._difference_length = float(state_dict.get("difference_length", math.nan))
 
     # --- workers ----------------------------------------------------------------------------------------------------
@@ -506,25 +492,11 @@ class SharpnessSampler(CopiesDetached):
 
     def _schedule(self, step: int, ratio: float) -> int:
         """The steps to the next sample (the same on every process: ``ratio`` is their mean)."""
-        self.last_sampled_step = step
         if self.cadence == "fixed":
             return self.every_n_steps * self.stride
-        if self.cadence == "gated":
-            interval = self.every_n_steps * (1 if not ratio < DENSE_RATIO else GATED_BASE) * self.stride  # NaN: dense
-        else:
-            interval = adaptive_interval(ratio, self.every_n_steps) * self.stride
+        interval = adaptive_interval(ratio, self.every_n_steps) * self.stride
         self.next_step = step + interval
         return interval
-
-    def signal_moved(self, step: int) -> None:
-        """A first-tier signal moved after ``step`` optimizer steps (:mod:`connmon.curvature.first_tier`).
-
-        With ``cadence="gated"`` the next sample comes at the densest interval after the latest one; other cadences
-        ignore it.
-        """
-        if self.cadence != "gated" or self.last_sampled_step is None or self.next_step is None:
-            return
-        self.next_step = min(self.next_step, max(step, self.last_sampled_step + self.every_n_steps * self.stride))
 
     def _rebudget(self, step: int) -> None:
         """Choose the stride whose mean cost per sample fits the budget (the same on every process)."""

@@ -12,7 +12,6 @@ import torch
 import connmon
 from connmon.alerts import AlertRunner, edge_of_stability_rule
 from connmon.callbacks import SharpnessMonitor
-from connmon.curvature.first_tier import FirstTierGate
 from connmon.curvature.sampler import SharpnessSampler, keys_of
 from tests.callbacks.lightning_models import LitGPT, loader
 
@@ -305,41 +304,3 @@ def test_past_the_edge_the_sampler_waits_for_the_rules_cooldown_in_every_entry_p
     with pytest.warns(UserWarning, match="past the edge of stability"):
         trainer.fit(LitGPT(), loader())
     assert sorted(seen) == expected
-
-
-def gated_run(jump_at: int | None, steps: int = 24) -> list[int]:
-    """A plain loop with the gated curvature (densest every 2 steps, base 20); the rate x8 from ``jump_at`` on."""
-    torch.manual_seed(0)
-    module = LitGPT()
-    model = module.model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sampler = SharpnessSampler(every_n_steps=2, estimator="secant", cadence="gated")
-    sampled = []
-    monitor = connmon.Monitor(model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer,
-                              sharpness=sampler, log=lambda values, step: sampled.append(step) if RATIO in values
-                              or UPDATE in values else None)  # fmt: skip
-    # the mechanism under test; the default signals are chosen on bench_mechanisms.py's runs
-    monitor.first_tier = FirstTierGate({"connmon/update_to_weight": (2.0, 0.0)})
-    batches = itertools.cycle(loader())
-    for step in range(steps):
-        if step == jump_at:
-            for group in optimizer.param_groups:
-                group["lr"] *= 8
-        with monitor.step(step):
-            loss = next_token_loss(model, next(batches))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    state = monitor.state_dict()["first_tier"]
-    monitor.close()
-    return sampled, state
-
-
-def test_the_gated_curvature_samples_at_its_base_until_a_first_tier_signal_moves():
-    """Far below the edge the gated cadence waits 10 densest intervals; the update-to-weight ratio x8 (the rate
-    raised) is a move, and the next sample comes at the densest interval after the last."""
-    quiet, _ = gated_run(None)
-    assert quiet[:2] == [2, 22]  # the first at every_n_steps, then the base
-    moved, state = gated_run(jump_at=5)
-    assert moved[:2] == [2, 7]  # the step-5 update moved it: due at step 6 (the secant reads 6's update at 7)
-    assert state["reference"] and set(state["recent"]) >= {"connmon/update_to_weight"}
