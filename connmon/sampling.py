@@ -62,7 +62,7 @@ class SamplingOptions:
             AdamW's update RMS, stale-second-moment share and update-to-weight ratio; SGD momentum's update-to-weight:
             :mod:`connmon.curvature.optimizer_state`), logged at each sample as the largest since the previous one
             (``connmon/update_rms``, ``connmon/stale_second_moment``, ``connmon/update_to_weight``); None for never.
-            It costs 1-1.5% of a CPU step (``benchmarks/bench_step_signals.py``).
+            It costs 1.2-1.5% of a CPU step (widths 128-768) (``benchmarks/bench_step_signals.py``).
 
     Raises:
         ValueError: for an invalid option (the message names it and the valid values).
