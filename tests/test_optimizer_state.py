@@ -86,6 +86,7 @@ def test_a_monitor_reads_the_optimizer_after_every_step_and_logs_the_largest_sin
     """The window logged at a sample is the largest of each signal over the steps since the previous one, each step's
     value the definition's after that step; a checkpoint carries the window; None turns the reading off."""
     import connmon
+    from tests.alerts.test_clip_timing import plain_run
     from tests.capture.models import TinyGPT
 
     torch.manual_seed(0)
@@ -96,13 +97,7 @@ def test_a_monitor_reads_the_optimizer_after_every_step_and_logs_the_largest_sin
     logged: dict[int, dict[str, float]] = {}
     monitor = connmon.Monitor(net, every_n_steps=3, diagnostics=("walk",), optimizer=optimizer,
                               log=lambda values, step: logged.setdefault(step, values))  # fmt: skip
-    for step in range(5):
-        ids = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(step))
-        with monitor.step(step):
-            loss = torch.nn.functional.cross_entropy(net(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    plain_run(net, optimizer, monitor, steps=5)
     for name in ("update_rms", "stale_second_moment", "update_to_weight"):
         assert f"connmon/{name}" not in logged[0]  # no step taken before the first sample
         expected = max(values[name] for values in per_step[:3])  # steps 1..3 taken by the sample at step 3

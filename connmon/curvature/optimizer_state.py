@@ -24,13 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from connmon import keys
 from connmon._collectives import is_distributed, local, sum_over_processes
 from connmon._optimizer import unwrap_optimizer
-from connmon.keys import PREFIX
 
 __all__ = ["OPTIMIZER_SIGNALS", "OptimizerSignalWindow", "optimizer_signals"]
 
 OPTIMIZER_SIGNALS = ("update_rms", "stale_second_moment", "update_to_weight")
+SIGNAL_KEYS = dict(
+    zip(OPTIMIZER_SIGNALS, (keys.UPDATE_RMS, keys.STALE_SECOND_MOMENT, keys.UPDATE_TO_WEIGHT), strict=True)
+)
 
 
 class OptimizerSignalWindow:
@@ -58,7 +61,7 @@ class OptimizerSignalWindow:
 
     def read(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """This step's signals as ``connmon/<signal>`` (a collective under ``torch.distributed``), folded in."""
-        values = {f"{PREFIX}{name}": value for name, value in optimizer_signals(optimizer).items()}
+        values = {SIGNAL_KEYS[name]: value for name, value in optimizer_signals(optimizer).items()}
         for key, value in values.items():
             kept = self.largest.get(key)
             self.largest[key] = value if kept is None or not value <= kept else kept  # NaN is kept: it says most
