@@ -26,6 +26,28 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def process_count() -> int:
+    """How many processes the default group has (1 without an initialized ``torch.distributed``).
+
+    Examples:
+        >>> from connmon._collectives import process_count
+        >>> process_count()
+        1
+    """
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def process_rank() -> int:
+    """This process's global rank (0 without an initialized ``torch.distributed``).
+
+    Examples:
+        >>> from connmon._collectives import process_rank
+        >>> process_rank()
+        0
+    """
+    return dist.get_rank() if is_distributed() else 0
+
+
 def local(tensor: Tensor) -> Tensor:
     """A ``DTensor``'s local part (its storage), else the tensor itself (no collective).
 

@@ -8,7 +8,7 @@ import sys
 import warnings
 from types import FrameType
 
-import torch.distributed as dist
+from connmon._collectives import process_rank
 
 _FRAMEWORKS = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "transformers", "accelerate")
 _HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
@@ -22,7 +22,7 @@ def is_rank_zero() -> bool:
         >>> is_rank_zero()
         True
     """
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return process_rank() == 0
 
 
 def warn_rank_zero(message: str) -> None:

@@ -247,7 +247,7 @@ class Monitor(CopiesDetached):
     def __getattr__(self, name: str) -> Any:
         """Deprecated: an option read as the monitor's attribute (``monitor.every_n_steps``): read ``options``."""
         if name in OPTION_NAMES and "options" in self.__dict__:
-            renamed_name(f"Monitor.{name}", f"Monitor.options.{name}")
+            renamed_name(f"Monitor.{name}", f"Monitor.options.{name}", removed_in="0.2.0")
             return getattr(self.__dict__["options"], name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

@@ -9,15 +9,22 @@ from pathlib import Path
 import connmon
 
 ROOT = Path(connmon.__file__).parent
-# a module in one of these packages never imports one in the others listed after it (lower layers first)
-LAYERS = [
-    ("connmon._linalg", "connmon.functional"),
-    ("connmon.functional", "connmon.capture", "connmon.curvature", "connmon.metrics"),
-    ("connmon.capture", "connmon.curvature", "connmon.alerts", "connmon.monitor", "connmon.callbacks"),
-    ("connmon.curvature", "connmon.capture", "connmon.metrics", "connmon.monitor", "connmon.callbacks"),
-    ("connmon.metrics", "connmon.alerts", "connmon.monitor", "connmon.callbacks"),
-    ("connmon.alerts", "connmon.monitor", "connmon.callbacks", "connmon.integrations"),
-]
+# every module's floor, lowest first: a module imports only modules of lower floors and of its own group (a package
+# or a module named here); two groups on one floor never import each other
+FLOORS = [
+    ("connmon.keys", "connmon._collectives", "connmon._copying", "connmon._moved", "connmon._optimizer",
+     "connmon._options", "connmon._pause", "connmon.demo", "connmon.sample_text", "connmon.sinks.figures",
+     "connmon.sinks.wandb"),
+    ("connmon._ranks", "connmon._cost", "connmon._linalg"),
+    ("connmon._saved_state", "connmon._budget", "connmon.functional", "connmon.sampling", "connmon.sinks.panels"),
+    ("connmon.capture",),
+    ("connmon.metrics", "connmon.curvature", "connmon._probe"),
+    ("connmon.alerts", "connmon.analysis", "connmon.sinks.workspace"),
+    ("connmon.monitor",),
+    ("connmon.callbacks", "connmon.integrations"),
+    ("connmon", "connmon.loggers", "connmon.sinks"),
+    ("connmon.cli",),
+]  # fmt: skip
 
 
 def modules() -> dict[str, Path]:
@@ -72,17 +79,41 @@ def test_no_import_cycle():
     assert not cycles
 
 
-def test_no_layer_imports_one_above_it():
-    edges = graph()
-    wrong = [
-        (name, target)
-        for lower, *above in LAYERS
-        for name, targets in edges.items()
-        if name == lower or name.startswith(lower + ".")
-        for target in targets
-        if any(target == up or target.startswith(up + ".") for up in above)
-    ]
+def group_of(name: str) -> tuple[int, str] | None:
+    """The floor and group of module ``name``: the longest group that is it or a package above it."""
+    places = [(len(group), floor, group) for floor, groups in enumerate(FLOORS) for group in groups
+              if name == group or name.startswith(group + ".")]  # fmt: skip
+    return max(places)[1:] if places else None
+
+
+def test_every_module_has_a_floor():
+    missing = sorted(name for name in modules() if group_of(name) is None)
+    assert not missing, f"give them a floor in FLOORS: {missing}"
+
+
+def test_no_module_imports_one_above_it_or_beside_it():
+    wrong = []
+    for name, targets in graph().items():
+        floor, group = group_of(name) or (0, name)
+        for target in targets:
+            there, other = group_of(target) or (0, target)
+            if there > floor or (there == floor and other != group):
+                wrong.append(f"{name} (floor {floor}) imports {target} (floor {there})")
     assert not wrong
+
+
+def test_collectives_go_through_one_module():
+    """Only ``connmon._collectives`` calls ``torch.distributed`` (its process-group and collective functions)."""
+    calls = []
+    for path in sorted(ROOT.rglob("*.py")):
+        if path.name == "_collectives.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = ast.unparse(node.func.value)
+                if owner in ("dist", "torch.distributed"):
+                    calls.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {ast.unparse(node.func)}")
+    assert not calls, f"call them through connmon._collectives: {calls}"
 
 
 def test_the_type_checker_exemptions_only_shrink():

@@ -234,5 +234,5 @@ def _rule_hint(item: object) -> str:
 def __getattr__(name: str) -> object:
     if name != "ACTIONS":
         raise AttributeError(f"module 'connmon.alerts.runner' has no attribute {name!r}")
-    renamed_name("connmon.alerts.ACTIONS", "DEFAULT_ACTIONS (KNOWN_ACTIONS lists them all)")
+    renamed_name("connmon.alerts.ACTIONS", "DEFAULT_ACTIONS (KNOWN_ACTIONS lists them all)", removed_in="0.2.0")
     return DEFAULT_ACTIONS

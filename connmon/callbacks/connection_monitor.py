@@ -83,7 +83,7 @@ class ConnectionMonitor(CopiesDetached, Callback):
     def __getattr__(self, name: str) -> Any:
         """Deprecated: an option read as the callback's attribute (``monitor.every_n_steps``): read ``options``."""
         if name in SAMPLING_OPTIONS:
-            renamed_name(f"ConnectionMonitor.{name}", f"ConnectionMonitor.options.{name}")
+            renamed_name(f"ConnectionMonitor.{name}", f"ConnectionMonitor.options.{name}", removed_in="0.2.0")
             return getattr(self.__dict__["monitor"].options, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

@@ -25,11 +25,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from connmon._collectives import gathered, is_distributed, local, max_over_processes
+from connmon._collectives import gathered, is_distributed, local, max_over_processes, process_count
 from connmon._cost import CostClock
 from connmon._pause import is_paused
 from connmon.capture.forward_wrapper import ForwardWrapper
@@ -527,7 +526,7 @@ class _Watch(TorchFunctionMode):
     def _tensor_parallel(self, mesh: Any) -> None:
         """The layer's projections are split by head (tensor parallelism): each process reads its own heads."""
         tracker = self.tracker
-        if mesh.ndim == 1 and mesh.size() == dist.get_world_size():
+        if mesh.ndim == 1 and mesh.size() == process_count():
             tracker._tensor_parallel = True
             return
         tracker._unread.add(self.index)

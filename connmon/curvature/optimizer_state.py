@@ -21,11 +21,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from connmon import keys
-from connmon._collectives import is_distributed, local, sum_over_processes
+from connmon._collectives import is_distributed, local, process_count, sum_over_processes
 from connmon._optimizer import unwrap_optimizer
 
 __all__ = ["OPTIMIZER_SIGNALS", "OptimizerSignalWindow", "optimizer_signals"]
@@ -101,7 +100,7 @@ def optimizer_signals(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     if not adam and not isinstance(optimizer, torch.optim.SGD):
         return {}
-    processes = dist.get_world_size() if is_distributed() else 1
+    processes = process_count()
     sums: list[Tensor] = []  # per group: [sum (lr u)^2, sum u^2, coordinates, stale coordinates, sum theta^2]
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if _has_state(optimizer.state.get(p, {}), adam)]

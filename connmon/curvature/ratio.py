@@ -67,11 +67,11 @@ class Sharpness:
     @property
     def step(self) -> float:
         """Deprecated: :attr:`difference_length` (a step is an optimizer step in connmon)."""
-        renamed_name("Sharpness.step", "Sharpness.difference_length")
+        renamed_name("Sharpness.step", "Sharpness.difference_length", removed_in="0.2.0")
         return self.difference_length
 
 
-@renamed_keywords(relative_step="relative_length", initial_step="initial_length")  # 0.1.0's names
+@renamed_keywords("0.2.0", relative_step="relative_length", initial_step="initial_length")  # 0.1.0's names
 def sharpness_ratio(
     loss_fn: Callable[[], Tensor] | Sequence[Callable[[], Tensor]],
     optimizer: torch.optim.Optimizer,

@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from connmon import keys
-from connmon._collectives import gathered_objects, largest_over_processes, sum_over_processes
+from connmon._collectives import gathered_objects, is_distributed, largest_over_processes, sum_over_processes
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, check_budget, overhead_values, stride_for
 from connmon._moved import renamed
@@ -199,7 +199,7 @@ class SharpnessSampler(CopiesDetached):
         check_int("lanczos_steps", lanczos_steps)
         check_budget(budget)
         if estimator in RENAMED_ESTIMATORS:
-            estimator = renamed("estimator", estimator, RENAMED_ESTIMATORS[estimator])  # type: ignore[assignment]
+            estimator = renamed("estimator", estimator, RENAMED_ESTIMATORS[estimator], removed_in="0.2.0")  # type: ignore[assignment]
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got estimator={estimator!r}")
         if cadence not in CADENCES:
@@ -465,7 +465,7 @@ class SharpnessSampler(CopiesDetached):
             measured = failure is None
             total = torch.tensor([ratio if measured else 0.0, float(measured), float(not measured)],
                                  dtype=torch.float64, device=self._device)  # fmt: skip
-            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            distributed = is_distributed()
             if distributed:
                 sum_over_processes(total)  # every process takes part in exactly one reduction per sample
             summed, count, failed = total.tolist()

@@ -19,11 +19,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from connmon._collectives import local, sum_over_processes
+from connmon._collectives import local, process_count, sum_over_processes
 from connmon.curvature.lockstep import Lockstep
 
 
@@ -48,7 +47,7 @@ class Shards:
 
     def __init__(self, params: Sequence[Tensor]) -> None:
         self.params = list(params)
-        self.world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.world = process_count()
         self.sharded = any(isinstance(p, DTensor) for p in self.params)
         self.copies: list[int] = []  # how many processes hold each local element of parameter i
         for p in self.params:

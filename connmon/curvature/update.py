@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from connmon._collectives import local, sum_over_processes
+from connmon._collectives import local, process_count, sum_over_processes
 from connmon._optimizer import unwrap_optimizer
 from connmon.curvature.geometry import optimizer_kind, parameter_steps, widened
 from connmon.curvature.lockstep import Lockstep, PeerFailure, settle
@@ -141,7 +140,7 @@ class UpdateProbe:
         self._check()
         device = self.params[0].device if self.params else torch.device("cpu")
         losses = []
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = process_count()
         lockstep = Lockstep(world, local(self.params[0]).device if self.params else device)
         with training_state_kept(model, device), torch.no_grad():
             state = "now"  # which point the parameters hold: now, before (theta - u), ahead (theta + u)

@@ -725,4 +725,4 @@ def ov_spectral_radius(w_v: Tensor, w_o: Tensor, *, scale: Tensor | None = None)
 def __getattr__(name: str) -> object:
     if name not in ("connection_matvec", "walk_basis"):
         raise AttributeError(f"module 'connmon.functional.spectrum' has no attribute {name!r}")
-    return moved("connmon.functional.spectrum", name, "connmon.functional.operator")
+    return moved("connmon.functional.spectrum", name, "connmon.functional.operator", removed_in="0.2.0")

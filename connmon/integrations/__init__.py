@@ -24,4 +24,4 @@ _MOVED = {
 def __getattr__(name: str) -> Any:
     if name not in _MOVED:
         raise AttributeError(f"module 'connmon.integrations' has no attribute {name!r}")
-    return moved("connmon.integrations", name, _MOVED[name])
+    return moved("connmon.integrations", name, _MOVED[name], removed_in="0.2.0")

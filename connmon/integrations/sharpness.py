@@ -1,6 +1,6 @@
 """Deprecated: the curvature sampler moved to :mod:`connmon.curvature.sampler`.
 
-These names keep working for one release, each with a ``DeprecationWarning`` that names its new place.
+These names keep working until connmon 0.2.0, each with a ``DeprecationWarning`` that names its new place.
 """
 
 from __future__ import annotations
@@ -15,4 +15,4 @@ def __getattr__(name: str) -> Any:
 
     if name.startswith("_") or not hasattr(connmon.curvature.sampler, name):
         raise AttributeError(f"module 'connmon.integrations.sharpness' has no attribute {name!r}")
-    return moved("connmon.integrations.sharpness", name, "connmon.curvature.sampler")
+    return moved("connmon.integrations.sharpness", name, "connmon.curvature.sampler", removed_in="0.2.0")

@@ -10,4 +10,4 @@ from connmon._moved import moved
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
-    return moved("connmon.loggers.wandb", name, "connmon.sinks.wandb")
+    return moved("connmon.loggers.wandb", name, "connmon.sinks.wandb", removed_in="0.2.0")

@@ -10,4 +10,4 @@ from connmon._moved import moved
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
-    return moved("connmon.loggers.workspace", name, "connmon.sinks.workspace")
+    return moved("connmon.loggers.workspace", name, "connmon.sinks.workspace", removed_in="0.2.0")
