@@ -132,7 +132,7 @@ def run(config: str, data: DataLoader, workdir: Path, lr: float = 3e-3) -> dict[
     trainer.fit(model, data)
     if config == "wandb.watch":
         logger.experiment.finish()
-    clocks = [cb.monitor.clock for cb in callbacks if isinstance(cb, ConnectionMonitor)]
+    clocks = [cb.sampler.clock for cb in callbacks if isinstance(cb, ConnectionMonitor)]
     clocks += [cb.sampler.clock for cb in callbacks if isinstance(cb, SharpnessMonitor)]
     spent = sum(c.spent for c in clocks)  # as connmon/overhead: every monitor's time over the rest of the fit's
     logged = spent / (max(c.training + c.spent for c in clocks) - spent) if clocks else 0.0

@@ -121,13 +121,21 @@ class AlertRunner:
         self.qk_clip = (qk_clip or QKClip()) if "qk_clip" in self.actions else None
         self.transport_clip = (transport_clip or TransportClip()) if "transport_clip" in self.actions else None
 
-    def run(self, values: Mapping[str, float], step: int, wandb: Any = None) -> tuple[list[Alert], bool]:
+    def run(
+        self,
+        values: Mapping[str, float],
+        step: int,
+        wandb: Any = None,
+        agree: Callable[[bool], bool] = bool,
+    ) -> tuple[list[Alert], bool]:
         """Feed one sample's values; returns the alerts raised and whether they ask the run to stop.
 
         Args:
             values: every logged key of the sample and its value.
             step: the sample's step.
             wandb: a :class:`connmon.sinks.wandb.WandbSink`, or None.
+            agree: a decision every process takes together (a trainer's any-process reduction); the restore point
+                asked for and the stop are agreed through it, so one process's request is every process's.
         """
         alerts = self.rules.update(values, step)
         self.total += len(alerts)
@@ -150,10 +158,13 @@ class AlertRunner:
                 f"{self.backoff.scale:g} of what the optimizer's groups and scheduler set): "
                 f"{', '.join(sorted({a.rule for a in alerts if a.rule in self.backoff.rules}))}"
             )
-        if self.restore_points is not None:
-            self.restore_points.request(alerts, step)
+        points = self.restore_points
+        if points is not None:
+            points.request(alerts, step)
+            if agree(points.due is not None) and points.due is None:
+                points.due = step  # asked on another process
         threshold = LEVELS.index(self.stop_level)
-        stop = "stop" in self.actions and any(LEVELS.index(a.level) >= threshold for a in alerts)
+        stop = "stop" in self.actions and agree(any(LEVELS.index(a.level) >= threshold for a in alerts))
         return alerts, stop
 
     def attach(self, optimizers: Sequence[Any], owner: str) -> None:

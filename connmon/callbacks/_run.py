@@ -1,9 +1,11 @@
-"""One :class:`connmon.Monitor` per Lightning ``Trainer``: the parts connmon's callbacks bring, put together once.
+"""One :class:`connmon.Monitor` per Lightning ``Trainer``, over the parts connmon's callbacks bring.
 
-``ConnectionMonitor`` brings the attention sampling (its monitor becomes the run's), ``SharpnessMonitor`` the
-curvature sampler, ``DriftAlert`` the rules and actions. Each callback registers its part in ``setup`` and forwards
-its own trainer events to the run's monitor; the monitor runs curvature, rules, actions and logging as it does for
-every entry point. No callback looks another up.
+``ConnectionMonitor`` brings an attention sampler (several compose: each samples on its own cadence, every one's
+values go to the rules), ``SharpnessMonitor`` the curvature sampler, ``DriftAlert`` the rules and actions. Each
+callback registers its part in ``setup`` and forwards every trainer event to the run (:class:`RunPart`); the run
+translates the events of the first registered callback into the monitor's protocol, once per event, and carries out
+each step's :class:`connmon.monitor.StepOutcome` the Lightning way (``trainer.should_stop``,
+``trainer.save_checkpoint``). No callback looks another up.
 """
 
 from __future__ import annotations
@@ -11,17 +13,21 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from connmon.alerts.runner import AlertRunner
+from connmon.attention_sampler import AttentionSampler
 from connmon.curvature.sampler import SharpnessSampler
-from connmon.monitor import Monitor
+from connmon.monitor import Monitor, StepOutcome
 from connmon.sinks.wandb import find_sink
 
 _RUNS: weakref.WeakKeyDictionary[Trainer, LightningRun] = weakref.WeakKeyDictionary()
+Listener = Callable[[int, dict[str, float]], None]
 
 
 def run_of(trainer: Trainer) -> LightningRun:
@@ -32,42 +38,62 @@ def run_of(trainer: Trainer) -> LightningRun:
     return run
 
 
-class LightningRun:
-    """The parts registered for one fit, the one monitor they make, and what only a Lightning trainer does for it.
+def running(trainer: Trainer | None) -> LightningRun | None:
+    """The run of ``trainer``'s fit if one is under way (None outside a fit)."""
+    return _RUNS.get(trainer) if trainer is not None else None
 
-    The run's monitor is the first registered ``ConnectionMonitor``'s (a further one samples on its own, without
-    the rules), else a monitor that reads no attention. It logs to every logger of the trainer; a stop request
-    becomes ``trainer.should_stop``; a restore point is ``trainer.save_checkpoint`` once the optimizer stepped.
+
+class LightningRun:
+    """The parts registered for one fit, the monitor over them, and what only a Lightning trainer does for it.
+
+    The monitor logs to every logger of the trainer; a stop becomes ``trainer.should_stop``; a restore point is
+    ``trainer.save_checkpoint`` once the optimizer stepped.
     """
 
     def __init__(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        self.attention: list[Monitor] = []
+        self.samplers: list[tuple[AttentionSampler, Listener, dict[str, Any] | None]] = []
         self.sharpness: SharpnessSampler | None = None
+        self.loss_fn: Callable[..., Tensor] | None = None
         self.alerts: AlertRunner | None = None
         self.monitor: Monitor | None = None  # put together at the fit's start
+        self._driver: Callback | None = None  # the callback whose events the run translates (the first registered)
+        self._curvature_listener: Listener | None = None
         self._started = False
         self._ended = False
         self._step_at_batch_start = -1
+        self._first_micro_batch = True  # the next batch starts an optimizer step
         self._restore_root = "connmon_restore_points"
-        self._curvature_listener: Callable[[int, dict[str, float]], None] | None = None
 
     # --- registration (each callback's setup) ---------------------------------------------------------------------
 
-    def add_attention(self, monitor: Monitor) -> None:
-        """A ``ConnectionMonitor``'s monitor; the first one is the run's."""
-        if all(known is not monitor for known in self.attention):
-            monitor.log = self.log
-            self.attention.append(monitor)
+    def add_attention(
+        self, caller: Callback, sampler: AttentionSampler, listener: Listener, saved: dict[str, Any] | None
+    ) -> None:
+        """A ``ConnectionMonitor``'s sampler, its ``listener(step, values)`` and the run state it loaded (if any)."""
+        self._join(caller)
+        if all(known is not sampler for known, _, _ in self.samplers):
+            self.samplers.append((sampler, listener, saved))
 
-    def add_sharpness(self, sampler: SharpnessSampler, listener: Callable[[int, dict[str, float]], None]) -> None:
-        """A ``SharpnessMonitor``'s sampler, and its ``listener(step, values)`` of every curvature sample."""
-        self.sharpness = sampler
-        self._curvature_listener = listener
+    def add_sharpness(
+        self, caller: Callback, sampler: SharpnessSampler, listener: Listener, loss_fn: Callable[..., Tensor] | None
+    ) -> None:
+        """A ``SharpnessMonitor``'s sampler, its ``listener(step, values)`` of every curvature sample, its loss."""
+        self._join(caller)
+        self.sharpness, self._curvature_listener, self.loss_fn = sampler, listener, loss_fn
 
-    def add_alerts(self, runner: AlertRunner) -> None:
+    def add_alerts(self, caller: Callback, runner: AlertRunner) -> None:
         """A ``DriftAlert``'s rules and actions."""
+        self._join(caller)
         self.alerts = runner
+
+    def _join(self, caller: Callback) -> None:
+        if self._driver is None:
+            self._driver = caller
+
+    def drives(self, caller: Callback) -> bool:
+        """Whether ``caller``'s events are the ones the run translates (the first callback registered)."""
+        return caller is self._driver and self.monitor is not None and not self._ended
 
     # --- the fit ----------------------------------------------------------------------------------------------------
 
@@ -75,71 +101,84 @@ class LightningRun:
         """At the fit's start (every callback's ``on_fit_start``; the first call does it): the monitor, attached."""
         if self.monitor is not None:
             return self.monitor
-        if self.alerts is not None and not self.attention and self.sharpness is None:
+        if self.alerts is not None and not self.samplers and self.sharpness is None:
             rank_zero_warn("DriftAlert watches the values of a ConnectionMonitor, and the Trainer has none: add one")
-        if self.attention:
-            monitor = self.attention[0]
-        else:
-            monitor = Monitor(owner="SharpnessMonitor", log=self.log, attention=False, optimizer_hook=False)
+        owner = "ConnectionMonitor" if self.samplers else "SharpnessMonitor"
+        monitor = Monitor(
+            log=self.log, owner=owner, attention=[sampler for sampler, _, _ in self.samplers], optimizer_hook=False
+        )
         monitor.use(alerts=self.alerts, sharpness=self.sharpness)
         monitor.agree = lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False)
-        sink = find_sink(trainer.loggers)
-        for each in {*self.attention, monitor}:
-            each.sink = sink
+        monitor.sink = find_sink(trainer.loggers)
         if self.alerts is not None and self.alerts.restore_points is not None:
             self._restore_root = trainer.strategy.broadcast(_restore_root(trainer))
-        monitor.add_listener(self._after_rules)
-        monitor.add_listener(self._after_rules, of="curvature")
+        for sampler, listener, saved in self.samplers:
+            monitor.add_listener(listener, sampler=sampler)
+            if saved is not None and sampler is monitor.attention_sampler:
+                monitor.load_run_state(saved)
         if self._curvature_listener is not None:
             monitor.add_listener(self._curvature_listener, of="curvature")
         self.monitor = monitor
-        for each in self.attention:
-            if each.attach(pl_module) and not trainer.loggers and each is monitor:
-                rank_zero_warn("ConnectionMonitor: no logger is attached, so its values are computed but not logged")
-        if not self.attention:
-            monitor.attach(pl_module)
+        if monitor.attach(pl_module) and not trainer.loggers:
+            rank_zero_warn("ConnectionMonitor: no logger is attached, so its values are computed but not logged")
         return monitor
 
     def start(self, trainer: Trainer) -> None:
-        """The optimizers exist (``on_train_start``): the curvature and the back-off watch them."""
+        """The optimizers exist (``on_train_start``): the curvature, the back-off and the clips watch them."""
         if self.monitor is None or self._started:
             return
         self._started = True
         self.monitor.attach_optimizers(trainer.optimizers)
 
-    def batch_started(self, trainer: Trainer) -> None:
-        """Note the step, to act only once the optimizer has stepped."""
-        self._step_at_batch_start = trainer.global_step
+    def epoch_started(self, caller: Callback) -> None:
+        """An epoch's first batch starts an optimizer step (Lightning steps on an epoch's last batch)."""
+        if self.drives(caller):
+            self._first_micro_batch = True
 
-    def batch_ended(self, trainer: Trainer) -> None:
-        """Once the optimizer stepped: a restore point an alert asked for is saved."""
-        self._save_restore_point(trainer)
+    def batch_started(self, caller: Callback, trainer: Trainer, pl_module: LightningModule, batch: Any) -> None:
+        """A micro-batch's forward begins: the curvature keeps its loss, the capture arms on a sampled step."""
+        if not self.drives(caller):
+            return
+        assert self.monitor is not None
+        step = self._step_at_batch_start = trainer.global_step
+        if self.sharpness is not None and self.sharpness.reads_forward(step):
+            with trainer.precision_plugin.train_step_context():
+                loss = partial(self.loss_fn, pl_module, batch) if self.loss_fn is not None else None
+                self.monitor.read_forward(step, loss, pl_module)
+        self.monitor.step_start(step, pl_module, first=self._first_micro_batch)
+
+    def before_optimizer_step(self, caller: Callback, trainer: Trainer) -> None:
+        """After the backward, before the step: the curvature's Lanczos and secant readings."""
+        if self.drives(caller):
+            assert self.monitor is not None
+            with trainer.precision_plugin.train_step_context():
+                self.monitor.before_optimizer_step(trainer.global_step)
+
+    def batch_ended(self, caller: Callback, trainer: Trainer, pl_module: LightningModule) -> None:
+        """A micro-batch ended: its sample logged; once the optimizer stepped, a probe, a stop, a restore point."""
+        if not self.drives(caller):
+            return
+        assert self.monitor is not None
+        stepped = trainer.global_step != self._step_at_batch_start  # Lightning's own count: the optimizer stepped
+        self._first_micro_batch = stepped
+        self.monitor.forward_end()
+        outcome = self.monitor.step_end(self._step_at_batch_start, self.rule_values)
+        if stepped:
+            outcome = self.monitor.model_updated(trainer.global_step, pl_module, self.rule_values)
+        self._carry_out(trainer, outcome)
 
     def end(self, failed: bool = False) -> None:
-        """The fit is over (``teardown``) or ``failed`` (``on_exception``): every hook goes, the parts go back.
-
-        A failed fit's partial sample is forgotten.
-        """
+        """The fit is over (``teardown``) or ``failed`` (``on_exception``): every hook goes, a failed sample too."""
         if self._ended:
             return
         self._ended = True
-        for monitor in self.attention:
-            if failed:
-                monitor.discard()
-            monitor.close()
-            monitor.log = None
         if self.monitor is not None:
-            if not self.attention:  # the run's own curvature-only monitor: closed nowhere else
-                self.monitor.close()
-            self.monitor.use()
-            self.monitor.agree = bool
-            self.monitor.remove_listener(self._after_rules)
-            self.monitor.remove_listener(self._after_rules, of="curvature")
-            if self._curvature_listener is not None:
-                self.monitor.remove_listener(self._curvature_listener, of="curvature")
+            if failed:
+                self.monitor.discard()
+            self.monitor.close()
         _RUNS.pop(self.trainer, None)
 
-    # --- what the monitor calls ---------------------------------------------------------------------------------------
+    # --- what the monitor calls and asks for --------------------------------------------------------------------------
 
     def log(self, values: dict[str, float], step: int) -> None:
         """Every logger of the trainer (the monitor calls it on rank zero)."""
@@ -158,24 +197,74 @@ class LightningRun:
                 scalars[key] = float(value)
         return scalars
 
-    def _after_rules(self, step: int, values: dict[str, float]) -> None:
-        trainer = self.trainer
-        if self.monitor is None or self.alerts is None:
-            return
-        if self.monitor.should_stop and not trainer.should_stop:
+    def _carry_out(self, trainer: Trainer, outcome: StepOutcome) -> None:
+        """A stop becomes ``trainer.should_stop``; a restore point due is saved once the optimizer stepped."""
+        if outcome.stop is not None and not trainer.should_stop and self.alerts is not None:
             trainer.should_stop = True
-            self.alerts.say_stop("DriftAlert", step)
-        self._save_restore_point(trainer)  # a sample ends in its callback's on_train_batch_end, before or after ours
-
-    def _save_restore_point(self, trainer: Trainer) -> None:
+            self.alerts.say_stop("DriftAlert", outcome.stop)
         points = self.alerts.restore_points if self.alerts is not None else None
-        if points is None or points.due is None or trainer.global_step == self._step_at_batch_start:
+        if points is None or outcome.restore_point is None or trainer.global_step == self._step_at_batch_start:
             return  # nothing asked, or inside a step (its first micro-batches): after the optimizer steps
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         step = trainer.global_step
         path = trainer.strategy.broadcast(points.path(step, root=self._restore_root))  # rank zero's name everywhere
         points.save_due(step, path, trainer.save_checkpoint, trainer.strategy.remove_checkpoint, owner="DriftAlert")
+
+
+class RunPart(Callback):
+    """A connmon callback: one part of its Trainer's run, forwarding every trainer event to it.
+
+    A subclass registers its part in :meth:`join` (called by ``setup`` on fit); the run translates the events of
+    the first part registered into its monitor's protocol.
+    """
+
+    def join(self, run: LightningRun, trainer: Trainer) -> None:
+        """Register this callback's part with ``run`` (``setup`` on fit)."""
+        raise NotImplementedError
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """On fit: join the Trainer's run."""
+        if stage == "fit":
+            self.join(run_of(trainer), trainer)
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The run's monitor is put together and finds the attention layers where the model now lives."""
+        run_of(trainer).begin(trainer, pl_module)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The optimizers exist: the curvature, the back-off, the clips and the optimizer's state watch them."""
+        run_of(trainer).start(trainer)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """An epoch's first batch starts an optimizer step."""
+        run_of(trainer).epoch_started(self)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        """A micro-batch begins (the run's :meth:`LightningRun.batch_started`)."""
+        run_of(trainer).batch_started(self, trainer, pl_module, batch)
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        """After the backward, before the optimizer steps (the run's curvature readings)."""
+        run_of(trainer).before_optimizer_step(self, trainer)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """A micro-batch ended (the run's :meth:`LightningRun.batch_ended`)."""
+        run_of(trainer).batch_ended(self, trainer, pl_module)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """Remove every hook and forget a partial sample if the run fails."""
+        run = running(trainer)
+        if run is not None:
+            run.end(failed=True)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Remove every hook at the end of the fit."""
+        run = running(trainer)
+        if stage == "fit" and run is not None:
+            run.end()
 
 
 def _restore_root(trainer: Trainer) -> str:

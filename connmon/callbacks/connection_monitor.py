@@ -5,18 +5,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import Unpack
 
 from connmon._copying import CopiesDetached
 from connmon._moved import renamed_name
+from connmon._saved_state import checked_state
+from connmon.attention_sampler import AttentionSampler
 from connmon.callbacks._cost import say_cost
-from connmon.callbacks._run import run_of
-from connmon.monitor import SAMPLING_OPTIONS, Monitor
-from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
+from connmon.callbacks._run import LightningRun, RunPart, running
+from connmon.sampling import OPTION_NAMES, SamplingKeywords, SamplingOptions, sampling_options
 
 
-class ConnectionMonitor(CopiesDetached, Callback):
+class ConnectionMonitor(CopiesDetached, RunPart):
     """Reads every self-attention layer as a connection walk every ``every_n_steps`` optimizer steps.
 
     On a sampled step the capture is armed (hooks exist on no other step), the first ``num_sequences`` sequences of
@@ -27,7 +28,9 @@ class ConnectionMonitor(CopiesDetached, Callback):
     first included; the others (walk, head and OV transport, drift) on every sample. With a ``WandbLogger`` it
     also logs histograms of per-head isometry gaps and of connection-spectrum moduli, and every
     ``figures_every_n_samples`` samples a figure of the spectra and of the gaps across depth. Nothing it does can
-    end the run: a layer it cannot read is skipped with one warning.
+    end the run: a layer it cannot read is skipped with one warning. Several ConnectionMonitors in one Trainer (say,
+    other layers or another cadence) compose: each samples on its own options, and the rules of a DriftAlert see
+    every one's values; the clip actions act on the first one's layers.
 
     Args:
         options: the sampling options (:class:`~connmon.sampling.SamplingOptions`: what is recorded and how often);
@@ -56,35 +59,38 @@ class ConnectionMonitor(CopiesDetached, Callback):
 
     def __init__(self, *, options: SamplingOptions | None = None, **sampling: Unpack[SamplingKeywords]) -> None:
         options = sampling_options(options, "ConnectionMonitor", **sampling)
-        self.monitor = Monitor(options=options, owner="ConnectionMonitor", optimizer_hook=False)
+        self.sampler = AttentionSampler(options, owner="ConnectionMonitor")
         self._trainer: Trainer | None = None
-        self._sample_step = -1
-        self._step_at_batch_start = 0
-        self._first_micro_batch = True  # the next batch starts an optimizer step
         self._restored = False  # load_state_dict ran since the last fit began: keep its state
+        self._saved_run: dict[str, Any] | None = None  # the run's windows a loaded checkpoint holds
         self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
-        self.monitor.add_listener(self._notify)
 
     @property
     def options(self) -> SamplingOptions:
         """The sampling options, as given (``monitor.options.every_n_steps``, ...)."""
-        return self.monitor.options
+        return self.sampler.options
 
     @property
     def samples(self) -> int:
         """Samples taken this run."""
-        return self.monitor.samples
+        return self.sampler.samples
 
     @property
     def last_sampled_step(self) -> int:
         """The step of the latest sample (-1 before the first)."""
-        return self.monitor.last_sampled_step
+        return self.sampler.last_sampled_step
+
+    @property
+    def monitor(self) -> AttentionSampler:
+        """Deprecated: the attention sampler, :attr:`sampler`."""
+        renamed_name("ConnectionMonitor.monitor", "ConnectionMonitor.sampler", removed_in="0.2.0")
+        return self.sampler
 
     def __getattr__(self, name: str) -> Any:
         """Deprecated: an option read as the callback's attribute (``monitor.every_n_steps``): read ``options``."""
-        if name in SAMPLING_OPTIONS:
+        if name in OPTION_NAMES and "sampler" in self.__dict__:
             renamed_name(f"ConnectionMonitor.{name}", f"ConnectionMonitor.options.{name}", removed_in="0.2.0")
-            return getattr(self.__dict__["monitor"].options, name)
+            return getattr(self.__dict__["sampler"].options, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
@@ -94,87 +100,63 @@ class ConnectionMonitor(CopiesDetached, Callback):
             every_n_steps=self.options.every_n_steps, layers=self.options.layers, diagnostics=self.options.diagnostics
         )
 
-    # --- Lightning hooks ------------------------------------------------------------------------------------------
+    # --- Lightning hooks (the trainer's events go to the run: connmon.callbacks._run.RunPart) -------------------------
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """On fit: join the Trainer's run and start afresh (unless a checkpoint was loaded).
+    def join(self, run: LightningRun, trainer: Trainer) -> None:
+        """On fit: start afresh (unless a checkpoint was loaded) and bring the sampler to the Trainer's run.
 
-        The run's monitor is this one's (a second ConnectionMonitor samples beside it, without the rules).
         ``validate``, ``test`` and ``predict`` leave the training state (cadence, drift references) alone: the monitor
         samples training only.
         """
-        if stage != "fit":
-            return
         if not self._restored:
-            self.monitor.reset()
+            self.sampler.reset()
+            self._saved_run = None
         self._restored = False
-        self._first_micro_batch = True
         self._trainer = trainer
-        run_of(trainer).add_attention(self.monitor)
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Find the attention layers where the model now lives (an unreadable model: off, with one warning)."""
-        run_of(trainer).begin(trainer, pl_module)
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The optimizers exist: the run's monitor reads their state after each step (and the clips act there)."""
-        run_of(trainer).start(trainer)
-
-    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """An epoch's first batch starts an optimizer step (Lightning steps on an epoch's last batch)."""
-        self._first_micro_batch = True
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Arm the capture on the first micro-batch of a sampled optimizer step (training-forward mode)."""
-        self._step_at_batch_start = trainer.global_step
-        if self._first_micro_batch:
-            self.monitor.begin_step(trainer.global_step)  # the last step's max logits: QK-clip acts now
-        self.monitor.watch_logits()
-        if self.options.probe is None and self._first_micro_batch and self.monitor.due(trainer.global_step):
-            self._sample_step = trainer.global_step  # the step whose forward is recorded
-            self.monitor.arm(pl_module)
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        """Disarm and log the training-forward sample; in probe mode, run the probe after a sampled step."""
-        stepped = trainer.global_step != self._step_at_batch_start  # Lightning's own count: the optimizer stepped
-        self._first_micro_batch = stepped
-        self.monitor.unwatch_logits()
-        if self.monitor.is_armed:
-            self.monitor.disarm()
-            self.monitor.finish(self._sample_step, run_of(trainer).rule_values())
-            return
-        if self.options.probe is not None and stepped and self.monitor.due(trainer.global_step):
-            # the model after global_step optimizer steps
-            self.monitor.run_probe(pl_module, trainer.global_step, run_of(trainer).rule_values())
+        run.add_attention(self, self.sampler, self._notify, self._saved_run)
+        self._saved_run = None
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Say what the monitor cost (console, and the W&B run's summary)."""
-        say_cost(trainer, self.monitor.clock, "ConnectionMonitor")
-
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """Remove every hook and forget a partial sample if the run fails."""
-        run_of(trainer).end(failed=True)
+        say_cost(trainer, self.sampler.clock, "ConnectionMonitor")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove every hook at the end of the run."""
+        super().teardown(trainer, pl_module, stage)
         if stage == "fit":
-            run_of(trainer).end()
             self._restored = False  # the next fit starts afresh unless a checkpoint is loaded into it
             self._trainer = None
 
     def state_dict(self) -> dict[str, Any]:
-        """Sampling cadence and the previous sample of each layer (so a resumed run continues its time drift)."""
-        state = self.monitor.state_dict()
-        state.pop("alerts")  # DriftAlert saves its own
+        """Sampling cadence and the previous sample of each layer (so a resumed run continues its time drift).
+
+        The first ConnectionMonitor of a fit also keeps the run's windows not logged yet (the optimizer's state,
+        what QK-clip did); DriftAlert and SharpnessMonitor save their own parts.
+        """
+        run = running(self._trainer)
+        if run is not None and run.monitor is not None:
+            state = run.monitor.state_dict(self.sampler)
+        else:
+            own = self.sampler.state_dict()
+            state = {"config": self.sampler.config(), **own, "optimizer_state": None}
+        state.pop("alerts", None)  # DriftAlert saves its own
         state["sharpness"] = None  # and SharpnessMonitor its own
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self._restored = True
-        self.monitor.load_state_dict(state_dict)
+        checked = checked_state(state_dict, self.sampler.config(), "ConnectionMonitor")
+        if checked is None:
+            return
+        self.sampler.load_state_dict(checked)
+        self._saved_run = checked
+        run = running(self._trainer)
+        if run is not None and run.monitor is not None and run.monitor.attention_sampler is self.sampler:
+            run.monitor.load_run_state(checked)
+            self._saved_run = None
+        elif run is not None:
+            run.samplers = [(s, lis, checked if s is self.sampler else saved) for s, lis, saved in run.samplers]
 
     def add_listener(self, listener: Callable[[Trainer, int, dict[str, float]], None]) -> None:
         """Call ``listener(trainer, step, values)`` on every process after each sample is logged.

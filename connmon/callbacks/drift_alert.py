@@ -6,7 +6,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 
 from connmon.alerts import (
     DEFAULT_ACTIONS,
@@ -22,10 +22,10 @@ from connmon.alerts import (
     RuleSet,
     TransportClip,
 )
-from connmon.callbacks._run import run_of
+from connmon.callbacks._run import LightningRun, RunPart
 
 
-class DriftAlert(Callback):
+class DriftAlert(RunPart):
     """Raises alerts when the values a :class:`ConnectionMonitor` (or a :class:`SharpnessMonitor`) computes drift.
 
     On every sample of the monitor (every process, synced values) the rules run; each alert is
@@ -120,38 +120,18 @@ class DriftAlert(Callback):
         """Alerts raised so far in this run (a resumed run included)."""
         return self.runner.total
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    def join(self, run: LightningRun, trainer: Trainer) -> None:
         """On fit: hand the rules and actions to the Trainer's run (its monitor runs them on every sample)."""
-        if stage == "fit":
-            run_of(trainer).add_alerts(self.runner)
-
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The Trainer's run begins (a warning if no monitor gives the rules values)."""
-        run_of(trainer).begin(trainer, pl_module)
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """With ``"backoff"``: scale the learning rate inside the optimizers' steps once a back-off fired."""
-        run_of(trainer).start(trainer)
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Note the step, to save a restore point only once the optimizer has stepped (after a whole batch)."""
-        run_of(trainer).batch_started(trainer)
-
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        """With ``"checkpoint"``: save the restore point an alert asked for, once the optimizer stepped."""
-        run_of(trainer).batch_ended(trainer)
+        run.add_alerts(self, self.runner)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove the back-off's optimizer hooks if the run fails."""
-        run_of(trainer).end(failed=True)
+        super().on_exception(trainer, pl_module, exception)
         self.runner.detach()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove the back-off's optimizer hooks."""
-        if stage == "fit":
-            run_of(trainer).end()
+        super().teardown(trainer, pl_module, stage)
         self.runner.detach()
 
     def state_dict(self) -> dict[str, Any]:

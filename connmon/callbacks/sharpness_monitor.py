@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from torch import Tensor
 from typing_extensions import Unpack
 
 from connmon._options import check_callable
 from connmon.callbacks._cost import say_cost
-from connmon.callbacks._run import run_of
+from connmon.callbacks._run import LightningRun, RunPart
 from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessKeywords, SharpnessSampler, keys_of
 
 __all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
 
 
-class SharpnessMonitor(Callback):
+class SharpnessMonitor(RunPart):
     """Logs how close the optimizer's step is to its edge of stability, on a cadence that follows it.
 
     The estimate is :class:`connmon.curvature.sampler.SharpnessSampler`'s (the same in every entry point):
@@ -126,18 +125,16 @@ class SharpnessMonitor(Callback):
         """Call ``listener(trainer, step, values)`` on every process after each sample is logged (synced values)."""
         self._listeners.append(listener)
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """On fit: join the Trainer's run and start afresh (unless a checkpoint was loaded).
+    def join(self, run: LightningRun, trainer: Trainer) -> None:
+        """On fit: start afresh (unless a checkpoint was loaded) and bring the sampler to the Trainer's run.
 
         A sharding strategy other than FSDP2 turns the sampler off with one warning.
         """
-        if stage != "fit":
-            return
         if not self._restored:
             self.sampler.reset()
         self._restored = False
         self._trainer = trainer
-        run_of(trainer).add_sharpness(self.sampler, self._notify)
+        run.add_sharpness(self, self.sampler, self._notify, self.loss_fn)
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
         fsdp2 = isinstance(strategy, ModelParallelStrategy)  # DTensor parameters: every estimator reads their shards
@@ -145,40 +142,19 @@ class SharpnessMonitor(Callback):
             supported = "single-device, DDP, and ModelParallelStrategy (FSDP2) with every estimator but 'lanczos'"
             self.sampler.turn_off(f"the {type(strategy).__name__} shards or wraps the parameters; {supported}")
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The Trainer's run begins: its monitor holds this sampler."""
-        run_of(trainer).begin(trainer, pl_module)
-
-    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Watch the optimizer's steps (one optimizer only) and start the cost clock."""
-        run_of(trainer).start(trainer)
-
-    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        """Before each forward of a sampled step: its batch kept (Lanczos), or the ``"difference"`` reading."""
-        if not self.sampler.reads_forward(trainer.global_step):
-            return
-        with trainer.precision_plugin.train_step_context():
-            loss = partial(self.loss_fn, pl_module, batch) if self.loss_fn is not None else None
-            run_of(trainer).begin(trainer, pl_module).read_forward(trainer.global_step, loss, pl_module)
-
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
-        """After the backward, before the step: the Lanczos and ``"secant"`` readings, the copy before a sample."""
-        with trainer.precision_plugin.train_step_context():
-            run_of(trainer).begin(trainer, pl_module).before_optimizer_step(trainer.global_step)
-
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Say what the monitor cost (console, and the W&B run's summary)."""
         say_cost(trainer, self.sampler.clock, "SharpnessMonitor")
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove the optimizer hook if the run fails."""
-        run_of(trainer).end(failed=True)
+        super().on_exception(trainer, pl_module, exception)
         self.sampler.detach()
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove the optimizer hook and drop any parameter copy."""
+        super().teardown(trainer, pl_module, stage)
         if stage == "fit":
-            run_of(trainer).end()
             self.sampler.detach()
             self._restored = False
             self._trainer = None

@@ -120,7 +120,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         self._curvature_step: int | None = None  # the step whose forwards the batch hook keeps
         if sharpness is not None:
             sharpness.owner = "ConnectionMonitorCallback (sharpness)"
-        self._pending = -1  # the step whose forward is armed
+        self._step = 0  # the optimizer step under way, in the Trainer's count
         self._guard: Any = None  # the model's forward hook that disarms and ends the max logits' reading
 
     @property
@@ -132,9 +132,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
     ) -> None:
         """Find the attention layers, the W&B run, and the state saved in the checkpoint training resumes from."""
-        if self._pending >= 0:  # an earlier train() ended inside a sampled step (its forward raised): not logged
-            self._pending = -1
-            self.monitor.discard()
+        self.monitor.forward_end(raised=True)  # an earlier train() ended inside a sampled step: its sample is dropped
         self._forward_done()  # what a KeyboardInterrupt inside an earlier train()'s forward left (no hook ran then)
         self.monitor.reset()
         optimizer = kwargs.get("optimizer") or self.trainer.optimizer
@@ -164,14 +162,8 @@ class ConnectionMonitorCallback(TrainerCallback):
         if model is not None and sharpness is not None and sharpness.reads_forward(state.global_step):
             self._batch_hook = model.register_forward_pre_hook(self._read_curvature, with_kwargs=True, prepend=True)
             self._curvature_step = state.global_step
-        step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
-        self.monitor.begin_step(step)  # the last step's max logits: QK-clip acts now
-        if model is not None and self.monitor.options.probe is None and self.monitor.due(step):
-            self._pending = step
-            self.monitor.arm(model)
-            # the Trainer has no exception hook: disarm when this forward ends, also when it raises
-            self._guard = model.register_forward_hook(self._forward_ended, always_call=True)
-        self._watch_logits(model)
+        self._step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
+        self._forward_starts(model, first=True)
 
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -208,7 +200,7 @@ class ConnectionMonitorCallback(TrainerCallback):
     ) -> None:
         """The first micro-batch of an accumulation is done: stop recording (the curvature keeps every batch)."""
         self._forward_done()
-        self._watch_logits(kwargs.get("model"))  # the next micro-batch's max logits
+        self._forward_starts(kwargs.get("model"), first=False)  # the next micro-batch's max logits
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -216,14 +208,14 @@ class ConnectionMonitorCallback(TrainerCallback):
         """Log the sample of this optimizer step and act on its alerts."""
         self._forward_done()
         self._drop_batch_hook()
-        if self._pending >= 0:
-            step, self._pending = self._pending, -1
-            self.monitor.finish(step, _latest_logged(state))
+        outcome = self.monitor.step_end(self._step, lambda: _latest_logged(state))
         model = kwargs.get("model")
-        if self.monitor.options.probe is not None and model is not None and self.monitor.due(state.global_step):
-            self.monitor.run_probe(model, state.global_step, _latest_logged(state))  # after global_step steps
+        if model is not None:  # a probe: the model after global_step steps
+            outcome = self.monitor.model_updated(state.global_step, model, lambda: _latest_logged(state))
         points = self.monitor.alerts.restore_points if self.monitor.alerts is not None else None
-        if points is not None and points.due is not None:  # "checkpoint": the Trainer saves at the end of this step
+        if (
+            points is not None and outcome.restore_point is not None
+        ):  # "checkpoint": the Trainer saves at this step's end
             points.save_due(
                 state.global_step,
                 str(_checkpoint_folder(args, state.global_step)),
@@ -231,7 +223,7 @@ class ConnectionMonitorCallback(TrainerCallback):
                 owner="ConnectionMonitorCallback: the Trainer",
                 saves="saves",
             )  # fmt: skip (the Trainer rotates its checkpoints itself, by save_total_limit)
-        if self.monitor.should_stop and not control.should_training_stop and self.monitor.alerts is not None:
+        if outcome.stop is not None and not control.should_training_stop and self.monitor.alerts is not None:
             control.should_training_stop = True
             self.monitor.alerts.say_stop("ConnectionMonitorCallback", state.global_step)
         return control
@@ -255,24 +247,25 @@ class ConnectionMonitorCallback(TrainerCallback):
         _LOG.info("connmon: %s", self.monitor.cost_summary())
         self.monitor.close()
 
-    def _watch_logits(self, model: Any) -> None:
-        """Read the max logits of the model's next forward (one micro-batch); the hooks go when it ends or raises."""
-        self.monitor.watch_logits()
-        if model is not None and self._guard is None:
+    def _forward_starts(self, model: Any, first: bool) -> None:
+        """The model's next forward (one micro-batch): recorded on a sampled step's first, its max logits read.
+
+        The Trainer has no exception hook: a guard on the model's forward ends it when it returns or raises.
+        """
+        if model is None:
+            return
+        self.monitor.step_start(self._step, model, first=first)
+        if self._guard is None:
             self._guard = model.register_forward_hook(self._forward_ended, always_call=True)
 
     def _forward_ended(self, model: Any, args: tuple, output: Any) -> None:
         """The guard on the model's forward: no output means it raised, and its partial sample is discarded."""
-        if output is None and not self._reading and self.monitor.is_armed:
-            self._pending = -1
-            self.monitor.discard()
-        self._forward_done()
+        self._forward_done(raised=output is None)
 
-    def _forward_done(self, *args: Any) -> None:
+    def _forward_done(self, raised: bool = False) -> None:
         if self._reading:
             return  # a forward of the curvature reading, inside the training forward's pre-hook
-        self.monitor.disarm()
-        self.monitor.unwatch_logits()
+        self.monitor.forward_end(raised=raised)
         if self._guard is not None:
             self._guard.remove()
             self._guard = None

@@ -343,7 +343,7 @@ def test_each_sample_logs_the_monitor_cost_beside_the_sharpness_monitor_and_the_
     assert all(0 < value < 100 for value in (*attention.values(), *curvature.values()))
     said = [r.getMessage() for r in caplog.records if "% of training time" in r.getMessage()]
     assert any("ConnectionMonitor cost" in m for m in said) and any("SharpnessMonitor cost" in m for m in said)
-    a, c = monitor.monitor.clock, sharpness.sampler.clock  # one base: each excludes both monitors' time
+    a, c = monitor.sampler.clock, sharpness.sampler.clock  # one base: each excludes both monitors' time
     apart = abs(a._started - c._started) + abs(a._stopped - c._stopped)  # the two clocks' hooks, microseconds apart
     assert abs(a.training - c.training) <= apart + 1e-9 and c.spent > 10 * apart
     assert (a.others, c.others) == (c.spent, a.spent)  # each clock's training time leaves out the other's time whole

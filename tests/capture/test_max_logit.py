@@ -254,7 +254,7 @@ def test_an_hf_model_held_by_a_lightning_module_trains_bitwise_with_the_reading_
                             accelerator="cpu", devices=1, log_every_n_steps=1)  # fmt: skip
         trainer.fit(module, loader)
         runs.append(module)
-        logged = callbacks[0].monitor.last_values if watched else logged
+        logged = callbacks[0].sampler.last_values if watched else logged
     assert all(torch.equal(a, b) for a, b in zip(runs[0].parameters(), runs[1].parameters(), strict=True))
     assert logged["connmon/step_max_logit/L00"] > 0 and logged["connmon/step_max_logit/L01"] > 0
 

@@ -805,9 +805,9 @@ def test_attention_dropout_is_said_once_for_the_model_at_the_users_line_naming_t
 
 
 def test_a_long_sample_is_said_once_with_what_it_was_doing(monkeypatch):
-    import connmon.monitor
+    import connmon.attention_sampler
 
-    monkeypatch.setattr(connmon.monitor, "LONG_SAMPLE_S", 0.0)  # every sample is "long" here
+    monkeypatch.setattr(connmon.attention_sampler, "LONG_SAMPLE_S", 0.0)  # every sample is "long" here
     torch.manual_seed(0)
     model = TinyGPT()
     monitor = connmon.Monitor(model, every_n_steps=1, full_every_n_samples=3, owner="MyLoop")
@@ -828,9 +828,9 @@ def test_a_long_sample_is_said_once_with_what_it_was_doing(monkeypatch):
     ],
 )
 def test_a_long_sample_says_what_it_computed_and_nothing_it_did_not(monkeypatch, options, what):
-    import connmon.monitor
+    import connmon.attention_sampler
 
-    monkeypatch.setattr(connmon.monitor, "LONG_SAMPLE_S", 0.0)
+    monkeypatch.setattr(connmon.attention_sampler, "LONG_SAMPLE_S", 0.0)
     torch.manual_seed(0)
     model = TinyGPT()
     monitor = connmon.Monitor(model, every_n_steps=1, **options)

@@ -92,8 +92,9 @@ def test_gradient_accumulation_samples_one_forward_per_optimizer_step(tmp_path):
     options = {"every_n_steps": 1, "diagnostics": ("walk",)}
     trainer = make_trainer(tmp_path, monitor=options, gradient_accumulation_steps=3)
     callback = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, ConnectionMonitorCallback))
-    consume = callback.monitor._consume
-    callback.monitor._consume = lambda record: (seen.append(record.name), consume(record))
+    sampler = callback.monitor.attention_sampler
+    consume = sampler._consume
+    sampler._consume = lambda record: (seen.append(record.name), consume(record))
     trainer.train()
     assert set(rows(trainer)) == set(range(1, 7))
     assert len(seen) == 6 * 2  # one forward (two layers) per optimizer step, not one per micro-batch
