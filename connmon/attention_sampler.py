@@ -71,6 +71,7 @@ class AttentionSampler(CopiesDetached):
         >>> _ = model(torch.randn(2, 5, 16))
         >>> sampler.disarm()
         >>> sample = sampler.measure(step=0)
+        >>> sampler.sampled(0, sample)
         >>> sampler.samples, round(sample.scalars["connmon/stochasticity_gap/L00"], 6)
         (1, 0.0)
     """

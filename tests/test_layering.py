@@ -19,7 +19,7 @@ FLOORS = [
     ("connmon._saved_state", "connmon._budget", "connmon.functional", "connmon.sampling", "connmon.sinks.panels"),
     ("connmon.capture",),
     ("connmon.metrics", "connmon.curvature", "connmon._probe"),
-    ("connmon.alerts", "connmon.analysis", "connmon.sinks.workspace"),
+    ("connmon.alerts", "connmon.analysis", "connmon.attention_sampler", "connmon.sinks.workspace"),
     ("connmon.monitor",),
     ("connmon.callbacks", "connmon.integrations"),
     ("connmon", "connmon.loggers", "connmon.sinks"),

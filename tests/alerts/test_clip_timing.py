@@ -268,6 +268,6 @@ def test_what_qk_clip_did_is_logged_per_layer_at_the_next_sample_and_survives_a_
     state = copy.deepcopy(monitor.state_dict())
     resumed = connmon.Monitor(TinyGPT(), every_n_steps=3, diagnostics=("walk",), alerts=runner(QKClip(2.0)))
     resumed.load_state_dict(state)
-    assert resumed._clip_window is not None
-    assert resumed._clip_window["clips"] == monitor._clip_window["clips"]
-    assert torch.equal(resumed._clip_window["after"], monitor._clip_window["after"])
+    assert resumed.clips.window is not None
+    assert resumed.clips.window["clips"] == monitor.clips.window["clips"]
+    assert torch.equal(torch.as_tensor(resumed.clips.window["after"]), monitor.clips.window["after"])

@@ -326,14 +326,18 @@ def test_each_option_is_declared_once_and_every_entry_point_takes_it_by_keyword(
     with pytest.raises(ValueError, match="spectrum_k must be"):
         ConnectionMonitor(spectrum_k=0)  # checked by SamplingOptions, whichever entry point builds it
     callback = ConnectionMonitor(every_n_steps=7, edge_queries=None, layers=[1])
-    options = callback.monitor.options  # the monitor reads its options there, never from copies of its own
+    options = callback.options  # the sampler reads its options there, never from copies of its own
     assert (options.every_n_steps, options.edge_queries, options.layers) == (7, None, (1,))
     assert options.spectrum_k == SamplingOptions().spectrum_k  # the one default
     given = SamplingOptions(every_n_steps=9, diagnostics=("walk",))
     assert ConnectionMonitor(options=given).options is given
     assert connmon.Monitor(options=given, spectrum_k=4).options.every_n_steps == 9  # keywords replace its values
-    with pytest.warns(DeprecationWarning, match="Monitor.every_n_steps is now Monitor.options.every_n_steps"):
-        assert callback.monitor.every_n_steps == 7
+    with pytest.warns(DeprecationWarning, match="^Monitor.every_n_steps is now Monitor.options.every_n_steps"):
+        assert connmon.Monitor(every_n_steps=7).every_n_steps == 7
+    with pytest.warns(DeprecationWarning, match="ConnectionMonitor.every_n_steps is now ConnectionMonitor.options"):
+        assert callback.every_n_steps == 7
+    with pytest.warns(DeprecationWarning, match="ConnectionMonitor.monitor is now ConnectionMonitor.sampler"):
+        assert callback.monitor is callback.sampler
 
 
 def test_every_sample_logs_what_the_monitor_costs_and_close_says_it():
