@@ -392,14 +392,18 @@ class Monitor(CopiesDetached):
                 continue
             if self._beside is None:
                 self._beside = contextlib.ExitStack()
-            self._beside.enter_context(read_beside(compiled, self._reader(sampler, step)))
+            self._beside.enter_context(read_beside(compiled, self._reader(sampler, step, model)))
         for sampler in self.attention_samplers:
             sampler.watch_logits()
         return sampled
 
-    def _reader(self, sampler: AttentionSampler, step: int) -> Callable[[nn.Module, Callable[[nn.Module], Any]], None]:
+    def _reader(
+        self, sampler: AttentionSampler, step: int, model: nn.Module
+    ) -> Callable[[nn.Module, Callable[[nn.Module], Any]], None]:
+        """What reads a compiled part's batch beside its graph: ``model`` armed, the part's original module run."""
+
         def read(original: nn.Module, forward: Callable[[nn.Module], Any]) -> None:
-            if sampler.record(original, forward):
+            if sampler.record(model, lambda _: forward(original)):
                 self._pending.append((sampler, step))
 
         return read

@@ -390,3 +390,49 @@ def test_the_optimizers_state_is_read_after_every_step_and_logged_at_each_sample
     for name in ("update_rms", "stale_second_moment", "update_to_weight"):
         assert float(rows[0][f"connmon/{name}"]) == pytest.approx(seen[0][name], rel=1e-5)
         assert float(rows[3][f"connmon/{name}"]) == pytest.approx(max(v[name] for v in seen[1:4]), rel=1e-5)
+
+
+def test_two_monitors_compose_into_one_run_whose_rules_see_both(tmp_path):
+    """No elected hub: the run's rules see the values of every ConnectionMonitor, each on its own cadence."""
+    from connmon.alerts import Rule, Threshold
+    from connmon.callbacks import DriftAlert
+
+    seen = []
+    walk = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",))
+    drift = ConnectionMonitor(every_n_steps=3, diagnostics=("drift",), layers=[1])
+    rules = [Rule("entropy seen", "connmon/attention_entropy/all", Threshold(-1.0), cooldown=1),
+             Rule("drift seen", "connmon/time_drift/L01", Threshold(-1.0), cooldown=1)]  # fmt: skip
+    alert = DriftAlert(rules, actions=(), on_alert=lambda a: seen.append((a.rule, a.step)))
+    t = trainer(tmp_path, walk, max_steps=7)
+    t.callbacks += [drift, alert]
+    t.fit(LitGPT(), loader())
+    assert sorted(seen) == [("drift seen", 3), ("drift seen", 6), ("entropy seen", 0), ("entropy seen", 2),
+                            ("entropy seen", 4), ("entropy seen", 6)]  # fmt: skip
+    assert (walk.samples, drift.samples) == (4, 3)
+
+
+def test_a_compiled_part_is_read_beside_its_graph_and_trains_bitwise_as_without_the_monitor(tmp_path):
+    """A LightningModule holding ``torch.compile(model)``: no hook enters the graph (as in a plain loop)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: a compiled reduction may split differently from run to run with several
+    try:
+        runs = []
+        for watched in (False, True):
+            module = LitGPT()
+            module.model = torch.compile(module.model, backend="aot_eager")
+            monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
+            t = trainer(tmp_path / str(watched), monitor, max_steps=4)
+            if not watched:
+                t.callbacks.remove(monitor)
+            t.fit(module, loader())
+            runs.append((module, monitor))
+    finally:
+        torch.set_num_threads(threads)
+    (plain, _), (module, monitor) = runs
+    for a, b in zip(plain.parameters(), module.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert monitor.samples == 2
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
+    rows = [row for row in read_csv(tmp_path / "True") if "connmon/reconstruction_error/all" in row]
+    assert [int(row["step"]) for row in rows] == [0, 2]
+    assert all(float(row["connmon/reconstruction_error/all"]) < 1e-5 for row in rows)

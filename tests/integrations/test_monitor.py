@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import connmon
-from connmon.alerts import AlertRunner, Growth, Rule, Threshold
+from connmon.alerts import AlertRunner, Growth, RestorePoints, Rule, Threshold
 from connmon.metrics import TransportMetrics, WalkMetrics
 from tests.capture.models import TinyGPT
 from tests.integrations.wandb_read import read_run
@@ -921,3 +921,52 @@ def test_a_keyboard_interrupt_inside_a_sampled_forward_leaves_no_mode_hook_or_fl
     q, k = (t.view(4, 10, 4, 8).transpose(1, 2) for t in (q, k))
     truth = head_max_logit(q, k, is_causal=True).max().item()
     assert monitor.last_values["connmon/step_max_logit/L00"] == pytest.approx(truth, rel=1e-6)
+
+
+def test_the_event_protocol_alone_samples_as_step_does_and_its_outcome_carries_stop_and_restore_point():
+    """What every entry point calls: step_start, forward_end, step_end (a StepOutcome), as ``monitor.step`` does."""
+    torch.manual_seed(0)
+    models = [TinyGPT(), TinyGPT()]
+    models[1].load_state_dict(models[0].state_dict())
+    data = batches(3)
+    logged: list[dict] = [{}, {}]
+    saved = []
+    rule = Rule("any entropy", "connmon/attention_entropy/all", Threshold(-1.0), level="ERROR", cooldown=1)
+
+    def monitor(i):
+        points = RestorePoints(save=lambda path, step: saved.append(step))
+        alerts = AlertRunner([rule], actions=("stop", "checkpoint"), restore_points=points)
+        log = lambda values, step: logged[i].update({step: values})  # noqa: E731
+        return connmon.Monitor(models[i], every_n_steps=2, diagnostics=("walk",), log=log, alerts=alerts)
+
+    by_step, by_events = monitor(0), monitor(1)
+    train(models[0], data, by_step)
+    outcomes = []
+    optimizer = torch.optim.AdamW(models[1].parameters(), lr=1e-2)
+    for step, ids in enumerate(data):
+        sampled = by_events.step_start(step, models[1])
+        loss = torch.nn.functional.cross_entropy(models[1](ids).flatten(0, 1), ids.flatten())
+        by_events.forward_end()
+        outcomes.append((sampled, by_events.step_end(step)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [sampled for sampled, _ in outcomes] == [True, False, True]
+    first, _, last = (outcome for _, outcome in outcomes)
+    assert first.values == logged[1][0] and last.values == logged[1][2] and outcomes[1][1].values == {}
+    drop = lambda values: {k: v for k, v in values.items() if "overhead" not in k}  # noqa: E731  (wall clock)
+    assert [drop(logged[1][s]) for s in (0, 2)] == [drop(logged[0][s]) for s in (0, 2)]
+    assert first.stop == 0 and first.restore_point == 0  # the alert at step 0 asks both
+    assert by_events.should_stop and no_hooks(models[1])
+    assert saved == [1]  # monitor.step saves at the next step's start (the alert at 2 has none); the events leave it
+    assert by_events.outcome().restore_point == 0  # due, for the entry point to save its way
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_raised_forward_discards_its_sample_through_the_protocol():
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",))
+    assert monitor.step_start(0, model)
+    model(batches(1)[0])
+    monitor.forward_end(raised=True)
+    assert monitor.step_end(0).values == {} and monitor.samples == 0 and no_hooks(model)
