@@ -7,16 +7,23 @@ parameter, of which a process holds a range along the shard dimension.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
 from connmon._collectives import local as local_tensor
+from connmon.alerts.action import AlertAction
 
 
 @dataclass
-class HeadClipCount:
-    """What both clip actions keep: how many head clips so far, and the latest step's (saved in a checkpoint)."""
+class HeadClipCount(AlertAction):
+    """What both clip actions keep: how many head clips so far, and the latest step's (saved in a checkpoint).
+
+    They act every step, not in answer to an alert (:class:`connmon.alerts.step_clips.StepClips` drives them), so
+    their :meth:`answer` does nothing.
+    """
 
     clipped: int = field(default=0, kw_only=True)
     last: list[tuple] = field(default_factory=list, kw_only=True)
@@ -27,13 +34,13 @@ class HeadClipCount:
         self.last = clips
         return clips
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The clip count."""
         return {"clipped": self.clipped}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self.clipped = state.get("clipped", 0)
+        self.clipped = state_dict.get("clipped", 0)
 
 
 def local_part(parameter: Tensor, local: bool) -> tuple[Tensor, list[int]]:

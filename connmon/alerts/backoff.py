@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -21,6 +21,8 @@ from connmon import keys
 from connmon._copying import CopiesDetached
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_number
+from connmon._ranks import warn_rank_zero
+from connmon.alerts.action import AlertAction, Alerted
 
 _ATTACHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, LearningRateBackoff] = weakref.WeakKeyDictionary()
 
@@ -44,7 +46,7 @@ def pending_lr_scale(optimizer: Any) -> float:
     return 1.0 if backoff is None else backoff.pending_scale(optimizer)
 
 
-class LearningRateBackoff(CopiesDetached):
+class LearningRateBackoff(CopiesDetached, AlertAction):
     """Scales every parameter group's learning rate by ``factor`` when one of ``rules`` alerts.
 
     At most once per ``cooldown`` steps; the scale multiplies (two back-offs: ``factor ** 2``). The decision comes
@@ -74,6 +76,8 @@ class LearningRateBackoff(CopiesDetached):
     """
 
     _not_copied = (("_handles", list), ("_optimizers", list), ("_saved", dict))  # a copy is attached to nothing
+    name: ClassVar[str] = "backoff"
+    state_key: ClassVar[str | None] = "backoff"
 
     def __init__(
         self,
@@ -131,6 +135,15 @@ class LearningRateBackoff(CopiesDetached):
         if not any(optimizer is attached for attached in self._optimizers) or id(optimizer) in self._saved:
             return 1.0
         return self.scale
+
+    def answer(self, alerted: Alerted) -> None:
+        """Back off when one of :attr:`rules` alerted (outside the cooldown), and say it in one line."""
+        fired = sorted({alert.rule for alert in alerted.alerts if alert.rule in self.rules})
+        if fired and self.fire(alerted.step):
+            warn_rank_zero(
+                f"connmon: the learning rate is scaled by {self.factor:g} from step {alerted.step} on (now "
+                f"{self.scale:g} of what the optimizer's groups and scheduler set): {', '.join(fired)}"
+            )
 
     def fire(self, step: int) -> bool:
         """Back off at ``step`` unless within the cooldown of the last back-off; whether it did."""

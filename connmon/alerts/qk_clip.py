@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -60,6 +61,8 @@ class QKClip(HeadClipCount):
         (True, True)
     """
 
+    name: ClassVar[str] = "qk_clip"
+    state_key: ClassVar[str | None] = "qk_clip"
     threshold: float = 100.0
 
     def __post_init__(self) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -24,10 +24,11 @@ from torch import nn
 from connmon._collectives import from_rank_zero
 from connmon._options import check_callable, check_choice, check_number
 from connmon._ranks import warn_rank_zero
+from connmon.alerts.action import AlertAction, Alerted
 from connmon.alerts.rules import LEVELS, Alert, Level
 
 
-class RestorePoints:
+class RestorePoints(AlertAction):
     """When the ``"checkpoint"`` action saves a restore point, where, and how many are kept.
 
     An alert at ``level`` or above asks for one (at most one per step); the entry point saves it at the end of that
@@ -85,7 +86,16 @@ class RestorePoints:
         self._others_said = False  # the warning that another run's restore points lie in the folder
         self._writing: str | None = None  # the restore point being written (its own state lists it)
 
-    def request(self, alerts: list[Alert], step: int) -> bool:
+    name: ClassVar[str] = "checkpoint"
+    state_key: ClassVar[str | None] = "restore_points"
+
+    def answer(self, alerted: Alerted) -> None:
+        """Ask for a restore point at an alert of ``level`` or above; one process's request is every process's."""
+        self.request(alerted.alerts, alerted.step)
+        if alerted.agree(self.due is not None) and self.due is None:
+            self.due = alerted.step  # asked on another process
+
+    def request(self, alerts: Sequence[Alert], step: int) -> bool:
         """Ask for a restore point at ``step`` if one of ``alerts`` is at ``level`` or above; whether one was."""
         if not any(LEVELS.index(alert.level) >= LEVELS.index(self.level) for alert in alerts):
             return False

@@ -8,21 +8,46 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
+
+from typing_extensions import TypedDict
 
 from connmon import keys
 from connmon._moved import renamed_name
 from connmon._options import check_callable, check_choice, check_items, check_number
-from connmon._ranks import is_rank_zero, warn_rank_zero
+from connmon._ranks import warn_rank_zero
+from connmon.alerts.action import AlertAction, Alerted
 from connmon.alerts.backoff import LearningRateBackoff
+from connmon.alerts.log_alerts import LogAlerts
 from connmon.alerts.qk_clip import QKClip
 from connmon.alerts.restore import RestorePoints
 from connmon.alerts.rules import LEVELS, Alert, AllOf, Level, Rule, RuleSet, default_rules
+from connmon.alerts.stop import StopRun
 from connmon.alerts.transport_clip import TransportClip
+from connmon.alerts.wandb_alerts import WandbAlerts
 
 Action = Literal["log", "wandb", "stop", "backoff", "checkpoint", "qk_clip", "transport_clip"]
 DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # the others are opt-in
+_A = TypeVar("_A", bound=AlertAction)
 KNOWN_ACTIONS: tuple[Action, ...] = (*DEFAULT_ACTIONS, "backoff", "checkpoint", "qk_clip", "transport_clip")
+ANSWER_ORDER: tuple[Action, ...] = ("log", "wandb", "backoff", "checkpoint", "stop", "qk_clip", "transport_clip")
+
+
+class AlertOptions(TypedDict, total=False):
+    """:class:`AlertRunner`'s options as keywords (what :class:`connmon.callbacks.DriftAlert` takes), for editors.
+
+    Documented, defaulted and checked once, by :class:`AlertRunner`; a test holds the two to the same names and types.
+    """
+
+    actions: Sequence[Action]
+    stop_level: Level
+    on_alert: Callable[[Alert], Any] | None
+    wait_duration: float
+    history: int
+    backoff: LearningRateBackoff | None
+    restore_points: RestorePoints | None
+    qk_clip: QKClip | None
+    transport_clip: TransportClip | None
 
 
 class AlertRunner:
@@ -40,7 +65,8 @@ class AlertRunner:
     the entry points read the logits and apply it); ``"transport_clip"`` (opt-in, an experiment), a step-by-step
     action too: each head's transport ``O_h V_h`` is held within ``transport_clip.factor`` of a scaled isometry
     (:class:`connmon.alerts.TransportClip`). ``on_alert(alert)`` is called on every process; an exception
-    there is reported, never raised.
+    there is reported, never raised. Every action is one :class:`connmon.alerts.action.AlertAction` in its own
+    module (:attr:`parts`, answered in the order log, W&B, ``on_alert``, back-off, restore point, stop).
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
@@ -75,6 +101,7 @@ class AlertRunner:
     def __init__(
         self,
         rules: Sequence[Rule | AllOf] | None = None,
+        *,
         actions: Sequence[Action] = DEFAULT_ACTIONS,
         stop_level: Level = "ERROR",
         on_alert: Callable[[Alert], Any] | None = None,
@@ -105,7 +132,7 @@ class AlertRunner:
                 )
         check_choice("stop_level", stop_level, LEVELS)
         check_number("history", history, low=0, integer=True)
-        check_number("wait_duration", wait_duration, low=0)
+        check_number("wait_duration", wait_duration, low=0)  # checked whether or not "wandb" is among the actions
         if rules is not None:
             check_items("rules", rules, (Rule, AllOf), "connmon.alerts.Rule or AllOf objects", hint=_rule_hint)
         check_callable("on_alert", on_alert, optional=True, signature="on_alert(alert)")
@@ -116,10 +143,24 @@ class AlertRunner:
         self.wait_duration = wait_duration
         self.alerts: deque[Alert] = deque(maxlen=history)
         self.total = 0
-        self.backoff = (backoff or LearningRateBackoff()) if "backoff" in self.actions else None
-        self.restore_points = (restore_points or RestorePoints()) if "checkpoint" in self.actions else None
-        self.qk_clip = (qk_clip or QKClip()) if "qk_clip" in self.actions else None
-        self.transport_clip = (transport_clip or TransportClip()) if "transport_clip" in self.actions else None
+        made: dict[str, Callable[[], AlertAction]] = {
+            "log": LogAlerts,
+            "wandb": lambda: WandbAlerts(wait_duration),
+            "stop": lambda: StopRun(stop_level),
+            "backoff": lambda: backoff or LearningRateBackoff(),
+            "checkpoint": lambda: restore_points or RestorePoints(),
+            "qk_clip": lambda: qk_clip or QKClip(),
+            "transport_clip": lambda: transport_clip or TransportClip(),
+        }
+        self.parts: dict[str, AlertAction] = {name: made[name]() for name in ANSWER_ORDER if name in self.actions}
+        self.backoff = self._part("backoff", LearningRateBackoff)
+        self.restore_points = self._part("checkpoint", RestorePoints)
+        self.qk_clip = self._part("qk_clip", QKClip)
+        self.transport_clip = self._part("transport_clip", TransportClip)
+
+    def _part(self, name: str, kind: type[_A]) -> _A | None:
+        part = self.parts.get(name)
+        return part if isinstance(part, kind) else None
 
     def run(
         self,
@@ -140,32 +181,26 @@ class AlertRunner:
         alerts = self.rules.update(values, step)
         self.total += len(alerts)
         self.alerts.extend(alerts)
-        if is_rank_zero():
-            for alert in alerts:
-                if "log" in self.actions:
-                    warn_rank_zero(f"{alert.title} [{alert.level}]: {alert.text}")
-                if "wandb" in self.actions and wandb is not None:
-                    wandb.alert(alert.title, alert.text, alert.level, self.wait_duration)
+        alerted = Alerted(alerts, step, wandb, agree)
+        handled = False  # the user's handler sees the alerts after the log and W&B, before any action moves the run
+        for name, part in self.parts.items():
+            if name not in ("log", "wandb") and not handled:
+                handled = True
+                self._call_on_alert(alerts)
+            part.answer(alerted)
+        if not handled:
+            self._call_on_alert(alerts)
+        stop = self.parts.get("stop")
+        return alerts, isinstance(stop, StopRun) and stop.requested
+
+    def _call_on_alert(self, alerts: Sequence[Alert]) -> None:
+        if self.on_alert is None:
+            return
         for alert in alerts:
-            if self.on_alert is not None:
-                try:
-                    self.on_alert(alert)
-                except Exception as error:  # a user's handler must not end the training run
-                    warn_rank_zero(f"connmon: on_alert raised {type(error).__name__}: {error}; the run goes on")
-        if self.backoff is not None and any(a.rule in self.backoff.rules for a in alerts) and self.backoff.fire(step):
-            warn_rank_zero(
-                f"connmon: the learning rate is scaled by {self.backoff.factor:g} from step {step} on (now "
-                f"{self.backoff.scale:g} of what the optimizer's groups and scheduler set): "
-                f"{', '.join(sorted({a.rule for a in alerts if a.rule in self.backoff.rules}))}"
-            )
-        points = self.restore_points
-        if points is not None:
-            points.request(alerts, step)
-            if agree(points.due is not None) and points.due is None:
-                points.due = step  # asked on another process
-        threshold = LEVELS.index(self.stop_level)
-        stop = "stop" in self.actions and agree(any(LEVELS.index(a.level) >= threshold for a in alerts))
-        return alerts, stop
+            try:
+                self.on_alert(alert)
+            except Exception as error:  # a user's handler must not end the training run
+                warn_rank_zero(f"connmon: on_alert raised {type(error).__name__}: {error}; the run goes on")
 
     def attach(self, optimizers: Sequence[Any], owner: str) -> None:
         """The ``"backoff"`` action, for every entry point: its hooks on ``optimizers`` (one warning if there are none).
@@ -196,7 +231,7 @@ class AlertRunner:
 
     def say_stop(self, owner: str, step: int) -> None:
         """The ``"stop"`` action's one line, said by the entry point that stops its trainer (rank zero)."""
-        warn_rank_zero(f"{owner} stops the run at step {step} (an alert at level >= {self.stop_level})")
+        StopRun(self.stop_level).say(owner, step)
 
     def counts(self, alerts: Sequence[Alert]) -> dict[str, float]:
         """The alert counts to log beside a sample (``connmon/alerts/count``, ``/total``; ``connmon/lr_scale``)."""
@@ -206,30 +241,20 @@ class AlertRunner:
         return counts
 
     def state_dict(self) -> dict[str, Any]:
-        """The rules' state, the alert count, the back-off's scale, the restore points kept and the clip counts."""
+        """The rules' state, the alert count, and each action's (the back-off's scale, the restore points kept, ...)."""
         state = {"rules": self.rules.state_dict(), "total": self.total}
-        if self.backoff is not None:
-            state["backoff"] = self.backoff.state_dict()
-        if self.restore_points is not None:
-            state["restore_points"] = self.restore_points.state_dict()
-        if self.qk_clip is not None:
-            state["qk_clip"] = self.qk_clip.state_dict()
-        if self.transport_clip is not None:
-            state["transport_clip"] = self.transport_clip.state_dict()
+        for part in self.parts.values():
+            if part.state_key is not None:
+                state[part.state_key] = part.state_dict()
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.rules.load_state_dict(state_dict.get("rules", {}))
         self.total = state_dict.get("total", 0)
-        if self.backoff is not None and state_dict.get("backoff") is not None:
-            self.backoff.load_state_dict(state_dict["backoff"])
-        if self.restore_points is not None and state_dict.get("restore_points") is not None:
-            self.restore_points.load_state_dict(state_dict["restore_points"])
-        if self.qk_clip is not None and state_dict.get("qk_clip") is not None:
-            self.qk_clip.load_state_dict(state_dict["qk_clip"])
-        if self.transport_clip is not None and state_dict.get("transport_clip") is not None:
-            self.transport_clip.load_state_dict(state_dict["transport_clip"])
+        for part in self.parts.values():
+            if part.state_key is not None and state_dict.get(part.state_key) is not None:
+                part.load_state_dict(state_dict[part.state_key])
 
 
 def _rule_hint(item: object) -> str:

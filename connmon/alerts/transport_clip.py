@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -119,6 +120,8 @@ class TransportClip(HeadClipCount):
         [(0, 0)]
     """
 
+    name: ClassVar[str] = "transport_clip"
+    state_key: ClassVar[str | None] = "transport_clip"
     factor: float = 2.0
     every_n_steps: int = 1
 

@@ -3,25 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
+from typing_extensions import Unpack
 
-from connmon.alerts import (
-    DEFAULT_ACTIONS,
-    Action,
-    Alert,
-    AlertRunner,
-    AllOf,
-    LearningRateBackoff,
-    Level,
-    QKClip,
-    RestorePoints,
-    Rule,
-    RuleSet,
-    TransportClip,
-)
+from connmon.alerts import Alert, AlertRunner, AllOf, Rule, RuleSet
+from connmon.alerts.runner import AlertOptions
 from connmon.callbacks._run import LightningRun, RunPart
 
 
@@ -64,20 +53,18 @@ class DriftAlert(RunPart):
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
-        actions: any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``, ``"qk_clip"``,
-            ``"transport_clip"`` (the trainer's ConnectionMonitor applies the clips after the optimizer steps).
-        stop_level: the lowest level that stops the run (with ``"stop"`` in ``actions``).
-        on_alert: called with every :class:`connmon.alerts.Alert`.
-        wait_duration: seconds W&B waits before sending another alert with the same title.
-        history: how many recent alerts ``self.alerts`` keeps.
-        backoff: the :class:`connmon.alerts.LearningRateBackoff` of ``"backoff"`` (None: factor 0.5, cooldown 100).
-        restore_points: the :class:`connmon.alerts.RestorePoints` of ``"checkpoint"`` (None: level ``"WARN"``, 3
-            kept, beside ModelCheckpoint's directory).
-        qk_clip: the :class:`connmon.alerts.QKClip` of ``"qk_clip"`` (None: threshold 100).
-        transport_clip: the :class:`connmon.alerts.TransportClip` of ``"transport_clip"`` (None: factor 2).
+        runner: an :class:`connmon.alerts.AlertRunner` to run, in place of ``rules`` and ``**options``.
+        **options: the runner's options by keyword, declared, defaulted and checked once by
+            :class:`connmon.alerts.AlertRunner` (typed by :class:`connmon.alerts.runner.AlertOptions`):
+            ``actions`` (any of ``"log"``, ``"wandb"``, ``"stop"``, ``"backoff"``, ``"checkpoint"``, ``"qk_clip"``,
+            ``"transport_clip"``; the trainer's ConnectionMonitor applies the clips after the optimizer steps),
+            ``stop_level``, ``on_alert``, ``wait_duration``, ``history``, ``backoff``, ``restore_points``,
+            ``qk_clip``, ``transport_clip``.
 
     Raises:
-        ValueError: for an unknown action or level, or duplicate rule names.
+        TypeError: for a keyword that is not one of the runner's options.
+        ValueError: for an unknown action or level, duplicate rule names, or a ``runner`` given with ``rules`` or
+            options.
 
     Examples:
         >>> import lightning as L
@@ -90,20 +77,18 @@ class DriftAlert(RunPart):
     def __init__(
         self,
         rules: Sequence[Rule | AllOf] | None = None,
-        actions: Sequence[Action] = DEFAULT_ACTIONS,
-        stop_level: Level = "ERROR",
-        on_alert: Callable[[Alert], Any] | None = None,
-        wait_duration: float = 300.0,
-        history: int = 100,
-        backoff: LearningRateBackoff | None = None,
-        restore_points: RestorePoints | None = None,
-        qk_clip: QKClip | None = None,
-        transport_clip: TransportClip | None = None,
+        *,
+        runner: AlertRunner | None = None,
+        **options: Unpack[AlertOptions],
     ) -> None:
-        self.runner = AlertRunner(
-            rules, actions, stop_level, on_alert, wait_duration, history, backoff, restore_points, qk_clip,
-            transport_clip,
-        )  # fmt: skip
+        if runner is not None and (rules is not None or options):
+            raise ValueError(
+                "DriftAlert takes its rules and actions either as runner=AlertRunner(...) or as rules= and keywords, "
+                f"not both (given: runner and {['rules'] * (rules is not None) + sorted(options)})"
+            )
+        if runner is not None and not isinstance(runner, AlertRunner):
+            raise ValueError(f"runner must be a connmon.alerts.AlertRunner or None, got {type(runner).__name__}")
+        self.runner = runner if runner is not None else AlertRunner(rules, **options)
 
     @property
     def rules(self) -> RuleSet:

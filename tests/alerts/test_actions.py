@@ -1,0 +1,90 @@
+"""Every action behind one interface, each in its own module; DriftAlert takes the runner's options declared once."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+from typing_extensions import get_type_hints
+
+from connmon.alerts import KNOWN_ACTIONS, Alert, AlertRunner, LearningRateBackoff, RestorePoints, Rule, Threshold
+from connmon.alerts.action import AlertAction
+from connmon.alerts.runner import ANSWER_ORDER, AlertOptions
+from connmon.callbacks import DriftAlert
+
+
+def test_every_action_is_one_alert_action_named_as_in_actions_each_in_its_own_module():
+    runner = AlertRunner([], actions=KNOWN_ACTIONS)
+    assert list(runner.parts) == list(ANSWER_ORDER) and set(ANSWER_ORDER) == set(KNOWN_ACTIONS)
+    modules = set()
+    for name, part in runner.parts.items():
+        assert isinstance(part, AlertAction) and part.name == name
+        modules.add(type(part).__module__)
+    assert len(modules) == len(KNOWN_ACTIONS)  # one module each
+    assert set(runner.state_dict()) == {"rules", "total", "backoff", "restore_points", "qk_clip", "transport_clip"}
+
+
+def test_the_actions_answer_in_order_and_the_users_handler_sees_the_alert_before_the_back_off_moves_the_rate():
+    order = []
+    backoff = LearningRateBackoff(rules=("big",))
+    runner = AlertRunner(
+        [Rule("big", "x", Threshold(1.0), level="ERROR")],
+        actions=("log", "backoff", "checkpoint", "stop"),
+        backoff=backoff,
+        restore_points=RestorePoints(),
+        on_alert=lambda alert: order.append(("on_alert", backoff.scale)),
+    )
+    agreed = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        alerts, stop = runner.run({"x": 2.0}, step=4, agree=lambda flag: agreed.append(flag) or flag)
+    assert [a.rule for a in alerts] == ["big"] and stop and order == [("on_alert", 1.0)] and backoff.scale == 0.5
+    assert runner.restore_points is not None and runner.restore_points.due == 4
+    assert agreed == [True, True]  # the restore point, then the stop: every process decides both alike
+    assert str(said[0].message).split(" [")[0] == alerts[0].title
+    _, stop = runner.run({"x": 0.5}, step=5)
+    assert not stop
+
+
+def test_a_request_on_another_process_is_every_processs():
+    runner = AlertRunner([], actions=("checkpoint", "stop"))
+    alerts, stop = runner.run({}, step=7, agree=lambda flag: True)  # another process alerted
+    assert alerts == [] and stop and runner.restore_points is not None and runner.restore_points.due == 7
+
+
+def test_drift_alert_takes_the_runners_options_declared_once():
+    params = {name: p for name, p in inspect.signature(AlertRunner).parameters.items() if name != "rules"}
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params.values())
+    hints = get_type_hints(AlertOptions)
+    runner_hints = get_type_hints(AlertRunner.__init__)
+    assert set(hints) == set(params) and all(hints[name] == runner_hints[name] for name in params)
+    alert = DriftAlert(actions=("log",), stop_level="WARN", history=3)
+    assert (alert.runner.actions, alert.runner.stop_level, alert.runner.alerts.maxlen) == (("log",), "WARN", 3)
+    runner = AlertRunner([Rule("r", "x", Threshold(1.0))], actions=("stop",))
+    assert DriftAlert(runner=runner).runner is runner
+    with pytest.raises(ValueError, match="either as runner="):
+        DriftAlert(runner=runner, actions=("log",))
+    with pytest.raises(ValueError, match="either as runner="):
+        DriftAlert([Rule("r", "x", Threshold(1.0))], runner=runner)
+    with pytest.raises(TypeError, match="stop_levle"):
+        DriftAlert(stop_levle="WARN")  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        AlertRunner([], ("log",))  # type: ignore[misc]  # keywords only after the rules
+
+
+def test_an_alert_action_is_answered_with_what_the_sample_saw():
+    class Seen(AlertAction):
+        name = "seen"
+
+        def __init__(self):
+            self.steps = []
+
+        def answer(self, alerted):
+            self.steps.append((alerted.step, [a.rule for a in alerted.alerts]))
+
+    from connmon.alerts.action import Alerted
+
+    seen = Seen()
+    seen.answer(Alerted([Alert("r", "x", 3, 2.0, 2.0, 1.0, None, "WARN")], step=3))
+    assert seen.steps == [(3, ["r"])] and seen.state_dict() is None
