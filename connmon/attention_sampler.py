@@ -325,7 +325,7 @@ class AttentionSampler(CopiesDetached):
         self._say_if_long(step)
         if self._budget is not None:
             full, stride, began = self._is_full(self.samples - 1), self.full_every_n_samples, self._sample_began
-            self.full_every_n_samples = self._budget.record(self.clock, step, full, began, stride) or stride
+            self.full_every_n_samples = self._budget.record(self.clock, step, full, began, stride=stride) or stride
 
     def panels(self, sink: Any, step: int, sample: Sample) -> None:
         """The W&B histograms and figures of ``sample`` (rank zero)."""

@@ -130,3 +130,23 @@ def test_the_architecture_page_names_every_module():
     missing = [str(path.relative_to(ROOT.parent)) for path in sorted(ROOT.rglob("*.py"))
                if f"`{path.relative_to(ROOT.parent)}`" not in page]  # fmt: skip
     assert not missing, f"add them to docs/architecture.md's 'Every module': {missing}"
+
+
+def test_no_call_passes_more_than_four_positionals_to_connmons_own_functions():
+    """Past four, a call names its arguments (a callee taking ``*args`` excepted; torch's and others' are theirs)."""
+    defined: dict[str, bool] = {}  # a function's or class's name in connmon -> whether every one of them takes *args
+    trees = {path: ast.parse(path.read_text()) for path in sorted(ROOT.rglob("*.py"))}
+    for tree in trees.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                varargs = isinstance(node, ast.FunctionDef) and node.args.vararg is not None
+                defined[node.name] = defined.get(node.name, True) and varargs
+    calls = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or len(node.args) <= 4:
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name in defined and not defined[name] and not any(isinstance(a, ast.Starred) for a in node.args):
+                calls.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {ast.unparse(node.func)}")
+    assert not calls, f"name the arguments past the fourth: {calls}"

@@ -140,9 +140,9 @@ def krylov_schur(
         wanted = order[:k]
         converged = residuals[wanted] <= tol * np.maximum(np.abs(theta[wanted]), eps ** (2 / 3))
         if converged.all() or restart == max_restarts:
-            return KrylovResult(theta[wanted], residuals[wanted], converged, matvecs, restart)
+            return KrylovResult(theta[wanted], residuals[wanted], converged, matvecs, num_restarts=restart)
 
-        kept = _restart(projected, basis, theta, order, k, ncv, which)
+        kept = _restart(projected, basis, theta, order, k=k, ncv=ncv, which=which)
     raise AssertionError("unreachable")  # the loop returns on its last pass
 
 
@@ -194,7 +194,7 @@ def _key(re: float, im: float, which: Which) -> float:
 
 def _nan_result(k: int, matvecs: int, restarts: int) -> KrylovResult:
     nan = np.full(k, np.nan)
-    return KrylovResult(nan.astype(np.complex128), nan, np.zeros(k, dtype=bool), matvecs, restarts)
+    return KrylovResult(nan.astype(np.complex128), nan, np.zeros(k, dtype=bool), matvecs, num_restarts=restarts)
 
 
 def certified(solves: Sequence[KrylovResult], k: int, which: Which, tol: float) -> KrylovResult:
@@ -226,7 +226,11 @@ def certified(solves: Sequence[KrylovResult], k: int, which: Which, tol: float) 
             if not ok:
                 continue
             entry = next(
-                (i for i, (v, r, _) in enumerate(pool) if i not in matched and _same_value(value, residual, v, r, tol)),
+                (
+                    i
+                    for i, (v, r, _) in enumerate(pool)
+                    if i not in matched and _same_value(value, residual, v, r, tol=tol)
+                ),
                 None,
             )
             if entry is None:
@@ -248,7 +252,7 @@ def certified(solves: Sequence[KrylovResult], k: int, which: Which, tol: float) 
         residuals,
         converged,
         sum(solve.num_matvecs for solve in solves),
-        sum(solve.num_restarts for solve in solves),
+        num_restarts=sum(solve.num_restarts for solve in solves),
     )
 
 

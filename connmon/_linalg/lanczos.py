@@ -77,7 +77,7 @@ def largest_eigenvalue(
         >>> bool(ok.all()), bool(torch.allclose(top, torch.linalg.eigvalsh(x)[:, -1]))
         (True, True)
     """
-    alpha, beta = _recurrence(matvec, start, steps, dtype, inner)
+    alpha, beta = _recurrence(matvec, start, steps, dtype, inner=inner)
     nodes, vectors = torch.linalg.eigh(finite_or_zero(_tridiagonal(alpha, beta[:, :-1]))[0])
     residual = (beta[:, -1] * vectors[:, -1, -1]).abs()
     finite = torch.isfinite(alpha).all(-1) & torch.isfinite(beta).all(-1)

@@ -113,7 +113,7 @@ def _scale(module: nn.Module, side: Projection, factors: Tensor, rows: Tensor | 
     heads = side.rows if rows is None else rows
     per_row = factors.repeat_interleave(heads.shape[1])
     rows = heads.flatten()
-    scale_rows(weight, rows, per_row, 1 if side.transposed else 0, side.local)
+    scale_rows(weight, rows, per_row, 1 if side.transposed else 0, local=side.local)
     if side.bias is not None:
         offset = 0 if side.bias_rows is None else int(side.bias_rows.flatten()[0] - side.rows.flatten()[0])
-        scale_rows(module.get_parameter(side.bias), rows + offset, per_row, 0, side.local)
+        scale_rows(module.get_parameter(side.bias), rows + offset, per_row, 0, local=side.local)

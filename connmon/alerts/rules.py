@@ -381,7 +381,16 @@ def _feed(rule: Rule, state: _RuleState, values: Mapping[str, float], step: int)
         value = float(values[key])
         hit = detector.update(value)
         if hit is not None and fired is None:
-            fired = Alert(rule.name, key, step, value, hit.statistic, hit.threshold, hit.baseline, rule.level)
+            fired = Alert(
+                rule.name,
+                key,
+                step,
+                value,
+                statistic=hit.statistic,
+                threshold=hit.threshold,
+                baseline=hit.baseline,
+                level=rule.level,
+            )
     return fired
 
 
@@ -443,7 +452,7 @@ def logit_explosion_rule(
         >>> [[a.text for a in rules.update({key: v}, s)] for s, v in [(0, 3.0), (25, 9.0), (50, 60.0)]]
         [[], [], ['L02 head 3: max logit 60 at step 50, x20 its lowest of the samples before (3)']]
     """
-    return Rule(keys.LOGIT_RULE, keys.HEAD_MAX_LOGIT + "*", Surge(factor, samples, floor), level, cooldown)
+    return Rule(keys.LOGIT_RULE, keys.HEAD_MAX_LOGIT + "*", Surge(factor, samples, floor), level, cooldown=cooldown)
 
 
 def edge_crossing_rule(
@@ -467,7 +476,7 @@ def edge_crossing_rule(
         ["curvature along the step 6.1x the optimizer's edge of stability at step 120 (bound 4)"]
     """
     detector = Threshold(bound, consecutive=consecutive)
-    return Rule(keys.EDGE_RULE, keys.SHARPNESS_RATIO, detector, level, cooldown, since=since)
+    return Rule(keys.EDGE_RULE, keys.SHARPNESS_RATIO, detector, level, cooldown=cooldown, since=since)
 
 
 def logit_edge_rule(
@@ -565,7 +574,7 @@ def edge_of_stability_rule(
         [[], [], [], [200]]
     """
     detector = Threshold(bound, consecutive=consecutive)
-    return Rule(keys.PAST_EDGE_RULE, keys.SHARPNESS_RATIO, detector, level, cooldown, since=since)
+    return Rule(keys.PAST_EDGE_RULE, keys.SHARPNESS_RATIO, detector, level, cooldown=cooldown, since=since)
 
 
 def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int = 500) -> Rule:
@@ -582,7 +591,7 @@ def logit_bound_rule(bound: float = 30.0, level: Level = "WARN", cooldown: int =
         [61.0]
     """
     return Rule(f"attention logits above {bound:g}", keys.every_layer("max_attention_logit"), Threshold(bound), level,
-                cooldown)  # fmt: skip
+                cooldown=cooldown)  # fmt: skip
 
 
 def _check_text(name: str, value: object) -> None:

@@ -153,7 +153,7 @@ class TransportClip(HeadClipCount):
             dim = 1 if output.transposed else 0
             columns = clipped[changed].mT.reshape(-1, clipped.shape[1])  # (changed heads * d_h, d)
             write_rows(module.get_parameter(output.weight), output.rows[changed].flatten(),
-                       columns.mT if dim else columns, dim, output.local)  # fmt: skip
+                       columns.mT if dim else columns, dim, local=output.local)  # fmt: skip
         return self.counted(clips)
 
 

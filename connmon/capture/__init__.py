@@ -199,7 +199,9 @@ def armed(
     model = getattr(model, "_orig_mod", model)  # torch.compile wraps the module; hooks go on the original
     if layers is None:
         layers, unarmed = attention_layers(model), []
-    session = CaptureSession(layers, num_sequences, max_tokens, dtype, on_record, cost_clock, owner)
+    session = CaptureSession(
+        layers, num_sequences, max_tokens, dtype, on_record=on_record, cost_clock=cost_clock, owner=owner
+    )
     handles = []
     with contextlib.ExitStack() as stack:
         try:

@@ -245,7 +245,7 @@ class CaptureSession:
             )
             if pending.truncated:  # the walk restricted to the window: rows renormalized over the kept keys
                 probs /= probs.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(probs.dtype).tiny)
-            self._scored(module, pending, probs, max_logit, allowed, dropout)
+            self._scored(module, pending, probs, max_logit, allowed=allowed, dropout=dropout)
 
     def put_probabilities(
         self,
@@ -283,7 +283,7 @@ class CaptureSession:
             attended = allowed.any(dim=-2, keepdim=True).any(dim=-3, keepdim=True)  # (B_s, 1, 1, m)
             seen = logits.masked_fill(~allowed | ~attended.transpose(-1, -2), float("-inf"))
             max_logit = seen.flatten(1).amax(dim=-1)
-            self._scored(module, pending, probs, max_logit, allowed, dropout)
+            self._scored(module, pending, probs, max_logit, allowed=allowed, dropout=dropout)
 
     def _scored(
         self, module: nn.Module, pending: _Pending, probs: Tensor, max_logit: Tensor, allowed: Tensor, dropout: bool
@@ -378,7 +378,7 @@ class CaptureSession:
                 f"{layer.name}: attention {tuple(probs.shape)} does not fit input {tuple(x.shape)} and output "
                 f"{tuple(output.shape)}"
             )
-        error = reconstruction_error(probs, w_v, w_o, bias, x, output)
+        error = reconstruction_error(probs, w_v, w_o, bias, x=x, output=output)
         if pending.truncated or pending.dropout:
             error = torch.full_like(error, float("nan"))
         key_mask = pending.key_mask

@@ -203,21 +203,21 @@ def sharpness_ratio(
 
         def solve(change: float | None, initial: float | None) -> tuple[float, bool, int, float]:
             if exact:
-                hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed, weights, shards)
+                hessian: Any = DoubleBackwardProducts(loss_fns, params, dtype, seed, weights=weights, shards=shards)
             else:
                 hessian = GradientDifferenceProducts(
                     loss_fns,
                     params,
                     dtype,
                     seed,
-                    relative_length,
-                    change,
-                    where,
-                    initial,
-                    weights,
-                    shards,
-                    leaves,
-                    model,
+                    relative_length=relative_length,
+                    gradient_change=change,
+                    storage=where,
+                    initial_length=initial,
+                    weights=weights,
+                    shards=shards,
+                    leaves=leaves,
+                    model=model,
                 )
 
             def matvec(v: Tensor) -> Tensor:  # (1, N) -> U^1/2 (H + decay) U^1/2 v, no N-sized temporary held
@@ -254,7 +254,14 @@ def sharpness_ratio(
     except Exception:
         shards.lockstep.announce()
         raise
-    return Sharpness(eigenvalue / geometry.constant, eigenvalue, geometry.constant, converged, evaluations, length)
+    return Sharpness(
+        eigenvalue / geometry.constant,
+        eigenvalue,
+        geometry.constant,
+        converged,
+        gradient_evaluations=evaluations,
+        difference_length=length,
+    )
 
 
 @contextlib.contextmanager

@@ -96,7 +96,7 @@ def causal_first(
             keys["LR"] = right.cpu()
 
         blocks_at = partial(causal_blocks, gates[order], core, v_cat, o_cat)
-        best = first_over_blocks(blocks_at, reach, keys, requests, best, largest_chunk)
+        best = first_over_blocks(blocks_at, reach, keys, requests, best=best, largest_chunk=largest_chunk)
         for which in requests:
             values[which][index] = best[which]
     return values

@@ -106,7 +106,7 @@ def _padded(attn: Tensor) -> Tensor | None:
 def _each_sequence(
     solve: Callable[..., Tensor], attn: Tensor, w_v: Tensor, w_o: Tensor, valid: Tensor, scale: Tensor | None
 ) -> Tensor:
-    """``solve(attn, w_v, w_o, m, scale)`` on each layer of the batch restricted to its ``m`` valid tokens, stacked.
+    """``solve(attn, w_v, w_o, m, scale=s)`` on each layer of the batch restricted to its ``m`` valid tokens, stacked.
 
     The walk part's ``Q`` runs over the valid tokens of a padded sequence, whose count differs between sequences.
     ``scale`` (``transport_scale``, computed here when None) is weight-only: one per layer, not one per sequence.
@@ -119,7 +119,7 @@ def _each_sequence(
     found = []
     for index in np.ndindex(*batch):
         keep = valid[index].nonzero().squeeze(-1)
-        found.append(solve(attn[index][:, keep][:, :, keep], w_v[index], w_o[index], len(keep), scale[index]))
+        found.append(solve(attn[index][:, keep][:, :, keep], w_v[index], w_o[index], len(keep), scale=scale[index]))
     return torch.stack(found).reshape(tuple(batch) + tuple(found[0].shape))
 
 
@@ -149,7 +149,7 @@ def _direct_first(
     attention and ``deflate``.
     """
     if chosen == "causal":
-        return causal_first(attn, w_v, w_o, requests, deflate)
+        return causal_first(attn, w_v, w_o, requests, deflate=deflate)
     if chosen == "kron":
         everything = _kron_eigenvalues(attn, w_v, w_o)
     else:
@@ -351,12 +351,12 @@ def connection_spectrum(
                                    found.converged.to(found.eigenvalues.dtype)], dim=-1)  # fmt: skip
             return _nan_padded(columns.mT, k).mT  # (k, 3)
 
-        found = _each_sequence(solve, attn, w_v, w_o, valid, scale)  # (*, k, 3)
+        found = _each_sequence(solve, attn, w_v, w_o, valid=valid, scale=scale)  # (*, k, 3)
         if not return_info:
             return found[..., 0]
         residuals, converged = found[..., 1].real, found[..., 2].real == 1
         matvecs = torch.zeros(found.shape[:-2], dtype=torch.long, device=attn.device)
-        return SpectrumResult(found[..., 0], residuals, converged, matvecs, "/".join(sorted(methods)) or "none")
+        return SpectrumResult(found[..., 0], residuals, converged, matvecs, method="/".join(sorted(methods)) or "none")
     chosen = _choose(method, attn, n, d)
     if deflate and chosen != "causal":
         attn, n = walk_part(attn), n - 1
@@ -369,18 +369,29 @@ def connection_spectrum(
     matvecs = torch.zeros(batch, dtype=torch.long, device=attn.device)
     if chosen == "krylov":
         values, residuals, converged, matvecs = _krylov_per_layer(
-            attn, w_v, w_o, k, which, False, tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed
+            attn,
+            w_v,
+            w_o,
+            k,
+            which=which,
+            normal_equations=False,
+            tol=tol,
+            ncv=ncv,
+            max_restarts=max_restarts,
+            seed=seed,
         )
         values = values.to(complex_dtype(attn))
         residuals = residuals.to(attn.dtype) * inverse_scale
         values = values * inverse_scale
     else:
-        values = (_direct_first(chosen, attn, w_v, w_o, {which: k}, deflate)[which] * inverse_scale).expand(*batch, k)
+        values = (
+            _direct_first(chosen, attn, w_v, w_o, requests={which: k}, deflate=deflate)[which] * inverse_scale
+        ).expand(*batch, k)
         residuals = torch.zeros(*batch, k, dtype=attn.dtype, device=attn.device)
         converged = values.isfinite()
     if not return_info:
         return values
-    return SpectrumResult(values, residuals, converged, matvecs, chosen)
+    return SpectrumResult(values, residuals, converged, matvecs, method=chosen)
 
 
 class Spectra(NamedTuple):
@@ -475,7 +486,7 @@ def connection_spectra(
         raise ValueError(f"method='kron' needs a single head, got attn{shape(attn)} with H={attn.shape[-3]}")
     batch = torch.broadcast_shapes(attn.shape[:-3], w_v.shape[:-3], w_o.shape[:-3])
     part = walk_part(attn) if deflate and chosen != "causal" else attn
-    found = _direct_first(chosen, part, w_v, w_o, {"LM": k, "LR": 1}, deflate)
+    found = _direct_first(chosen, part, w_v, w_o, requests={"LM": k, "LR": 1}, deflate=deflate)
     inverse_scale = _inverse_scale(w_v, w_o, solver.get("scale"))
     largest = (found["LM"] * inverse_scale.unsqueeze(-1)).expand(*batch, k)
     rightmost = (found["LR"][..., 0] * inverse_scale).expand(batch)
@@ -636,7 +647,7 @@ def connection_operator_norm(
                     return a.new_tensor(float("nan"))
                 return connection_operator_norm(a, v, o, scale=scale, **options)
 
-            return _each_sequence(solve, attn, w_v, w_o, valid, scale)
+            return _each_sequence(solve, attn, w_v, w_o, valid=valid, scale=scale)
         if n < 2:  # one token: no field but the constant ones
             return _nan_batch(attn, w_v, w_o)
         attn, n = walk_part(attn), n - 1
@@ -684,7 +695,9 @@ def _normal_equations_norm(
                 v = w_v.expand(*batch, *w_v.shape[-3:])[index]
                 o = w_o.expand(*batch, *w_o.shape[-3:])[index]
                 options: dict[str, Any] = dict(tol=tol, ncv=ncv, max_restarts=max_restarts, seed=seed)
-                values[index] = _krylov_per_layer(a, v, o, 1, "LM", True, **options)[0][..., 0].real
+                values[index] = _krylov_per_layer(a, v, o, 1, which="LM", normal_equations=True, **options)[0][
+                    ..., 0
+                ].real
     return values
 
 

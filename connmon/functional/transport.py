@@ -376,7 +376,7 @@ def edge_isometry_gap(
         gates = torch.take_along_dim(gates, keys.clamp(max=n - 1).unsqueeze(-1), dim=-2)  # (*, n, k, H)
         edge_weight = (row_mass / (rows.squeeze(-1) * num_samples)).unsqueeze(-1).expand(keys.shape)  # (*, rows, k)
     if lanczos_steps is not None:
-        gaps = _edge_gaps_by_lanczos(gates, r_v, r_o, d_h, d, lanczos_steps, generator)
+        gaps = _edge_gaps_by_lanczos(gates, r_v, r_o, d_h, d=d, steps=lanczos_steps, generator=generator)
         return (edge_weight * gaps).flatten(-2).sum(dim=-1)
     scaled = r_o[..., None, None, :, :] * gates.repeat_interleave(d_h, dim=-1).unsqueeze(-2)  # (*, n, n|k, r, H*d_h)
     cores = scaled @ r_v.mT[..., None, None, :, :]  # (*, n, n|k, r, r)

@@ -60,7 +60,9 @@ def head_maps(
     d_h = output.shape[1] // heads
     kv_heads = value.shape[0] // d_h
     rows = torch.arange(kv_heads * d_h, device=value.device).view(kv_heads, d_h)
-    return transport_maps(value, value_bias, rows.repeat_interleave(heads // kv_heads, dim=0), output, output_bias)
+    return transport_maps(
+        value, value_bias, rows.repeat_interleave(heads // kv_heads, dim=0), output, output_bias=output_bias
+    )
 
 
 def transport_maps(

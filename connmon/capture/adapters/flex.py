@@ -70,7 +70,7 @@ def flex_scores(
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (q @ k.mT) * scale
     batch, heads = scores.shape[:2]
-    index = _indices(batch, heads, m, m, scores.device)
+    index = _indices(batch, heads, m, m, device=scores.device)
     if score_mod is not None:
         scores = score_mod(scores, *index).to(dtype).expand(batch, heads, m, m)
     mask_mod = getattr(block_mask, "mask_mod", None)
@@ -79,7 +79,7 @@ def flex_scores(
     if mask_mod is not None:
         allowed = torch.as_tensor(mask_mod(*index)).to(torch.bool)
         if m < n:
-            beyond = _indices(batch, heads, m, n, scores.device)
+            beyond = _indices(batch, heads, m, n, device=scores.device)
             truncated = bool(torch.as_tensor(mask_mod(*beyond[:3], beyond[3][..., m:])).any())
     elif m < n:
         truncated = True

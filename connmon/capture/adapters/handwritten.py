@@ -51,21 +51,21 @@ def observe(
     state = session.pending(module).adapter_state
     adapter = _reader(session, module)
     if name == "scaled_dot_product_attention" and isinstance(result, Tensor):
-        adapter.read_sdpa_call(session, module, args, kwargs, result)
+        adapter.read_sdpa_call(session, module, args, kwargs, output=result)
     elif name == "linear":
         weight = args[1] if len(args) > 1 else kwargs.get("weight")
         bias = args[2] if len(args) > 2 else kwargs.get("bias")
         if "parameters" not in state:  # the module's own weights, once per forward
             state["parameters"] = {id(p) for p in module.parameters()}
         if isinstance(weight, nn.Parameter) and id(weight) in state["parameters"] and isinstance(result, Tensor):
-            adapter.read_projection(session, module, weight, bias, args[0], result)
+            adapter.read_projection(session, module, weight, bias, inp=args[0], out=result)
     elif name in _SOFTMAX and isinstance(result, Tensor):
-        _softmax(session, state, args, kwargs, result)
+        _softmax(session, state, args, kwargs, probs=result)
     elif "softmax" in state and isinstance(result, Tensor):
         if name in _PRODUCT:
-            _product(session, module, state, name, args, result)
+            _product(session, module, state, name, args=args, out=result)
         else:
-            _derived(state, name, args, kwargs, result)
+            _derived(state, name, args, kwargs, result=result)
 
 
 def _softmax(session: CaptureSession, state: dict, args: tuple, kwargs: dict, probs: Tensor) -> None:

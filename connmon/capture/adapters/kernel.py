@@ -148,7 +148,7 @@ class _Reader(TorchFunctionMode):
         result = func(*args, **kwargs)
         for module, session in _readers():
             with session.guarded(module):
-                handwritten.observe(session, module, func, args, kwargs, result)
+                handwritten.observe(session, module, func, args, kwargs=kwargs, result=result)
         return result
 
 
@@ -273,7 +273,7 @@ class KernelAttention(CopiesDetached, Adapter):
             found = linear_weight(proj)
             if found and session.wants(module) and args and isinstance(args[0], Tensor) and isinstance(output, Tensor):
                 with session.guarded(module):
-                    self.read_projection(session, module, found[0], found[1], args[0], output)
+                    self.read_projection(session, module, found[0], found[1], inp=args[0], out=output)
 
         def normed(norm: nn.Module, args: tuple, output: Tensor) -> None:  # a latent norm (DeepSeek's kv_a_layernorm)
             if session.wants(module) and module in _stack() and args and isinstance(args[0], Tensor):
@@ -310,7 +310,7 @@ class KernelAttention(CopiesDetached, Adapter):
         bias = None if bias is None else local(bias)
         state = session.pending(module).adapter_state
         if "consumes" in state:  # after the kernel call: is this the output projection?
-            self._output(session, module, (weight, bias), inp, out)
+            self._output(session, module, (weight, bias), inp, out=out)
         elif module in _stack():
             calls = state.setdefault("calls", [])
             if not any(out is call[4] for call in calls):
@@ -331,11 +331,13 @@ class KernelAttention(CopiesDetached, Adapter):
         value_bias, out_bias = (None if b is None else b.detach() for b in (value_bias, out_bias))
         group = state.get("tensor_parallel")
         if group is not None:  # this process's heads; the output projection's bias is added once, after the sum
-            weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), None)
+            weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), output_bias=None)
             w_v, w_o, bias = assembled(group, weights)
             weights = (w_v, w_o, bias + out_bias if out_bias is not None else bias)
         else:
-            weights = transport_maps(value.detach(), value_bias, state["rows"], out_weight.detach(), out_bias)
+            weights = transport_maps(
+                value.detach(), value_bias, state["rows"], out_weight.detach(), output_bias=out_bias
+            )
         self._resolved[module] = weights
         session.put(module, output=out, weights=weights, heads_over=group)
 
@@ -459,7 +461,7 @@ class KernelAttention(CopiesDetached, Adapter):
         bound = dict(zip(_SDPA_PARAMETERS, rest, strict=False)) | kwargs
         with session.guarded(module):
             self.read_kernel_call(
-                session, module, query, key, value, output.transpose(1, 2),
+                session, module, query, key, value=value, output=output.transpose(1, 2),
                 mask=bound.get("attn_mask"), scale=bound.get("scale"), is_causal=bool(bound.get("is_causal")),
                 dropout=float(bound.get("dropout_p") or 0.0) > 0,
             )  # fmt: skip
@@ -520,14 +522,18 @@ def _sdpa(query: Tensor, key: Tensor, value: Tensor, *args: object, **kwargs: ob
     """``F.scaled_dot_product_attention``, run unchanged; then read for the innermost armed module."""
     output = sdpa_original()(query, key, value, *args, **kwargs)
     for module, session in _readers():
-        _kernel_adapter(session, module).read_sdpa_call(session, module, (query, key, value, *args), kwargs, output)
+        _kernel_adapter(session, module).read_sdpa_call(
+            session, module, (query, key, value, *args), kwargs, output=output
+        )
     return output
 
 
 def _flex_call(output: Tensor, query: Tensor, key: Tensor, value: Tensor, **features: Any) -> None:
     """After a wrapped flex_attention call: read it for the innermost armed module."""
     for module, session in _readers():
-        _kernel_adapter(session, module).read_flex_call(session, module, output, query, key, value, **features)
+        _kernel_adapter(session, module).read_flex_call(
+            session, module, output, query, key=key, value=value, **features
+        )
 
 
 def _kernel_adapter(session: CaptureSession, module: nn.Module) -> KernelAttention:
@@ -568,8 +574,8 @@ def _transformers_attention(
     for session in _SESSIONS:
         if session.wants(module):
             with session.guarded(module):
-                _read_transformers_call(session, module, function, implementation, query, key, value, attention_mask,
-                                        result[0], kwargs)  # fmt: skip
+                _read_transformers_call(session, module, function, implementation, query=query, key=key, value=value,
+                                        mask=attention_mask, output=result[0], kwargs=kwargs)  # fmt: skip
     return result
 
 
@@ -618,7 +624,7 @@ def _read_transformers_call(
         is_causal = bool(given) and mask is None and query.shape[-2] > 1
     sinks = kwargs.get("s_aux")
     layer.adapter.read_kernel_call(
-        session, module, query, key, value, output,
+        session, module, query, key, value=value, output=output,
         mask=mask, scale=kwargs.get("scaling"), is_causal=is_causal, softcap=kwargs.get("softcap"),
         bias=kwargs.get("position_bias"), sinks=None if sinks is None else sinks.detach(),
         dropout=float(kwargs.get("dropout") or 0.0) > 0,

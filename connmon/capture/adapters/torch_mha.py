@@ -44,7 +44,7 @@ class TorchMultiheadAttention(Adapter):
         value = module.in_proj_weight[2 * d :] if module._qkv_same_embed_dim else module.v_proj_weight
         value_bias = None if module.in_proj_bias is None else module.in_proj_bias[2 * d :]
         out = module.out_proj
-        return head_maps(value, out.weight, module.num_heads, value_bias, out.bias)
+        return head_maps(value, out.weight, module.num_heads, value_bias, output_bias=out.bias)
 
     def hooks(self, model: nn.Module, name: str, module: nn.Module, session: CaptureSession) -> list[RemovableHandle]:  # noqa: D102
         if module.bias_k is not None or module.add_zero_attn:
