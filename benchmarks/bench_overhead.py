@@ -8,7 +8,9 @@ uses (batch start, before the optimizer step, batch end) falls inside it. Config
 monitors themselves logged as ``connmon/overhead`` (their clocks' time over the training time, in the same run).
 
 * plain: no monitor (CSV logger).
-* ConnectionMonitor(every_n_steps=100) and (every_n_steps=10): the default diagnostics on the training forward.
+* ConnectionMonitor(every_n_steps=100) and (every_n_steps=10): the default diagnostics on the training forward;
+  "monitor_100 -logits", "monitor_100 -optimizer" (either or both): the same without the per-step max logits
+  (``logit_every_n_steps=None``) or the optimizer's state (``optimizer_every_n_steps=None``).
 * recipe: the alerting recipe of README and docs/monitoring.md at its defaults: SharpnessMonitor(loss_fn) (gradient
   differences, the adaptive cadence from every_n_steps=20) + ConnectionMonitor(every_n_steps=25,
   diagnostics=("walk",)) + DriftAlert; "recipe x4" the same with 4 micro-batches of 16 per step
@@ -98,9 +100,11 @@ def run(config: str, data: DataLoader, workdir: Path, lr: float = 3e-3) -> dict[
     callbacks: list[L.Callback] = [clock]  # first, and its stop last: the clock brackets every monitor's hooks
     logger: object = CSVLogger(workdir, name=config)
     if config.startswith("monitor"):
-        every = int(config.split("_")[1])
+        every = int(config.split()[0].split("_")[1])
         full = {"full_every_n_samples": 10} if every == 10 else {}  # 2 full samples in the window, to time them
-        callbacks.append(ConnectionMonitor(every_n_steps=every, figures_every_n_samples=None, **full))
+        off = {"logit_every_n_steps": None} if "-logits" in config else {}  # the per-step signals, each taken out
+        off |= {"optimizer_every_n_steps": None} if "-optimizer" in config else {}
+        callbacks.append(ConnectionMonitor(every_n_steps=every, figures_every_n_samples=None, **full, **off))
     if config.startswith("recipe"):
         sharpness = SharpnessMonitor(next_token_loss)  # the defaults: gradient differences, adaptive from 20 steps
         if "(" in config:
@@ -207,7 +211,8 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
     data = DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
     configs = [
-        "plain", "monitor_100", "monitor_10", "recipe", "plain x4", "recipe x4", "recipe (exact_lanczos)",
+        "plain", "monitor_100", "monitor_100 -logits", "monitor_100 -optimizer", "monitor_100 -logits -optimizer",
+        "monitor_10", "recipe", "plain x4", "recipe x4", "recipe (exact_lanczos)",
         "recipe (secant)", "finite_difference_lanczos_10", "secant_1", "difference_10", "exact_lanczos_10",
         "lanczos budget 5%", "wandb.watch",
     ]  # fmt: skip

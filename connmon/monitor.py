@@ -101,7 +101,8 @@ class Monitor(CopiesDetached):
             those of ``options`` (typed by :class:`~connmon.sampling.SamplingKeywords` for editors).
         log: called as ``log(values, step=step)`` with a dict of floats on rank zero after each sample, e.g.
             ``wandb.log`` or ``accelerator.log``; None to log the scalars to ``wandb`` (or nowhere).
-        wandb: a W&B run (``wandb.init(...)``) for histograms, figures and alerts, logged with ``step=step``.
+        wandb: a W&B run (``wandb.init(...)``) for histograms, figures and alerts, logged with ``step=step``; or the
+            :class:`connmon.sinks.wandb.WandbSink` an entry point found (:func:`connmon.sinks.wandb.find_sink`).
         alerts: an :class:`connmon.alerts.AlertRunner` run on every sample; its stop requests set
             :attr:`should_stop`; with its ``"checkpoint"`` action, the restore point an alert asks for is saved at the
             start of the next :meth:`step` (:meth:`save_restore_point`).
@@ -123,6 +124,9 @@ class Monitor(CopiesDetached):
             several ``ConnectionMonitor``).
         optimizer_hook: read the curvature in ``optimizer``'s step pre-hook (a plain loop); False for an entry point
             that calls :meth:`before_optimizer_step` from its trainer's own pre-step event.
+        agree: a decision every process takes together (a trainer's any-process reduction, Lightning's
+            ``strategy.reduce_boolean_decision``): the alerts' stop and restore point; the default ``bool`` holds
+            where the values the rules read are synced (a plain loop).
 
     Every sample's values include what the monitor costs, ``connmon/overhead/attention`` (its time over the
     training time since :meth:`attach`) and ``connmon/overhead`` (all connmon monitors running);
@@ -167,6 +171,7 @@ class Monitor(CopiesDetached):
         log_on_every_rank: bool = False,
         attention: bool | Sequence[AttentionSampler] = True,
         optimizer_hook: bool = True,
+        agree: Callable[[bool], bool] = bool,
         **sampling: Unpack[SamplingKeywords],
     ) -> None:
         if model is not None and not isinstance(model, nn.Module):
@@ -185,7 +190,7 @@ class Monitor(CopiesDetached):
         self.attention_samplers = samplers
         self.optimizer_hook = optimizer_hook
         self.owner = owner
-        self.agree: Callable[[bool], bool] = bool  # a decision every process takes together (the values are synced)
+        self.agree = agree
         self.clips: StepClips | None = None
         self.use(alerts=alerts, sharpness=sharpness)
         if sharpness is not None and optimizer is None:
@@ -202,7 +207,7 @@ class Monitor(CopiesDetached):
         if wandb is not None:
             from connmon.sinks.wandb import WandbSink
 
-            self.sink = WandbSink(wandb, step_key=None)
+            self.sink = wandb if isinstance(wandb, WandbSink) else WandbSink(wandb, step_key=None)
         self.should_stop = False
         self._stop_step: int | None = None
         self._listeners: dict[str, list[tuple[Listener, AttentionSampler | None]]] = {"attention": [], "curvature": []}
@@ -820,11 +825,19 @@ class Monitor(CopiesDetached):
 
     # --- the checkpoint -----------------------------------------------------------------------------------------------
 
-    def state_dict(self, sampler: AttentionSampler | None = None) -> dict[str, Any]:
-        """Sampling cadence, each layer's previous sample (time drift) and the alert rules' state.
+    def state_dict(self) -> dict[str, Any]:
+        """Sampling cadence, each layer's previous sample (time drift), the curvature's and the alert rules' state."""
+        return {
+            **self.attention_state(),
+            "alerts": self.alerts.state_dict() if self.alerts is not None else None,
+            "sharpness": self.sharpness.state_dict() if self.sharpness is not None else None,
+        }
 
-        ``sampler``: whose attention state (default the first); the run's own windows (the optimizer's state, what
-        QK-clip did) ride with the first sampler's.
+    def attention_state(self, sampler: AttentionSampler | None = None) -> dict[str, Any]:
+        """``sampler``'s part of :meth:`state_dict` (default the first's): its cadence, drift and max logits.
+
+        The run's own windows (the optimizer's state, what QK-clip did since the last sample) ride with the first
+        sampler's.
         """
         first = self.attention_sampler
         sampler = sampler if sampler is not None else first
@@ -832,18 +845,15 @@ class Monitor(CopiesDetached):
         logits = own.get("logits")
         if sampler is first and self.clips is not None:
             logits = {**(logits or {}), "clip_window": self.clips.window_state()}
+        optimizer = self.optimizer_state if sampler is first else None
         return {
             "config": sampler.config() if sampler is not None else self._config(),
             "samples": own.get("samples", 0),
             "last_sampled_step": own.get("last_sampled_step", -1),
             "drift": own.get("drift"),
-            "alerts": self.alerts.state_dict() if self.alerts is not None else None,
             "full_every_n_samples": own.get("full_every_n_samples", 1),
-            "sharpness": self.sharpness.state_dict() if self.sharpness is not None else None,
             "logits": logits,
-            "optimizer_state": self.optimizer_state.state_dict()
-            if self.optimizer_state is not None and sampler is first
-            else None,
+            "optimizer_state": optimizer.state_dict() if optimizer is not None else None,
         }
 
     def _config(self) -> dict[str, Any]:

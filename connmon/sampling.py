@@ -62,7 +62,9 @@ class SamplingOptions:
             AdamW's update RMS, stale-second-moment share and update-to-weight ratio; SGD momentum's update-to-weight:
             :mod:`connmon.curvature.optimizer_state`), logged at each sample as the largest since the previous one
             (``connmon/update_rms``, ``connmon/stale_second_moment``, ``connmon/update_to_weight``); None for never.
-            It costs 1.2-1.5% of a CPU step (widths 128-768) (``benchmarks/bench_step_signals.py``).
+            It costs 1.2-1.5% of a CPU step at widths 128-768 and 256+ tokens (``benchmarks/bench_step_signals.py``),
+            and about 6% of the example's small step (width 128, 16 x 64 tokens: ``benchmarks/bench_overhead.py``,
+            ``monitor_100 -optimizer``); a larger value reads it less often.
 
     Raises:
         ValueError: for an invalid option (the message names it and the valid values).

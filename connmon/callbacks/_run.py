@@ -105,11 +105,14 @@ class LightningRun:
             rank_zero_warn("DriftAlert watches the values of a ConnectionMonitor, and the Trainer has none: add one")
         owner = "ConnectionMonitor" if self.samplers else "SharpnessMonitor"
         monitor = Monitor(
-            log=self.log, owner=owner, attention=[sampler for sampler, _, _ in self.samplers], optimizer_hook=False
+            log=self.log,
+            wandb=find_sink(trainer.loggers),
+            owner=owner,
+            attention=[sampler for sampler, _, _ in self.samplers],
+            optimizer_hook=False,
+            agree=lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False),
         )
         monitor.use(alerts=self.alerts, sharpness=self.sharpness)
-        monitor.agree = lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False)
-        monitor.sink = find_sink(trainer.loggers)
         if self.alerts is not None and self.alerts.restore_points is not None:
             self._restore_root = trainer.strategy.broadcast(_restore_root(trainer))
         for sampler, listener, saved in self.samplers:

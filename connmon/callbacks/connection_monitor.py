@@ -135,13 +135,8 @@ class ConnectionMonitor(CopiesDetached, RunPart):
         """
         run = running(self._trainer)
         if run is not None and run.monitor is not None:
-            state = run.monitor.state_dict(self.sampler)
-        else:
-            own = self.sampler.state_dict()
-            state = {"config": self.sampler.config(), **own, "optimizer_state": None}
-        state.pop("alerts", None)  # DriftAlert saves its own
-        state["sharpness"] = None  # and SharpnessMonitor its own
-        return state
+            return run.monitor.attention_state(self.sampler)
+        return {"config": self.sampler.config(), **self.sampler.state_dict(), "optimizer_state": None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
