@@ -456,31 +456,6 @@ class Monitor(CopiesDetached):
         due = points.due if points is not None else None
         return StepOutcome(values or {}, self._stop_step if self.should_stop else None, due)
 
-    def run_probe(
-        self,
-        model: nn.Module,
-        step: int,
-        rule_values: RuleValues = None,
-        forward: Callable[[nn.Module], Any] | None = None,
-    ) -> dict[str, float]:
-        """Record the ``probe`` batch on ``model`` now and finish the sample as step ``step``; returns what was logged.
-
-        The probe runs under ``no_grad`` in eval mode, on ``nn.MultiheadAttention``'s Python path (its output is
-        connmon's own), and every module's mode is put back as it was. A probe forward that raises is reported once
-        and the sample is discarded: the training run goes on. ``forward``, if given, runs the model instead of the
-        probe (``forward(model)``).
-        """
-        values: dict[str, float] = {}
-        for sampler in self.attention_samplers:
-            if sampler.record(model, forward):
-                values.update(self.finish(step, rule_values, sampler))
-        return values
-
-    def arm(self, model: nn.Module) -> None:
-        """Arm every attention sampler's capture on ``model`` until :meth:`disarm` (each layer recorded once)."""
-        for sampler in self.attention_samplers:
-            sampler.arm(model)
-
     def disarm(self) -> None:
         """Remove the capture's hooks (a no-op when not armed)."""
         for sampler in self.attention_samplers:
@@ -503,11 +478,6 @@ class Monitor(CopiesDetached):
     def due(self, step: int) -> bool:
         """Whether any attention sampler samples optimizer step ``step``."""
         return any(sampler.due(step) for sampler in self.attention_samplers)
-
-    def watch_logits(self) -> None:
-        """Read the per-head max logits of the forwards that follow (if this step's are read) until unwatched."""
-        for sampler in self.attention_samplers:
-            sampler.watch_logits()
 
     def unwatch_logits(self) -> None:
         """Remove the max logits' hooks (a no-op when none)."""

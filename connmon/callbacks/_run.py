@@ -10,6 +10,7 @@ each step's :class:`connmon.monitor.StepOutcome` the Lightning way (``trainer.sh
 
 from __future__ import annotations
 
+import abc
 import os
 import weakref
 from collections.abc import Callable
@@ -215,16 +216,16 @@ class LightningRun:
         points.save_due(step, path, trainer.save_checkpoint, trainer.strategy.remove_checkpoint, owner="DriftAlert")
 
 
-class RunPart(Callback):
+class RunPart(Callback, abc.ABC):
     """A connmon callback: one part of its Trainer's run, forwarding every trainer event to it.
 
     A subclass registers its part in :meth:`join` (called by ``setup`` on fit); the run translates the events of
     the first part registered into its monitor's protocol.
     """
 
+    @abc.abstractmethod
     def join(self, run: LightningRun, trainer: Trainer) -> None:
         """Register this callback's part with ``run`` (``setup`` on fit)."""
-        raise NotImplementedError
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """On fit: join the Trainer's run."""
