@@ -146,3 +146,69 @@ def gathered_objects(value: T) -> list[T]:
     values: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(values, value)
     return values
+
+
+# --- uneven inputs under torch's Join ---------------------------------------------------------------------------------
+#
+# Inside ``Join`` (DDP's ``model.join()``, accelerate's ``join_uneven_inputs``) a process that ran out of data loops in
+# ``Join.__exit__``, shadowing the collectives of its joinables (DDP's gradient all-reduces) and nothing else: any other
+# collective the other processes issue pairs with one of those shadows and fails. Each forward of the first joinable
+# counts the processes still training (its ``notify_join_context`` all-reduce); :func:`watch_joins` keeps that count,
+# so connmon issues a collective only on a step every process took.
+
+_joins: dict[str, Any] = {"watched": False, "seen": False, "count": None}
+
+
+def watch_joins() -> None:
+    """Keep the count of processes still training that each ``Join`` iteration takes (once per process; no collective).
+
+    ``torch.distributed.algorithms.join.Join.notify_join_context`` is wrapped: it is called as before and its
+    all-reduce's result is kept for :func:`processes_in_step`.
+
+    Examples:
+        >>> from connmon._collectives import joins_seen, watch_joins
+        >>> watch_joins()
+        >>> joins_seen()
+        False
+    """
+    if _joins["watched"] or not dist.is_available():
+        return
+    from torch.distributed.algorithms.join import Join
+
+    notify = Join.notify_join_context
+
+    def counted(joinable: Any) -> Any:
+        work = notify(joinable)
+        if work is not None:
+            _joins["seen"], _joins["count"] = True, work.get_future()
+        return work
+
+    Join.notify_join_context = staticmethod(counted)  # type: ignore[method-assign]
+    _joins["watched"] = True
+
+
+def joins_seen() -> bool:
+    """Whether a forward ran inside a ``Join`` with uneven-input detection on, in this process (no collective).
+
+    Examples:
+        >>> from connmon._collectives import joins_seen
+        >>> joins_seen()
+        False
+    """
+    return bool(_joins["seen"])
+
+
+def processes_in_step() -> int:
+    """How many processes took the latest forward: fewer than :func:`process_count` once one ran out of data.
+
+    Outside a ``Join`` (or before its first forward) every process (no collective: the count is the ``Join``'s own).
+
+    Examples:
+        >>> from connmon._collectives import processes_in_step
+        >>> processes_in_step()
+        1
+    """
+    count = _joins["count"]
+    if count is None:
+        return process_count()
+    return int(count.wait()[0].item())

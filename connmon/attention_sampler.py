@@ -389,6 +389,12 @@ class AttentionSampler(CopiesDetached):
         if self.logits is not None:
             self.logits.unwatch()
 
+    def drop_step_logits(self) -> None:
+        """Forget the watched step's max logits unread (no collective): a step not every process took."""
+        if self.logits is not None:
+            self.logits.drop()
+        self._logit_step = None
+
     def read_step_logits(self) -> tuple[int, Tensor] | None:
         """Fold the watched step's max logits into the window; the step and its table (None if none was read).
 

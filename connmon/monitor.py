@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from connmon._collectives import from_rank_zero
+from connmon._collectives import from_rank_zero, joins_seen, process_count, processes_in_step, watch_joins
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, cost_line, overhead_values
 from connmon._moved import renamed_name
@@ -217,10 +218,13 @@ class Monitor(CopiesDetached):
         self._step_now = 0  # the step of the latest step_start: the one optimizer.step() completes
         self._begun: int | None = None  # the step begin_step last ran for
         self._pending: list[tuple[AttentionSampler, int]] = []  # the samples recorded and not finished yet
+        self._forward_of: int | None = None  # the step whose forward step_start announced and forward_end not ended
         self._beside: contextlib.ExitStack | None = None  # a compiled model's reading beside its graph
         self._pre_hook: Any = None
         self._post_hooks: list[Any] = []  # after each optimizer step: the clip actions, the optimizer's state
-        self._clips_after_step = False  # the clip actions run in those hooks
+        self._logits_after_step = False  # each step's max logits are read (and clipped) in those hooks
+        self._uneven_from: int | None = None  # the first step only some processes took (uneven inputs under Join)
+        self._said_join: set[str] = set()  # what uneven inputs turned off, said once each
         every = options.optimizer_every_n_steps
         self.optimizer_state = OptimizerSignalWindow() if every is not None else None  # its signals since the sample
         if model is not None:
@@ -357,8 +361,8 @@ class Monitor(CopiesDetached):
         model = self._model
         self._step_now = step
         self.begin_step(step)
-        if self.alerts is not None and self.alerts.restore_points is not None:
-            self.save_restore_point(step)
+        if self.alerts is not None and self.alerts.restore_points is not None and not joins_seen():
+            self.save_restore_point(step)  # under uneven inputs, after the optimizer step instead
         if model is not None and self.sharpness is not None:
             loss_fn = self.loss_fn
             loss = None if loss_fn is None or batch is None else lambda: loss_fn(model, batch)
@@ -381,7 +385,18 @@ class Monitor(CopiesDetached):
 
         ``first``: the step's first micro-batch, whose forward a due sampler records (a compiled model's batch read
         beside its graph); every micro-batch's max logits are read. :meth:`forward_end` ends it.
+
+        Raises:
+            RuntimeError: the forward before it never ended (no :meth:`forward_end`), or a step's first forward
+                while an earlier step's sample waits for its :meth:`step_end`: every hook is removed and the
+                samples not finished are dropped first, so no reading mixes two steps.
         """
+        if self._forward_of is not None:
+            self._out_of_order(f"step_start({step})", f"forward_end() after the forward of step {self._forward_of}")
+        waiting = sorted({at for _, at in self._pending if at != step})
+        if first and waiting:
+            self._out_of_order(f"step_start({step})", f"step_end({waiting[0]})")
+        self._forward_of = step
         self._step_now = step
         if first:
             self.begin_step(step)
@@ -414,7 +429,11 @@ class Monitor(CopiesDetached):
         return read
 
     def forward_end(self, raised: bool = False) -> None:
-        """The forward :meth:`step_start` announced ended (``raised``: its partial samples are discarded)."""
+        """The forward :meth:`step_start` announced ended (``raised``: its partial samples are discarded).
+
+        A no-op when none is open (an entry point may end a forward twice).
+        """
+        self._forward_of = None
         for sampler in self.attention_samplers:
             sampler.unwatch_logits()
             if raised and any(sampler is pending for pending, _ in self._pending):
@@ -434,18 +453,42 @@ class Monitor(CopiesDetached):
         trainer's own loss, gradient norm, ...; or a function that returns them, called only when the rules run) are
         shown to the alert rules beside the sample's keys; they are not logged. Returns what the entry point carries
         out: the values logged, a stop, a restore point due.
+
+        Raises:
+            RuntimeError: the step's forward never ended (no :meth:`forward_end`): every hook is removed and its
+                sample dropped first.
         """
+        if self._forward_of is not None:
+            self._out_of_order(f"step_end({step})", f"forward_end() after the forward of step {self._forward_of}")
         pending, self._pending = self._pending, []
         values: dict[str, float] = {}
+        if pending and not self.every_process_in_step():
+            for sampler, _ in pending:
+                sampler.discard()
+            return self.outcome(values)
         for sampler, sampled_step in pending:
             sampler.disarm()
             values.update(self.finish(sampled_step, rule_values, sampler))
         return self.outcome(values)
 
+    def _out_of_order(self, event: str, missing: str) -> None:
+        """An event came before the one it needs: every hook removed, the samples not finished dropped; the error."""
+        self._forward_of = None
+        self.discard()
+        self.unwatch_logits()
+        raise RuntimeError(
+            f"{self.owner}: {event} came before {missing}. Each forward of a step is announced by step_start() and "
+            "ended by forward_end(); step_end() follows the step's last forward (docs/integrations.md). Every hook "
+            "connmon added is removed and the samples not finished are dropped"
+        )
+
     def model_updated(self, steps_taken: int, model: nn.Module, rule_values: RuleValues = None) -> StepOutcome:
         """The model after ``steps_taken`` optimizer steps: a sampler with a ``probe`` due then records it now."""
         values: dict[str, float] = {}
         for sampler in self.attention_samplers:
+            if sampler.options.probe is not None and joins_seen():
+                self._say_uneven("probe", "a probe is not recorded: its forward would count as a step of the Join")
+                continue
             if sampler.options.probe is not None and sampler.due(steps_taken) and sampler.record(model):
                 values.update(self.finish(steps_taken, rule_values, sampler))
         return self.outcome(values)
@@ -469,7 +512,7 @@ class Monitor(CopiesDetached):
 
     def _drop(self) -> None:
         """Every capture disarmed, a compiled model's reading removed, the samples not finished forgotten."""
-        self._pending = []
+        self._pending, self._forward_of = [], None
         self.disarm()
         if self._beside is not None:
             stack, self._beside = self._beside, None
@@ -536,6 +579,7 @@ class Monitor(CopiesDetached):
         self._drop()
         self._model = model
         self._begun = None
+        watch_joins()
         found = [sampler.attach(model) for sampler in self.attention_samplers]
         optimizer = optimizer if optimizer is not None else self._optimizer
         if optimizer is not None:
@@ -555,10 +599,9 @@ class Monitor(CopiesDetached):
         self._optimizer = optimizers[0] if len(optimizers) == 1 else None
         self._remove_optimizer_hooks()
         sampler = self.attention_sampler
-        self._clips_after_step = (
-            bool(optimizers) and self.clips is not None and sampler is not None and (sampler.logits is not None)
-        )  # with no optimizer known, the clips run at the next step's start and at close()
-        if self._clips_after_step or self.optimizer_state is not None:
+        self._logits_after_step = bool(optimizers) and sampler is not None and sampler.logits is not None
+        # with no optimizer known, a step's max logits are read (and clipped) at the next step's start and at close()
+        if self._logits_after_step or self.optimizer_state is not None:
             self._post_hooks = [
                 optimizer.register_step_post_hook(self._after_optimizer_step) for optimizer in optimizers
             ]
@@ -577,7 +620,7 @@ class Monitor(CopiesDetached):
         for handle in [self._pre_hook, *self._post_hooks]:
             if handle is not None:
                 handle.remove()
-        self._pre_hook, self._post_hooks, self._clips_after_step = None, [], False
+        self._pre_hook, self._post_hooks, self._logits_after_step = None, [], False
 
     def to(self, device: torch.device | str) -> Monitor:
         """Move the accumulators to ``device`` (where the model lives)."""
@@ -589,7 +632,7 @@ class Monitor(CopiesDetached):
         """Remove every hook (the capture's, the max logits', the optimizer's) and stop the cost clocks (run over)."""
         self._drop()
         self.unwatch_logits()
-        if self.qk_clip is not None and not self._clips_after_step:  # no optimizer's hook: the last clip is now
+        if self.qk_clip is not None and not self._logits_after_step:  # no optimizer's hook: the last clip is now
             with self.clock.measuring():
                 self._clip(None)
         self._remove_optimizer_hooks()
@@ -616,24 +659,57 @@ class Monitor(CopiesDetached):
         """Optimizer step ``step`` begins (its first micro-batch): decide whether this step's max logits are read.
 
         The per-head max logits of a step (every forward of it, MAX-reduced across processes: every process calls
-        this at the same steps) join the window the rules see at the next sample. The clip actions act on them right
-        after the step's optimizer step, in the optimizer's step post-hook (:meth:`after_optimizer_step`), so the
-        last step of a run is clipped too and a step the optimizer skipped (a GradScaler's inf step) is not. Without
-        a known optimizer (a plain loop given none) they act here, on the step before, and at :meth:`close`. Called
-        by :meth:`step_start`; a second call for the same step does nothing.
+        this at the same steps) join the window the rules see at the next sample. With an optimizer known they are
+        read, and the clip actions act on them, right after the step's optimizer step, in the optimizer's step
+        post-hook (:meth:`after_optimizer_step`), so the last step of a run is clipped too and a step the optimizer
+        skipped (a GradScaler's inf step) is not. Without one (a plain loop given none) they are read here, on the
+        step before, and at :meth:`close`. Called by :meth:`step_start`; a second call for the same step does nothing.
         """
         self._step_now = step
         if step == self._begun or not any(sampler.logits is not None for sampler in self.attention_samplers):
             return
         self._begun = step
         with self.clock.measuring():
-            if self._clips_after_step:
+            if joins_seen():  # no collective before the forward: a process out of data does not take this step
+                if not self._logits_after_step:
+                    self._say_uneven("logits", "the per-step max logits and the clips need optimizer=... there")
+                    for sampler in self.attention_samplers:
+                        sampler.drop_step_logits()
+            elif self._logits_after_step:
                 self._read_step_logits()  # unread: the optimizer skipped that step, which is not clipped
             else:
                 self._clip(step)
             threshold = self.qk_clip.threshold if self.qk_clip is not None else None
             for sampler in self.attention_samplers:
                 sampler.begin_logits(step, threshold)
+
+    def every_process_in_step(self) -> bool:
+        """Whether every process took the current step's forward (no collective; False only for uneven inputs).
+
+        Inside ``torch.distributed``'s ``Join`` (DDP's ``model.join()``, accelerate's ``join_uneven_inputs``) a
+        process that ran out of data shadows only its joinables' collectives, so connmon reads nothing on a step
+        only some processes took (said once): every value it logs is of steps every process took.
+        """
+        if not joins_seen():
+            return True
+        taken, count = processes_in_step(), process_count()
+        if taken >= count:
+            return True
+        if self._uneven_from is None:
+            self._uneven_from = self._step_now
+            warnings.warn(
+                f"{self.owner}: step {self._step_now} was taken by {taken} of {count} processes (uneven inputs under "
+                "torch.distributed's Join): connmon reads nothing on the steps only some processes take, so every "
+                "value it logs is of steps all of them took",
+                stacklevel=2,
+            )
+        return False
+
+    def _say_uneven(self, what: str, why: str) -> None:
+        """Say once that uneven inputs (a ``Join``) turn ``what`` off, and ``why``."""
+        if what not in self._said_join:
+            self._said_join.add(what)
+            warn_rank_zero(f"{self.owner}: under torch.distributed's Join (uneven inputs), {why}")
 
     def _read_step_logits(self) -> tuple[int, torch.Tensor] | None:
         """Every sampler's watched step folded into its window; the first sampler's ``(step, table)``, if read."""
@@ -653,27 +729,34 @@ class Monitor(CopiesDetached):
         self.after_optimizer_step(optimizer)
 
     def after_optimizer_step(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Right after an optimizer step: the clip actions on that step's max logits, and ``optimizer``'s state.
+        """Right after an optimizer step: its max logits read, the clip actions on them, the optimizer's state.
 
-        The optimizer's step post-hook calls it (the monitor registers one for a clip action and for
+        The optimizer's step post-hook calls it (the monitor registers one when it reads max logits or
         ``optimizer_every_n_steps``). The state is read after every ``optimizer_every_n_steps``-th step (counted as
         the steps taken, the one just taken included; every process at the same steps) into the window logged at the
-        next sample.
+        next sample. Under uneven inputs, a restore point due is saved here (not at the next step's start).
         """
+        if not self.every_process_in_step():
+            for sampler in self.attention_samplers:
+                sampler.drop_step_logits()
+            return
         with self.clock.measuring():
-            if self._clips_after_step and self._begun is not None:
+            if self._logits_after_step and self._begun is not None:
                 self._clip(self._begun + 1)
             every = self.options.optimizer_every_n_steps
             if optimizer is None or self.optimizer_state is None or every is None or (self._step_now + 1) % every:
-                return
-            try:
-                self.optimizer_state.read(optimizer)
-            except Exception as error:  # a reading must not end the training run
-                warn_rank_zero(
-                    f"{self.owner}: reading the optimizer's state raised {type(error).__name__}: {error}; it is off "
-                    "for this run"
-                )
-                self.optimizer_state = None
+                pass
+            else:
+                try:
+                    self.optimizer_state.read(optimizer)
+                except Exception as error:  # a reading must not end the training run
+                    warn_rank_zero(
+                        f"{self.owner}: reading the optimizer's state raised {type(error).__name__}: {error}; it is "
+                        "off for this run"
+                    )
+                    self.optimizer_state = None
+        if joins_seen() and self.optimizer_hook:  # a plain loop: saved here, where every process is known to be
+            self.save_restore_point(self._step_now + 1)
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.before_optimizer_step(self._step_now)
@@ -686,8 +769,12 @@ class Monitor(CopiesDetached):
         trainer's pre-step event (``optimizer_hook=False``).
         """
         self._step_now = step
-        if self.sharpness is not None:
-            self.publish_curvature(step, self.sharpness.before_step(step))
+        if self.sharpness is None:
+            return
+        if not self.every_process_in_step():
+            self.sharpness.skip_step(step)
+            return
+        self.publish_curvature(step, self.sharpness.before_step(step))
 
     def read_forward(
         self, step: int, loss: Callable[[], torch.Tensor] | None, model: nn.Module, loss_weight: float | None = None
@@ -696,8 +783,13 @@ class Monitor(CopiesDetached):
 
         ``loss()`` is that micro-batch's scalar loss; ``loss_weight`` as in :meth:`step`.
         """
-        if self.sharpness is not None and self.sharpness.reads_forward(step):
-            self.publish_curvature(step, self.sharpness.before_forward(step, loss, model, loss_weight))
+        if self.sharpness is None or not self.sharpness.reads_forward(step):
+            return
+        if joins_seen() and self.sharpness.estimator == "difference":  # it reads before the step's forward
+            self.sharpness.turn_off("under torch.distributed's Join (uneven inputs) it would read before knowing "
+                                    "whether every process takes the step; use another estimator")  # fmt: skip
+            return
+        self.publish_curvature(step, self.sharpness.before_forward(step, loss, model, loss_weight))
 
     # --- what the parts measured: rules, logs, listeners -------------------------------------------------------------
 

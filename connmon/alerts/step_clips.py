@@ -113,16 +113,21 @@ class StepClips:
                 "overflowed query or key); QK-clip leaves such a head alone (said once)"
             )
         try:
-            clips = self.qk_clip.apply(logits.modules, table, layouts)
+            clips, failure = self.qk_clip.apply(logits.modules, table, layouts), None
         except Exception as error:  # an action must not end the training run
-            warn_rank_zero(f"{self.owner}: QK-clip raised {type(error).__name__}: {error}; it is off for this run")
+            clips, failure = [], f"{type(error).__name__}: {error}"
+        clips, failure = self._model_clips(self.qk_clip, clips, [table.shape[1]] * len(layouts), logits, failure)
+        if failure is not None:
+            warn_rank_zero(f"{self.owner}: QK-clip raised {failure}; it is off for this run")
             self.qk_clip = None
             return
-        clips = self._model_clips(self.qk_clip, clips, [table.shape[1]] * len(layouts), logits)
-        self._note_clips(table, clips, [layout is not None and layout.query is not None and layout.key is not None
-                                        for layout in layouts])  # fmt: skip
-        if clips and is_rank_zero():
-            self._say_clips(step, clips)
+        try:
+            self._note_clips(table, clips, [layout is not None and layout.query is not None and layout.key is not None
+                                            for layout in layouts])  # fmt: skip
+            if clips and is_rank_zero():
+                self._say_clips(step, clips)
+        except Exception as error:  # what is logged of a clip must not end the run either
+            warn_rank_zero(f"{self.owner}: noting QK-clip's clips raised {type(error).__name__}: {error}")
 
     def _note_clips(self, table: Tensor, clips: list[tuple], acted: list[bool]) -> None:
         """Fold a step's clips into the window logged at the next sample (per layer).
@@ -157,13 +162,15 @@ class StepClips:
                     "one projection's rows inside the attention module, or they call no scaled_dot_product_attention"
                 )
         try:
-            clips = self.transport_clip.apply(logits.modules, layouts)
+            clips, failure = self.transport_clip.apply(logits.modules, layouts), None
         except Exception as error:  # an action must not end the training run
-            warn_rank_zero(f"{self.owner}: the transport clip raised {type(error).__name__}: {error}; it is off now")
+            clips, failure = [], f"{type(error).__name__}: {error}"
+        counts = [0 if layout is None or layout.output is None else layout.output.rows.shape[0] for layout in layouts]
+        clips, failure = self._model_clips(self.transport_clip, clips, counts, logits, failure)
+        if failure is not None:
+            warn_rank_zero(f"{self.owner}: the transport clip raised {failure}; it is off now")
             self.transport_clip = None
             return
-        counts = [0 if layout is None or layout.output is None else layout.output.rows.shape[0] for layout in layouts]
-        clips = self._model_clips(self.transport_clip, clips, counts, logits)
         if not clips or not is_rank_zero() or not self._may_say("transport_clip", step):
             return
         heads = ", ".join(
@@ -177,26 +184,31 @@ class StepClips:
         )
 
     def _model_clips(
-        self, action: HeadClipCount, clips: list[tuple], heads: list[int], logits: HeadMaxLogits
-    ) -> list[tuple]:
-        """A clip action's clips as the model's (under tensor parallelism a collective: every process calls it).
+        self, action: HeadClipCount, clips: list[tuple], heads: list[int], logits: HeadMaxLogits, failure: str | None
+    ) -> tuple[list[tuple], str | None]:
+        """A clip action's clips as the model's, and a failure on any process (under tensor parallelism a collective).
 
         Under tensor parallelism every process's clips, its heads numbered as the model's (process ``r``'s head ``h``
         of a layer is ``h`` plus the layer's heads on processes ``0..r-1``), and the action's count and latest clips
-        set to them; elsewhere ``clips``. ``heads``: this process's head count of each layer.
+        set to them; the first process's failure is every process's, so all turn the action off together. Every
+        process calls it on the same steps, whatever happened to it. Elsewhere ``clips`` and ``failure``.
+        ``heads``: this process's head count of each layer.
         """
         if not logits.tensor_parallel or not is_distributed():
-            return clips
-        parts = gathered_objects((clips, heads))
+            return clips, failure
+        parts = gathered_objects((clips, heads, failure))
+        failed = [(rank, why) for rank, (_, _, why) in enumerate(parts) if why is not None]
+        if failed:
+            return [], f"{failed[0][1]} (on process {failed[0][0]})"
         whole: list[tuple] = []
         offset = [0] * len(heads)
-        for part, counts in parts:
+        for part, counts, _ in parts:
             whole += [(layer, head + offset[layer], *rest) for layer, head, *rest in part]
             offset = [a + b for a, b in zip(offset, counts, strict=True)]
         whole.sort(key=lambda clip: clip[:2])
         action.clipped += len(whole) - len(clips)
         action.last = whole
-        return whole
+        return whole, None
 
     def _head_place(self, layer: int, head: int) -> str:
         """``L<ll> head <h>`` of head ``head`` of the ``layer``-th layer read, as the alerts and the keys name it."""

@@ -295,14 +295,23 @@ class HeadMaxLogits:
         exact, bounds = self._table(self._running, width), self._table(self._bounds, width)
         both = torch.stack([exact, torch.maximum(bounds, exact)])  # an exact reading bounds itself
         self._running, self._bounds = [None] * len(self.modules), [None] * len(self.modules)
-        if not self._tensor_parallel and is_distributed():
+        read = [not bool(torch.isneginf(t).all()) for t in both]
+        if self._tensor_parallel and is_distributed():  # each process its own heads: read or not, decided together
+            flags = torch.tensor(read, dtype=torch.int32, device=both.device)
+            read = [bool(flag) for flag in max_over_processes(flags, group).tolist()]
+        elif is_distributed():
             device = both.device
             size = max_over_processes(torch.tensor([both.shape[2]], device=device), group)
             if int(size) > both.shape[2]:
                 padding = both.new_full((2, both.shape[1], int(size) - both.shape[2]), -math.inf)
                 both = torch.cat([both, padding], 2)
             max_over_processes(both, group)
-        return tuple(None if bool(torch.isneginf(t).all()) else t for t in both)  # type: ignore[return-value]
+            read = [not bool(torch.isneginf(t).all()) for t in both]
+        return tuple(t if flag else None for t, flag in zip(both, read, strict=True))  # type: ignore[return-value]
+
+    def drop(self) -> None:
+        """Forget the maxima since the last read, unread (no collective)."""
+        self._running, self._bounds = [None] * len(self.modules), [None] * len(self.modules)
 
     def _table(self, rows: list[Tensor | None], width: int) -> Tensor:
         device = next((r.device for r in [*self._running, *self._bounds] if r is not None), None)
@@ -403,8 +412,11 @@ class _Watch(TorchFunctionMode):
         bound = None if tracker.exact else self._bound(result, mask)
         if bound is not None:
             tracker.observe(self.index, bound, bound=True)
-        crossed = bound is not None and tracker.threshold is not None and bool((bound > tracker.threshold).any())
-        if bound is None or crossed:
+        if bound is None:  # no kernel bound: read exactly on its read steps, and on every step a clip acts on
+            wanted = tracker.exact or tracker.threshold is not None
+        else:
+            wanted = tracker.threshold is not None and bool((bound > tracker.threshold).any())
+        if wanted:
             with torch.no_grad():
                 best = head_max_logit(query, key, mask, scale=call.get("scale"), is_causal=bool(call.get("is_causal")),
                                       block_elements=tracker.block_elements)  # fmt: skip
@@ -458,14 +470,15 @@ class _Watch(TorchFunctionMode):
             weights = (call["q_proj_weight"], call["k_proj_weight"])
         else:
             weights = (call["in_proj_weight"][:width], call["in_proj_weight"][width : 2 * width])
-        with torch.no_grad():
-            sides = [torch.nn.functional.linear(x, w, b).view(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
-                     for w, b in zip(weights, biases, strict=True)]  # fmt: skip  # (B, H, L, d)
-            mask = _mha_mask(call.get("attn_mask"), call.get("key_padding_mask"))
-            queries, keys = sides
-            best = head_max_logit(queries, keys, mask, is_causal=bool(call.get("is_causal")) and mask is None,
-                                  block_elements=self.tracker.block_elements)  # fmt: skip
-        self.tracker.observe(self.index, best)
+        if self.tracker.exact or self.tracker.threshold is not None:  # no kernel bound: its read steps, or a clip's
+            with torch.no_grad():
+                sides = [torch.nn.functional.linear(x, w, b).view(x.shape[0], x.shape[1], heads, -1).permute(1, 2, 0, 3)
+                         for w, b in zip(weights, biases, strict=True)]  # fmt: skip  # (B, H, L, d)
+                mask = _mha_mask(call.get("attn_mask"), call.get("key_padding_mask"))
+                queries, keys = sides
+                best = head_max_logit(queries, keys, mask, is_causal=bool(call.get("is_causal")) and mask is None,
+                                      block_elements=self.tracker.block_elements)  # fmt: skip
+            self.tracker.observe(self.index, best)
         self.calls += 1
         if self.find_layout and self.calls == 1:
             rows = torch.arange(width, device=x.device).view(heads, -1)

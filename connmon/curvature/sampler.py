@@ -336,6 +336,12 @@ class SharpnessSampler(CopiesDetached):
                     self.turn_off("it ran out of memory copying the parameters (it holds one copy for one step)")
         return values
 
+    def skip_step(self, step: int) -> None:
+        """Read nothing at step ``step`` (only some processes took it): its kept losses and any copy for it dropped."""
+        self._drop_losses()
+        if self._probe is not None and self._probe_step in (step, step + 1):
+            self._probe = None
+
     def reads_forward(self, step: int) -> bool:
         """Whether :meth:`before_forward` wants the loss at ``step`` (an entry point fetches the batch only then)."""
         if self.off is not None or self.optimizer is None or self.estimator == "secant" or step == self._last_step:

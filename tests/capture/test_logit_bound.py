@@ -81,8 +81,64 @@ def test_a_call_whose_bound_passes_the_threshold_is_read_exactly_and_an_additive
             module(q, k, v, attn_mask=additive)
             module(q, k, v, attn_mask=additive)
     assert sum("logsumexp" in str(w.message) for w in said) == 1
+    assert tracker.read_both() == (None, None)  # no bound and no read step: not read at all
+    tracker.exact = True  # a read step
+    with tracker.watching():
+        module(q, k, v, attn_mask=additive)
     exact, bound = tracker.read_both()
     assert exact is not None and torch.equal(exact, bound)
+
+
+class FloatMaskGPT(torch.nn.Module):
+    """One attention layer whose SDPA call gets an additive float mask (causal, ALiBi-like bias): no kernel bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte, self.head = torch.nn.Embedding(50, 16), torch.nn.Linear(16, 50)
+        self.attn = FloatMaskAttention()
+
+    def forward(self, ids):
+        return self.head(self.attn(self.wte(ids)))
+
+
+class FloatMaskAttention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, 4, 4).transpose(1, 2) for t in self.qkv(x).split(16, dim=-1))
+        mask = torch.zeros(n, n).masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        mask = mask - 0.25 * (torch.arange(n)[:, None] - torch.arange(n)).clamp(min=0)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(b, n, 16))
+
+
+def test_a_layer_without_a_kernel_bound_is_read_on_its_read_steps_only():
+    """``logit_every_n_steps=2``: the window logged at step 8 is the max over steps 4 and 6, not 5 and 7 too."""
+    torch.manual_seed(0)
+    model = FloatMaskGPT()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    logged = {}
+    monitor = connmon.Monitor(model, every_n_steps=4, diagnostics=("walk",), logit_every_n_steps=2, optimizer=optimizer,
+                              log=lambda values, step: logged.update({step: values}))  # fmt: skip
+    reference = HeadMaxLogits([model.attn], ["attn"])  # every step read exactly
+    tables = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(9):
+            ids = torch.randint(0, 50, (4, 10), generator=torch.Generator().manual_seed(step))
+            with reference.watching(), monitor.step(step):
+                loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                model.attn.qkv.weight[:32] *= 1.2  # the logits grow step by step
+            tables.append(reference.read()[0].max().item())
+    assert tables[7] > tables[6] > tables[5] > tables[4]  # the test can tell: step 7's max is the largest
+    assert logged[8]["connmon/step_max_logit/L00"] == pytest.approx(max(tables[4], tables[6]), rel=1e-6)
 
 
 def clipped_run(every):

@@ -970,3 +970,36 @@ def test_a_raised_forward_discards_its_sample_through_the_protocol():
     model(batches(1)[0])
     monitor.forward_end(raised=True)
     assert monitor.step_end(0).values == {} and monitor.samples == 0 and no_hooks(model)
+
+
+def test_events_out_of_order_raise_naming_the_missing_event_with_every_hook_removed():
+    """A forward never ended, or a step never ended, is a clear error; nothing of the two steps is mixed."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    logged: dict[int, dict] = {}
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",), logit_every_n_steps=1,
+                              log=lambda values, step: logged.update({step: values}))  # fmt: skip
+    data = batches(3)
+    monitor.step_start(0, model)
+    model(data[0])
+    with pytest.raises(RuntimeError, match=r"step_end\(0\) came before forward_end\(\)"):
+        monitor.step_end(0)
+    assert no_hooks(model) and not monitor.is_armed and torch._C._len_torch_function_stack() == 0
+    assert logged == {} and monitor.samples == 0
+
+    monitor.step_start(1, model)
+    model(data[1])
+    monitor.forward_end()  # and no step_end(1)
+    with pytest.raises(RuntimeError, match=r"step_start\(2\) came before step_end\(1\)"):
+        monitor.step_start(2, model)
+    assert no_hooks(model) and not monitor.is_armed and logged == {}
+
+    monitor.step_start(2, model)  # the protocol kept: step 2's sample is of its own forward alone
+    model(data[2])
+    monitor.forward_end()
+    values = monitor.step_end(2).values
+    reference = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",))
+    with reference.step(0):
+        model(data[2])
+    entropy = "connmon/attention_entropy/all"
+    assert values[entropy] == pytest.approx(reference.last_values[entropy], rel=1e-6) and list(logged) == [2]

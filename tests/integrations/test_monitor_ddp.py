@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 import connmon
 from connmon.metrics import DriftMetrics, TransportMetrics, WalkMetrics
 from tests.capture.models import TinyGPT
-from tests.gloo import free_port, leave
+from tests.gloo import free_port, leave, spawn
 
 pytestmark = pytest.mark.distributed
 
@@ -192,7 +192,16 @@ def test_fsdp2_qk_and_transport_clips_change_each_shard_as_one_process_changes_t
         torch.testing.assert_close(parts, whole, rtol=1e-3, atol=1e-4)
 
 
-def tp_clip_worker(rank: int, port: int, out: str) -> None:
+def one_sided(model):
+    """Heads 0 and 1 of every layer (process 0's under tensor parallelism) sharpened far past the others."""
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.wq.weight[:16] *= 3
+            block.attn.wk.weight[:16] *= 3
+    return model
+
+
+def tp_clip_worker(rank: int, port: int, out: str, threshold: float, sided: bool) -> None:
     """Tensor parallelism: each process reads its own heads (the same batch) and scales its own rows."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -202,8 +211,9 @@ def tp_clip_worker(rank: int, port: int, out: str) -> None:
         from tests.capture.models import SplitGPT, tensor_parallel
 
         torch.manual_seed(0)
-        model = tensor_parallel(SplitGPT(), init_device_mesh("cpu", (2,)))
-        monitor, clip = _clipping_monitor(model, threshold=6.0)
+        model = SplitGPT()
+        model = tensor_parallel(one_sided(model) if sided else model, init_device_mesh("cpu", (2,)))
+        monitor, clip = _clipping_monitor(model, threshold=threshold)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         clips = _train_clipped(model, monitor, optimizer, clip, None)  # the same batch on both processes
         weights = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().tolist() for p in model.parameters()]
@@ -216,16 +226,23 @@ def tp_clip_worker(rank: int, port: int, out: str) -> None:
     leave()
 
 
-def test_tensor_parallel_qk_and_transport_clips_change_each_processs_heads_as_one_process_changes_them_all(tmp_path):
+# one-sided: only process 0's heads pass tau, and off the exact-read steps only its bound crosses it, so only it
+# reads a step's table exactly; both processes must still decide together that the step was read
+@pytest.mark.parametrize(("threshold", "sided"), [(6.0, False), (40.0, True)], ids=["both", "one-sided"])
+def test_tensor_parallel_qk_and_transport_clips_change_each_processs_heads_as_one_process_changes_them_all(
+    tmp_path, threshold, sided
+):
     from tests.capture.models import SplitGPT
 
-    mp.spawn(tp_clip_worker, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn(tp_clip_worker, args=(free_port(), str(tmp_path), threshold, sided), nprocs=2, timeout=300)
     ranks = [json.loads((tmp_path / f"tp{rank}.json").read_text()) for rank in range(2)]
     torch.manual_seed(0)
     model = SplitGPT()
-    monitor, clip = _clipping_monitor(model, threshold=6.0)
+    monitor, clip = _clipping_monitor(one_sided(model) if sided else model, threshold=threshold)
     clips = _train_clipped(model, monitor, torch.optim.AdamW(model.parameters(), lr=1e-2), clip, None)
     assert all(qk and transport for qk, transport in clips)
+    if sided:
+        assert all(head < 2 for step in clips for layer, head in step[0])  # process 0's heads alone are clipped
     for action in range(2):  # every process names the model's clips: its heads 0, 1 are the model's 2 r, 2 r + 1
         whole = [sorted(map(list, step[action])) for step in clips]
         assert all([sorted(step[action]) for step in r["clips"]] == whole for r in ranks)
