@@ -222,11 +222,13 @@ class Monitor(CopiesDetached):
         self._beside: contextlib.ExitStack | None = None  # a compiled model's reading beside its graph
         self._pre_hook: Any = None
         self._post_hooks: list[Any] = []  # after each optimizer step: the clip actions, the optimizer's state
-        self._logits_after_step = False  # each step's max logits are read (and clipped) in those hooks
+        self._logits_after_step = False  # those hooks can read each step's max logits (and clip): an optimizer known
         self._uneven_from: int | None = None  # the first step only some processes took (uneven inputs under Join)
         self._said_join: set[str] = set()  # what uneven inputs turned off, said once each
         every = options.optimizer_every_n_steps
-        self.optimizer_state = OptimizerSignalWindow() if every is not None else None  # its signals since the sample
+        self.optimizer_state = (
+            OptimizerSignalWindow(owner) if every is not None else None
+        )  # its signals since the sample
         if model is not None:
             self.attach(model)
 
@@ -632,7 +634,7 @@ class Monitor(CopiesDetached):
         """Remove every hook (the capture's, the max logits', the optimizer's) and stop the cost clocks (run over)."""
         self._drop()
         self.unwatch_logits()
-        if self.qk_clip is not None and not self._logits_after_step:  # no optimizer's hook: the last clip is now
+        if self.qk_clip is not None and not self._reads_after_step():  # no optimizer's hook: the last clip is now
             with self.clock.measuring():
                 self._clip(None)
         self._remove_optimizer_hooks()
@@ -675,13 +677,20 @@ class Monitor(CopiesDetached):
                     self._say_uneven("logits", "the per-step max logits and the clips need optimizer=... there")
                     for sampler in self.attention_samplers:
                         sampler.drop_step_logits()
-            elif self._logits_after_step:
+            elif self._reads_after_step():
                 self._read_step_logits()  # unread: the optimizer skipped that step, which is not clipped
             else:
                 self._clip(step)
             threshold = self.qk_clip.threshold if self.qk_clip is not None else None
             for sampler in self.attention_samplers:
                 sampler.begin_logits(step, threshold)
+
+    def _reads_after_step(self) -> bool:
+        """Whether each step's max logits are read in the optimizer's post-hook (for a clip; under uneven inputs).
+
+        Elsewhere they are read at the next step's start, so a sample logs the steps before its own.
+        """
+        return self._logits_after_step and (self.clips is not None or joins_seen())
 
     def every_process_in_step(self) -> bool:
         """Whether every process took the current step's forward (no collective; False only for uneven inputs).
@@ -741,14 +750,14 @@ class Monitor(CopiesDetached):
                 sampler.drop_step_logits()
             return
         with self.clock.measuring():
-            if self._logits_after_step and self._begun is not None:
+            if self._reads_after_step() and self._begun is not None:
                 self._clip(self._begun + 1)
             every = self.options.optimizer_every_n_steps
             if optimizer is None or self.optimizer_state is None or every is None or (self._step_now + 1) % every:
                 pass
             else:
                 try:
-                    self.optimizer_state.read(optimizer)
+                    self.optimizer_state.read(optimizer, self._step_now + 1)
                 except Exception as error:  # a reading must not end the training run
                     warn_rank_zero(
                         f"{self.owner}: reading the optimizer's state raised {type(error).__name__}: {error}; it is "

@@ -15,20 +15,22 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Linear(3, 3))
 
 
-def train(net: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+def train(net: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: int, clear: bool = True) -> None:
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
         x = torch.randn(8, 6, generator=gen) * (1 + 20 * (step == steps - 1))  # the last gradient jumps: stale v
+        x = x.to(net[0].weight.dtype)
         net(x).square().mean().backward()
         net[3].weight.grad = None  # a parameter without a gradient since its first step keeps its state
         if step == 0:
             net[3].bias.grad = None  # one without state at all
         optimizer.step()
-        optimizer.zero_grad()
+        if clear or step < steps - 1:
+            optimizer.zero_grad()
 
 
 def reference(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """The definitions, coordinate by coordinate, in float64."""
+    """The definitions on the optimizer's state, coordinate by coordinate, in float64 (Adam and SGD momentum)."""
     update, squares, count, stale, theta = 0.0, 0.0, 0, 0, 0.0
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     for group in optimizer.param_groups:
@@ -55,24 +57,91 @@ def reference(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     return values
 
 
-@pytest.mark.parametrize(
-    "make",
-    [
-        lambda params: torch.optim.Adam(params, lr=1e-2),
-        lambda params: torch.optim.AdamW(params, lr=3e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.1),
-        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-    ],
-)
-def test_the_signals_are_their_float64_definitions_over_groups_with_their_own_rates(make):
-    net = model()
+class StepTaken:
+    """The update the optimizer takes, from the parameters before and after each step (float64): the reference.
+
+    ``u = (theta_before (1 - lr decay) - theta_after) / lr`` (the decoupled decay of AdamW left out; Adagrad's rate
+    decayed by its step count), its RMS, the share where ``|u| > 1``, and ``||lr u|| / ||theta_after||``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, normalized: bool, stale: bool) -> None:
+        self.optimizer, self.normalized, self.stale = optimizer, normalized, stale
+        self.before: dict[torch.Tensor, torch.Tensor] = {}
+        self.values: dict[str, float] = {}
+        optimizer.register_step_pre_hook(self._pre)
+        optimizer.register_step_post_hook(self._post)
+
+    def _pre(self, *_):
+        self.before = {p: p.detach().clone() for g in self.optimizer.param_groups for p in g["params"]}
+
+    def _post(self, *_):
+        update, squares, count, stale, theta = 0.0, 0.0, 0, 0, 0.0
+        decoupled = isinstance(self.optimizer, torch.optim.AdamW)
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                before = self.before[p]
+                if torch.equal(before, p.detach()):
+                    continue  # not stepped
+                lr = group["lr"]
+                if isinstance(self.optimizer, torch.optim.Adagrad):
+                    t = float(self.optimizer.state[p]["step"])
+                    lr = lr / (1 + (t - 1) * group["lr_decay"])
+                shrink = 1 - lr * group["weight_decay"] if decoupled else 1.0
+                u = (before * shrink - p.detach()) / lr
+                update += float((lr * u).square().sum())
+                squares += float(u.square().sum())
+                count += u.numel()
+                stale += int((u.abs() > 1).sum())
+                theta += float(p.detach().square().sum())
+        self.values = {"update_to_weight": math.sqrt(update / theta)}
+        if self.normalized:
+            self.values = {"update_rms": math.sqrt(squares / count), **self.values}
+        if self.stale:
+            self.values = {"update_rms": self.values["update_rms"], "stale_second_moment": stale / count,
+                           "update_to_weight": self.values["update_to_weight"]}  # fmt: skip
+
+
+KINDS = {  # every kind connmon reads: (its optimizer, whether update_rms and stale_second_moment apply)
+    "adam": (lambda ps: torch.optim.Adam(ps, lr=1e-2), True, True),
+    "adamw": (lambda ps: torch.optim.AdamW(ps, lr=3e-2, eps=1e-6, weight_decay=0.1), True, True),
+    "adam amsgrad": (lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.01), True, True),
+    "adamw amsgrad": (lambda ps: torch.optim.AdamW(ps, lr=1e-2, amsgrad=True), True, True),
+    "sgd momentum": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), False, False),
+    "sgd dampened": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.5, weight_decay=0.01), False,
+                     False),
+    "sgd nesterov": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.05), False,
+                     False),
+    "sgd nesterov maximize": (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, nesterov=True, maximize=True),
+                              False, False),
+    "rmsprop": (lambda ps: torch.optim.RMSprop(ps, lr=1e-2, weight_decay=0.05), True, False),
+    "rmsprop centered": (lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True), True, False),
+    "rmsprop momentum": (lambda ps: torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9), False, False),
+    "adagrad": (lambda ps: torch.optim.Adagrad(ps, lr=0.1, lr_decay=0.01, weight_decay=0.05), True, False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_signals_are_the_update_the_optimizer_takes_in_float64_over_groups_with_their_own_rates(kind):
+    make, normalized, stale = KINDS[kind]
+    net = model().double()
     groups = [{"params": net[0].parameters()}, {"params": [*net[2].parameters(), *net[3].parameters()], "lr": 5e-3}]
     optimizer = make(groups)
-    train(net, optimizer, steps=5)
-    found, expected = optimizer_signals(optimizer), reference(optimizer)
-    assert found.keys() == expected.keys()
-    assert found == pytest.approx(expected, rel=1e-5)
+    taken = StepTaken(optimizer, normalized, stale)
+    train(net, optimizer, steps=5, clear=False)  # the gradients stay, as in the optimizer's step post-hook
+    found = optimizer_signals(optimizer)
+    assert found.keys() == taken.values.keys()
+    assert found == pytest.approx(taken.values, rel=1e-6)
     if "stale_second_moment" in found:
         assert 0 < found["stale_second_moment"] < 1  # the last gradient's jump outran beta2 = 0.999's average
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw", "sgd momentum"])
+def test_the_signals_are_their_float64_definitions_on_the_optimizers_state(kind):
+    net = model()
+    groups = [{"params": net[0].parameters()}, {"params": [*net[2].parameters(), *net[3].parameters()], "lr": 5e-3}]
+    optimizer = KINDS[kind][0](groups)
+    train(net, optimizer, steps=5)
+    assert optimizer_signals(optimizer) == pytest.approx(reference(optimizer), rel=1e-5)
 
 
 def test_an_optimizer_it_cannot_read_and_one_before_its_first_step_give_nothing():
@@ -80,6 +149,34 @@ def test_an_optimizer_it_cannot_read_and_one_before_its_first_step_give_nothing(
     assert optimizer_signals(torch.optim.Adagrad(net.parameters())) == {}
     assert optimizer_signals(torch.optim.Adam(net.parameters())) == {}
     assert optimizer_signals(torch.optim.SGD(net.parameters(), lr=0.1)) == {}  # no momentum: no buffer kept
+    assert optimizer_signals(torch.optim.Adamax(net.parameters())) == {}
+
+
+def test_a_kind_it_cannot_read_is_said_once_and_a_non_finite_update_is_kept_over_later_finite_ones():
+    from connmon.curvature.optimizer_state import OptimizerSignalWindow
+
+    net = model()
+    window = OptimizerSignalWindow("test")
+    optimizer = torch.optim.Adafactor(net.parameters())
+    with pytest.warns(UserWarning, match="Adafactor is none of them") as said:
+        train(net, optimizer, steps=1)
+        window.read(optimizer)
+        window.read(optimizer)
+    assert len([w for w in said if "none of them" in str(w.message)]) == 1 and window.take() == {}
+
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    train(net, optimizer, steps=2)
+    window.read(optimizer, step=2)
+    with torch.no_grad():
+        optimizer.state[net[0].weight]["exp_avg"][0, 0] = math.nan  # a NaN in the update after step 3
+    with pytest.warns(UserWarning, match="non-finite after step 3"):
+        window.read(optimizer, step=3)
+    with torch.no_grad():
+        optimizer.state[net[0].weight]["exp_avg"][0, 0] = 0.0
+    finite = window.read(optimizer, step=4)
+    assert all(math.isfinite(v) for v in finite.values())
+    logged = window.take()
+    assert math.isnan(logged["connmon/update_rms"]) and math.isnan(logged["connmon/update_to_weight"])
 
 
 def test_a_monitor_reads_the_optimizer_after_every_step_and_logs_the_largest_since_the_last_sample():

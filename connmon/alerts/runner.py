@@ -143,6 +143,7 @@ class AlertRunner:
         self.wait_duration = wait_duration
         self.alerts: deque[Alert] = deque(maxlen=history)
         self.total = 0
+        self._raised: set[str] = set()  # the actions whose answer raised (said once each)
         made: dict[str, Callable[[], AlertAction]] = {
             "log": LogAlerts,
             "wandb": lambda: WandbAlerts(wait_duration),
@@ -187,7 +188,16 @@ class AlertRunner:
             if name not in ("log", "wandb") and not handled:
                 handled = True
                 self._call_on_alert(alerts)
-            part.answer(alerted)
+            try:
+                part.answer(alerted)
+            except Exception as error:  # an action must not end the training run; the others still answer
+                if name not in self._raised:
+                    self._raised.add(name)
+                    warn_rank_zero(
+                        f"connmon: the {getattr(part, 'name', name)!r} action raised {type(error).__name__}: {error} "
+                        f"answering the alerts of step {step}; the run and the other actions go on (said once per "
+                        "action)"
+                    )
         if not handled:
             self._call_on_alert(alerts)
         stop = self.parts.get("stop")

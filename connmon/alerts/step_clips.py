@@ -116,7 +116,9 @@ class StepClips:
             clips, failure = self.qk_clip.apply(logits.modules, table, layouts), None
         except Exception as error:  # an action must not end the training run
             clips, failure = [], f"{type(error).__name__}: {error}"
-        clips, failure = self._model_clips(self.qk_clip, clips, [table.shape[1]] * len(layouts), logits, failure)
+        clips, failure = self._model_clips(
+            self.qk_clip, clips, [table.shape[1]] * len(layouts), logits, failure=failure
+        )
         if failure is not None:
             warn_rank_zero(f"{self.owner}: QK-clip raised {failure}; it is off for this run")
             self.qk_clip = None
@@ -166,7 +168,7 @@ class StepClips:
         except Exception as error:  # an action must not end the training run
             clips, failure = [], f"{type(error).__name__}: {error}"
         counts = [0 if layout is None or layout.output is None else layout.output.rows.shape[0] for layout in layouts]
-        clips, failure = self._model_clips(self.transport_clip, clips, counts, logits, failure)
+        clips, failure = self._model_clips(self.transport_clip, clips, counts, logits, failure=failure)
         if failure is not None:
             warn_rank_zero(f"{self.owner}: the transport clip raised {failure}; it is off now")
             self.transport_clip = None

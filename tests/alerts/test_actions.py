@@ -88,3 +88,36 @@ def test_an_alert_action_is_answered_with_what_the_sample_saw():
     seen = Seen()
     seen.answer(Alerted([Alert("r", "x", 3, 2.0, 2.0, 1.0, None, "WARN")], step=3))
     assert seen.steps == [(3, ["r"])] and seen.state_dict() is None
+
+
+def test_an_action_that_raises_is_said_once_and_the_run_and_the_other_actions_go_on():
+    """A user's action in ``AlertRunner.parts`` whose answer raises, inside a plain loop's monitor."""
+    import torch
+
+    import connmon
+    from tests.alerts.test_clip_timing import plain_run
+    from tests.capture.models import TinyGPT
+
+    class Broken(AlertAction):
+        name = "page the on-call"
+
+        def answer(self, alerted):
+            if alerted.alerts:
+                raise ConnectionError("the pager is down")
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    saved = []
+    points = RestorePoints(save=lambda path, step: saved.append(step))
+    runner = AlertRunner([Rule("any entropy", "connmon/attention_entropy/all", Threshold(-1.0), cooldown=1)],
+                         actions=("log", "checkpoint"), restore_points=points)  # fmt: skip
+    runner.parts = {"page": Broken(), **runner.parts}  # answers first, before the restore point
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",), optimizer=optimizer, alerts=runner)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        plain_run(model, optimizer, monitor, steps=4)
+    raised = [str(w.message) for w in said if "raised ConnectionError" in str(w.message)]
+    assert len(raised) == 1 and "'page the on-call' action raised ConnectionError: the pager is down" in raised[0]
+    assert monitor.samples == 4 and runner.total >= 4  # every step sampled and alerted
+    assert saved  # the restore point, answering after the broken action, still asked for and saved
