@@ -617,6 +617,12 @@ class Monitor(CopiesDetached):
                 self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
         if self.alerts is not None:
             self.alerts.attach(optimizers, self.owner)
+        if self.clips is not None and not optimizers and self.optimizer_hook:
+            warn_rank_zero(
+                f"{self.owner}: no optimizer was given (optimizer=...), so the clip actions act at each step's start "
+                "on the step before (the last at close()) and cannot tell a step the optimizer skipped (a "
+                "GradScaler's inf step), which they clip too; pass optimizer=... to clip right after each step"
+            )
 
     def _remove_optimizer_hooks(self) -> None:
         for handle in [self._pre_hook, *self._post_hooks]:

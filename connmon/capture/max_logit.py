@@ -338,9 +338,14 @@ class HeadMaxLogits:
         return torch.cat(gathered(table), dim=1)
 
     def state_dict(self) -> dict:
-        """The maxima not read yet (this process's), as lists."""
+        """The maxima not read yet (this process's) and the heads' layouts found, as plain lists and dicts.
+
+        With the layouts a resumed run clips before its first forward, as the uninterrupted run does.
+        """
         return {"running": [None if r is None else r.tolist() for r in self._running],
-                "bounds": [None if r is None else r.tolist() for r in self._bounds]}  # fmt: skip
+                "bounds": [None if r is None else r.tolist() for r in self._bounds],
+                "layouts": [None if layout is None else _layout_state(layout) for layout in self._layouts],
+                "seen": list(self._seen_call), "tensor_parallel": self._tensor_parallel}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` saved (a checkpoint of another depth is ignored)."""
@@ -350,6 +355,11 @@ class HeadMaxLogits:
             self._running = [None if r is None else torch.tensor(r, device=device) for r in running]
             bounds = state.get("bounds") or [None] * len(running)
             self._bounds = [None if r is None else torch.tensor(r, device=device) for r in bounds]
+        layouts, seen = state.get("layouts"), state.get("seen")
+        if layouts is not None and seen is not None and len(layouts) == len(seen) == len(self.modules):
+            self._layouts = [None if layout is None else _layout_of(layout) for layout in layouts]
+            self._seen_call = [bool(flag) for flag in seen]
+            self._tensor_parallel = bool(state.get("tensor_parallel", False))
 
     def layouts_pending(self) -> bool:
         """Whether a layer's layout is still to be looked for (it has not run a read training forward yet)."""
@@ -568,6 +578,29 @@ class _Watch(TorchFunctionMode):
                 "(hand-written, flex or fused attention), so its per-step max logit is not read",
                 key=("no-sdpa", id(self.module)),
             )
+
+
+def _layout_state(layout: HeadLayout) -> dict:
+    """A layout as plain lists and strings (a checkpoint's ``weights_only`` load reads it)."""
+    sides = {}
+    for side in ("query", "key", "value", "output"):
+        found: Projection | None = getattr(layout, side)
+        sides[side] = None if found is None else {
+            "weight": found.weight, "bias": found.bias, "rows": found.rows.tolist(), "transposed": found.transposed,
+            "bias_rows": None if found.bias_rows is None else found.bias_rows.tolist(), "local": found.local,
+        }  # fmt: skip
+    return sides
+
+
+def _layout_of(state: dict) -> HeadLayout:
+    """The layout :func:`_layout_state` wrote."""
+    sides = {}
+    for side, found in state.items():
+        sides[side] = None if found is None else Projection(
+            found["weight"], found["bias"], torch.tensor(found["rows"]), found["transposed"],
+            None if found["bias_rows"] is None else torch.tensor(found["bias_rows"]), found["local"],
+        )  # fmt: skip
+    return HeadLayout(**sides)
 
 
 _MHA_ARGS = (

@@ -129,13 +129,17 @@ def test_a_non_finite_max_logit_is_said_once_and_left_alone():
 
 
 @pytest.mark.parametrize("make", [lambda: QKClip(threshold=2.0), lambda: TransportClip(factor=1.05)])
-def test_a_resumed_plain_loop_clips_as_the_uninterrupted_one_bitwise(make):
+@pytest.mark.parametrize("given", [True, False], ids=["optimizer given", "no optimizer"])
+def test_a_resumed_plain_loop_clips_as_the_uninterrupted_one_bitwise(make, given):
+    """Without ``optimizer=`` the clip of the step before the resume is due at the resumed run's first step start,
+    before any forward has found the heads' layouts: the checkpoint carries them."""
+
     def fresh():
         torch.manual_seed(0)
         model, action = TinyGPT(), make()
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
-        monitor = connmon.Monitor(model, every_n_steps=100, diagnostics=("walk",), optimizer=optimizer,
-                                  alerts=runner(action))  # fmt: skip
+        monitor = connmon.Monitor(model, every_n_steps=100, diagnostics=("walk",), alerts=runner(action),
+                                  optimizer=optimizer if given else None)  # fmt: skip
         return model, optimizer, monitor, action
 
     with warnings.catch_warnings():
@@ -150,6 +154,8 @@ def test_a_resumed_plain_loop_clips_as_the_uninterrupted_one_bitwise(make):
         optimizer_b.load_state_dict(saved[1])
         monitor_b.load_state_dict(saved[2])
         plain_run(resumed, optimizer_b, monitor_b, steps=3, start=3)
+        for ending in (monitor, monitor_b):
+            ending.close()  # without an optimizer, the last step's clip is at close()
     assert action_b.clipped == action.clipped and action.clipped > action_a.clipped > 0
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), resumed.state_dict().values(),
                                                  strict=True))  # fmt: skip
@@ -271,3 +277,15 @@ def test_what_qk_clip_did_is_logged_per_layer_at_the_next_sample_and_survives_a_
     assert resumed.clips.window is not None
     assert resumed.clips.window["clips"] == monitor.clips.window["clips"]
     assert torch.equal(torch.as_tensor(resumed.clips.window["after"]), monitor.clips.window["after"])
+
+
+def test_clips_without_an_optimizer_say_once_that_a_skipped_step_is_clipped_too():
+    with pytest.warns(UserWarning, match="cannot tell a step the optimizer skipped") as said:
+        connmon.Monitor(TinyGPT(), every_n_steps=100, diagnostics=("walk",), alerts=runner(QKClip(threshold=2.0)))
+    assert sum("optimizer skipped" in str(w.message) for w in said) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # given one: nothing said
+        model = TinyGPT()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        connmon.Monitor(model, every_n_steps=100, diagnostics=("walk",), alerts=runner(QKClip(threshold=2.0)),
+                        optimizer=optimizer)  # fmt: skip
