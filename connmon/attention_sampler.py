@@ -103,6 +103,8 @@ class AttentionSampler(CopiesDetached):
         self._said_long = False  # a long sample was said (once per run)
         self._start_step: int | None = None  # the first step asked about since attach: where training time starts
         self._logit_step: int | None = None  # the step whose forwards the logits read now
+        self.nonfinite: dict[str, float] = {}  # the latest step's non-finite max logits (NaN, overflow), per layer
+        self.nonfinite_at = -1  # that step
         self._logit_window: Tensor | None = None  # (layers, H): the max since the last sample, for the rules
         self._bound_window: Tensor | None = None  # (layers, H): the kernels' logsumexp bounds since the last sample
         self._pending_logits: dict | None = None  # a checkpoint's max logits, until attach builds the reader
@@ -406,6 +408,14 @@ class AttentionSampler(CopiesDetached):
         table, bounds = self.logits.read_both()
         self._bound_window = _folded(self._bound_window, bounds)
         self._logit_window = _folded(self._logit_window, table)
+        self.nonfinite, self.nonfinite_at = {}, step
+        if not self.logits.tensor_parallel:  # each process its own heads there: the sample says it, alike everywhere
+            for metric, read in ((keys.MAX_LOGIT_BOUND, bounds), (keys.STEP_MAX_LOGIT, table)):
+                rows = read.tolist() if read is not None else []
+                for layer, row in zip(self.selected, rows, strict=False):
+                    value = _layer_max(row)
+                    if value is not None and not math.isfinite(value):
+                        self.nonfinite[keys.metric_key(metric, layer.index)] = value
         return None if table is None else (step, table)
 
     def _logit_values(self) -> tuple[dict[str, float], dict[str, float]]:
@@ -416,15 +426,17 @@ class AttentionSampler(CopiesDetached):
         heads: dict[str, float] = {}
         if bounds is not None and self.logits is not None:
             for layer, row in zip(self.selected, self.logits.whole(bounds).tolist(), strict=True):
-                if any(math.isfinite(value) for value in row):
-                    layers[keys.metric_key(keys.MAX_LOGIT_BOUND, layer.index)] = max(filter(math.isfinite, row))
+                value = _layer_max(row)
+                if value is not None:
+                    layers[keys.metric_key(keys.MAX_LOGIT_BOUND, layer.index)] = value
         if window is None or self.logits is None:
             return layers, heads
         for layer, row in zip(self.selected, self.logits.whole(window).tolist(), strict=True):
-            finite = {head: value for head, value in enumerate(row) if math.isfinite(value)}
-            if finite:
-                layers[keys.metric_key(keys.STEP_MAX_LOGIT, layer.index)] = max(finite.values())
-                heads.update({keys.head_key(layer.index, head): value for head, value in finite.items()})
+            read = {head: value for head, value in enumerate(row) if value != -math.inf}  # -inf: not read
+            value = _layer_max(row)
+            if value is not None:
+                layers[keys.metric_key(keys.STEP_MAX_LOGIT, layer.index)] = value
+                heads.update({keys.head_key(layer.index, head): value for head, value in read.items()})
         return layers, heads
 
     # --- the run's end and its checkpoint ---------------------------------------------------------------------------
@@ -495,6 +507,14 @@ class AttentionSampler(CopiesDetached):
     def device(self) -> torch.device:
         """Where the model lives (the CPU before :meth:`attach`)."""
         return device_of(self.model) if self.model is not None else torch.device("cpu")
+
+
+def _layer_max(row: list[float]) -> float | None:
+    """A layer's largest over its heads read (``-inf``: a head not read); NaN where any is NaN; None if none read."""
+    read = [value for value in row if value != -math.inf]
+    if not read:
+        return None
+    return math.nan if any(math.isnan(value) for value in read) else max(read)
 
 
 def _folded(window: Tensor | None, table: Tensor | None) -> Tensor | None:

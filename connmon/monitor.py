@@ -729,6 +729,12 @@ class Monitor(CopiesDetached):
     def _read_step_logits(self) -> tuple[int, torch.Tensor] | None:
         """Every sampler's watched step folded into its window; the first sampler's ``(step, table)``, if read."""
         reads = [sampler.read_step_logits() for sampler in self.attention_samplers]
+        first = self.attention_sampler
+        if first is not None and first.nonfinite and self.alerts is not None:
+            step = first.nonfinite_at  # a forward went non-finite: said at its own step, not at the next sample
+            values, first.nonfinite = dict(first.nonfinite), {}
+            values.update(self._run_rules(values, step))
+            self._emit(step, values)
         return reads[0] if reads else None
 
     def _clip(self, steps_taken: int | None) -> None:

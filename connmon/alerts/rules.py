@@ -85,7 +85,9 @@ class Alert:
         """
         text = f"{keys.describe(self.key, self.value)} at step {self.step}"
         base = self.baseline
-        if base is not None and base > 0 and math.isclose(self.value / base, self.statistic, rel_tol=1e-6):
+        if not math.isfinite(self.value):
+            text += ", not a finite number (an overflow or a NaN in the forward)"
+        elif base is not None and base > 0 and math.isclose(self.value / base, self.statistic, rel_tol=1e-6):
             text += f", x{self.statistic:.3g} its lowest of the samples before ({base:.4g})"
         elif base is not None:
             text += f", baseline {base:.4g} (statistic {self.statistic:.4g} > {self.threshold:.4g})"
@@ -402,8 +404,9 @@ def default_rules() -> list[Rule | AllOf]:
     whose QK-norm twin at the same ramp does not diverge), their QK-norm twins living at Adam's edge of stability at
     the same rates, and healthy runs whose logits grow tenfold as attention learns (the copy task's induction head).
 
-    * ``non-finite attention`` (ERROR, stops the run): a layer's max attention logit (the sample's, or the step's
-      whole batch) is NaN or infinite, which only a non-finite forward produces.
+    * ``non-finite attention`` (ERROR, stops the run): a layer's max attention logit (the sample's, the step's whole
+      batch, or its bound from the kernel's logsumexp, said for the step it was read at) is NaN or infinite, which
+      only a non-finite forward produces.
     * ``attention logits exploding`` (WARN, :func:`logit_explosion_rule`): a head's max logit over the whole batch
       has multiplied tenfold within two samples and is above 30.
     * ``crossing the edge of stability`` (WARN, :func:`edge_crossing_rule`): the curvature along the optimizer's
@@ -425,7 +428,7 @@ def default_rules() -> list[Rule | AllOf]:
          'attention logits pushing past the edge']
     """
     return [
-        Rule("non-finite attention", f"{keys.PREFIX}*max*_logit/L*", NonFinite(), level="ERROR", cooldown=0),
+        Rule("non-finite attention", f"{keys.PREFIX}*max*logit*/L*", NonFinite(), level="ERROR", cooldown=0),
         logit_explosion_rule(),
         edge_crossing_rule(),
         logit_edge_rule(),

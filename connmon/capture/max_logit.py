@@ -463,7 +463,9 @@ class _Watch(TorchFunctionMode):
         assert isinstance(saved, Tensor)
         lse = local(saved).detach().float()
         lse = lse.reshape(-1, *lse.shape[-2:])  # (B, H, L)
-        return lse.nan_to_num(nan=-math.inf).amax(dim=(0, 2))
+        if mask is None:  # causal or unmasked, no row without a key: a NaN is the forward's own (it says most)
+            return lse.amax(dim=(0, 2))
+        return lse.nan_to_num(nan=-math.inf).amax(dim=(0, 2))  # a masked-out row's NaN is no reading
 
     def _multi_head(self, args: tuple, kwargs: dict) -> None:
         """``nn.MultiheadAttention``'s self-attention: its queries and keys from its own input projection."""

@@ -4,6 +4,7 @@ optimizer skipped or on a non-finite logit, and a resumed run clips as the unint
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -289,3 +290,33 @@ def test_clips_without_an_optimizer_say_once_that_a_skipped_step_is_clipped_too(
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         connmon.Monitor(model, every_n_steps=100, diagnostics=("walk",), alerts=runner(QKClip(threshold=2.0)),
                         optimizer=optimizer)  # fmt: skip
+
+
+def test_a_forward_gone_non_finite_alerts_at_its_own_step_in_words():
+    """The per-step bound of a NaN forward fires 'non-finite attention' for that step when it is read (the next step's
+    start), not at the next sample, and asks the loop to stop."""
+    from connmon.alerts import AlertRunner, default_rules
+
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    logged = {}
+    monitor = connmon.Monitor(model, every_n_steps=100, diagnostics=("walk",), optimizer=optimizer,
+                              alerts=AlertRunner(default_rules(), actions=("log", "stop")),
+                              log=lambda values, step: logged.setdefault(step, values))  # fmt: skip
+    ended = None
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(8):
+            if step == 3:
+                with torch.no_grad():
+                    model.blocks[1].attn.c_attn.weight[0, 0] = math.nan  # step 3's forward is NaN from layer 1 on
+            plain_run(model, optimizer, monitor, steps=1, start=step)
+            if monitor.should_stop:
+                ended = step
+                break
+    (alert,) = [a for a in monitor.alerts.alerts if a.rule == "non-finite attention"]
+    assert alert.step == 3 and ended == 4  # the step of the forward, read at the next step's start: the loop ends
+    assert "not a finite number" in alert.text and "statistic" not in alert.text
+    assert math.isnan(logged[3][alert.key]) and alert.key.endswith("/L01")
+    assert any("non-finite attention" in str(w.message) for w in said)
