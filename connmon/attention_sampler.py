@@ -348,7 +348,8 @@ class AttentionSampler(CopiesDetached):
             skip = self.full_every_n_samples - 1
             which = f"which the next {skip} samples skip" if skip else "which every sample computes"
             what = f"a full sample: {' and '.join(costly)} of {layers}, {which}"
-            advice = "a larger full_every_n_samples, diagnostics without 'spectrum', or budget=0.01 spends less"
+            fewer = " or ".join(f"without {group!r}" for group in ("spectrum", "transport") if group in self.metrics)
+            advice = f"a larger full_every_n_samples, diagnostics {fewer}, or budget=0.01 spends less"
         else:
             what = f"a sample of {', '.join(self.options.diagnostics)} on {layers}"
             advice = "a smaller num_sequences or max_tokens, or a larger every_n_steps, spends less"

@@ -219,6 +219,7 @@ class Monitor(CopiesDetached):
         self._begun: int | None = None  # the step begin_step last ran for
         self._pending: list[tuple[AttentionSampler, int]] = []  # the samples recorded and not finished yet
         self._forward_of: int | None = None  # the step whose forward step_start announced and forward_end not ended
+        self._said_unentered = False  # monitor.step(...) called without `with` was said
         self._beside: contextlib.ExitStack | None = None  # a compiled model's reading beside its graph
         self._pre_hook: Any = None
         self._post_hooks: list[Any] = []  # after each optimizer step: the clip actions, the optimizer's state
@@ -339,14 +340,13 @@ class Monitor(CopiesDetached):
 
     # --- the plain-loop API ---------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def step(
         self,
         step: int,
         rule_values: Mapping[str, float] | None = None,
         batch: Any = None,
         loss_weight: float | None = None,
-    ) -> Iterator[bool]:
+    ) -> contextlib.AbstractContextManager[bool]:
         """Wrap the forward of optimizer step ``step`` (the steps taken so far); yields whether it is sampled.
 
         On a sampled step the capture is armed for the block and the sample is measured and logged when it ends.
@@ -357,9 +357,19 @@ class Monitor(CopiesDetached):
         its backward: None when each micro-batch's loss is its own mean and the loop divides it by the number of
         micro-batches (the step's loss is their mean), ``1.0`` when ``loss_fn`` already normalises it over the whole
         step (a token count of every micro-batch, as Hugging Face's ``num_items_in_batch``) and the loop sums them.
+        Called without ``with`` it does nothing, and says so once.
+
+        Raises:
+            ValueError: for a ``step`` that is not an integer >= 0.
         """
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be the optimizer steps taken so far, an integer >= 0, got step={step!r}")
+        return _StepBlock(self, self._step_block(step, rule_values, batch, loss_weight), step)
+
+    @contextlib.contextmanager
+    def _step_block(
+        self, step: int, rule_values: Mapping[str, float] | None, batch: Any, loss_weight: float | None
+    ) -> Iterator[bool]:
         model = self._model
         self._step_now = step
         self.begin_step(step)
@@ -979,6 +989,31 @@ class Monitor(CopiesDetached):
             self.sharpness.reset()
         for sampler in self.attention_samplers:
             sampler.reset()
+
+
+class _StepBlock(contextlib.AbstractContextManager):
+    """:meth:`Monitor.step`'s block; one left unentered (``monitor.step(3)`` without ``with``) says so once."""
+
+    def __init__(self, monitor: Monitor, block: contextlib.AbstractContextManager[bool], step: int) -> None:
+        self.monitor, self.block, self.step, self.entered = monitor, block, step, False
+
+    def __enter__(self) -> bool:
+        self.entered = True
+        return self.block.__enter__()
+
+    def __exit__(self, *raised: Any) -> bool | None:
+        return self.block.__exit__(*raised)
+
+    def __del__(self) -> None:
+        monitor = self.monitor
+        if self.entered or monitor._said_unentered:
+            return
+        monitor._said_unentered = True
+        warnings.warn(
+            f"{monitor.owner}: monitor.step({self.step}) was called without `with`, so it did nothing: write "
+            "`with monitor.step(step):` around the step's forward",
+            stacklevel=2,
+        )
 
 
 def _compiled_part(model: nn.Module, sampler: AttentionSampler) -> nn.Module | None:

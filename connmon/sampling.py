@@ -58,13 +58,13 @@ class SamplingOptions:
             to 25% (4096 tokens) on a CPU (``benchmarks/bench_max_logit.py``); on the other steps each head's bound
             comes free from the attention kernel's logsumexp (``connmon/max_logit_bound/L<ll>``), and the
             ``"qk_clip"`` action reads exactly only a call whose bound passes its threshold.
-        optimizer_every_n_steps: after every this-many-th optimizer step, read the optimizer's own state (Adam's and
-            AdamW's update RMS, stale-second-moment share and update-to-weight ratio; SGD momentum's update-to-weight:
-            :mod:`connmon.curvature.optimizer_state`), logged at each sample as the largest since the previous one
-            (``connmon/update_rms``, ``connmon/stale_second_moment``, ``connmon/update_to_weight``); None for never.
-            It costs 1.2-1.5% of a CPU step at widths 128-768 and 256+ tokens (``benchmarks/bench_step_signals.py``),
-            and about 6% of the example's small step (width 128, 16 x 64 tokens: ``benchmarks/bench_overhead.py``,
-            ``monitor_100 -optimizer``); a larger value reads it less often.
+        optimizer_every_n_steps: after every this-many-th optimizer step, read the update the optimizer took from
+            its own state (Adam's and AdamW's update RMS, stale-second-moment share and update-to-weight ratio;
+            RMSprop's and Adagrad's RMS and ratio; SGD momentum's ratio: :mod:`connmon.curvature.optimizer_state`),
+            logged at each sample as the largest over the steps read since the previous one (``connmon/update_rms``,
+            ``connmon/stale_second_moment``, ``connmon/update_to_weight``); None for never. One reading costs
+            1.2-1.5% of a CPU step at widths 128-768 and 256+ tokens and 7.8% of the example's small step (width
+            128, 16 x 64 tokens; ``benchmarks/bench_step_signals.py``), so the default 10 spends 0.8% there.
 
     Raises:
         ValueError: for an invalid option (the message names it and the valid values).
@@ -95,7 +95,7 @@ class SamplingOptions:
     edge_lanczos_steps: int | None = 32
     budget: float | None = None
     logit_every_n_steps: int | None = 25
-    optimizer_every_n_steps: int | None = 1
+    optimizer_every_n_steps: int | None = 10
 
     def __post_init__(self) -> None:
         for name in ("every_n_steps", "num_sequences", "spectrum_k", "full_every_n_samples"):

@@ -141,7 +141,7 @@ def main() -> None:
     mode = "online" if online else "offline"  # passed to wandb.init: the reliable switch across wandb versions
     wandb_logger = WandbLogger(project="connmon-tiny-gpt", save_dir=str(args.out), mode=mode)
     csv_logger = CSVLogger(args.out, name="csv")
-    # every sample is a full one here, so the spectral-radius panel covers the whole run (13 samples)
+    # every sample is a full one here, so the spectral-radius panel covers the whole run (one point every 25 steps)
     monitor = ConnectionMonitor(every_n_steps=25, probe=probe, figures_every_n_samples=4, full_every_n_samples=1)
     trainer = L.Trainer(
         max_steps=args.steps, max_epochs=-(-args.steps // len(train)),  # a finite epoch count for the progress bar
@@ -161,7 +161,7 @@ def main() -> None:
     print(f"\ntrained {args.steps} steps in {seconds:.0f} s; ConnectionMonitor sampled {monitor.samples} times")
     print(
         "  (every 25 steps, each a full sample, figures every 4th: far denser than the quick start's "
-        "every_n_steps=100, which costs about 1% of training time: benchmarks/README.md)"
+        "every_n_steps=100, which costs this model's small steps about 5%: benchmarks/README.md)"
     )
     print(f"W&B run ({'online' if online else 'offline'}): {run_dir}")
     print(f"  look at it in the terminal:  wandb leet {run_dir}")

@@ -193,6 +193,7 @@ def test_a_monitor_reads_the_optimizer_after_every_step_and_logs_the_largest_sin
     optimizer.register_step_post_hook(lambda *_: per_step.append(reference(optimizer)))
     logged: dict[int, dict[str, float]] = {}
     monitor = connmon.Monitor(net, every_n_steps=3, diagnostics=("walk",), optimizer=optimizer,
+                              optimizer_every_n_steps=1,
                               log=lambda values, step: logged.setdefault(step, values))  # fmt: skip
     plain_run(net, optimizer, monitor, steps=5)
     for name in ("update_rms", "stale_second_moment", "update_to_weight"):

@@ -81,8 +81,8 @@ BACKOFF = "## `bench_backoff.py`"
 PAST_EDGE = "## `bench_past_edge.py`"
 # (the page, what it says (the figure as group 1), the benchmark section whose current tables must say the same)
 QUOTED = [
-    (README, r"about 1% of the\s+training time on the example \((\d\.\d+)x", OVERHEAD),
-    (README, r"\((\d+) s on a 2-core CPU", "## The example"),
+    (README, r"the monitor's defaults cost the\s+example's small steps (\d\.\d+)% of its training time", OVERHEAD),
+    (README, r"\((\d+) s on a quiet 2-core", "## The example"),
     (README, r"median (\d+) steps ahead\) \|", SHARPNESS),
     (MONITORING, r"\*\*(\d\.\d+)x the\s+training time over a 200-step window", OVERHEAD),
     (MONITORING, r"(\d\.\d+)x with 4 micro-batches of accumulation", OVERHEAD),

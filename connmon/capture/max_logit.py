@@ -599,8 +599,8 @@ def _layout_of(state: dict) -> HeadLayout:
     sides = {}
     for side, found in state.items():
         sides[side] = None if found is None else Projection(
-            found["weight"], found["bias"], torch.tensor(found["rows"]), found["transposed"],
-            None if found["bias_rows"] is None else torch.tensor(found["bias_rows"]), found["local"],
+            found["weight"], found["bias"], torch.tensor(found["rows"]), transposed=found["transposed"],
+            bias_rows=None if found["bias_rows"] is None else torch.tensor(found["bias_rows"]), local=found["local"],
         )  # fmt: skip
     return HeadLayout(**sides)
 

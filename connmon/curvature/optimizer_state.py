@@ -10,7 +10,11 @@ bias-corrected moments and ``u = m_hat / (sqrt(v_hat) + eps)`` its normalized up
   2023): such a coordinate's update is larger than Adam's bound of one;
 * ``update_to_weight``: ``||lr u|| / ||theta||`` over every parameter (the decoupled decay left out).
 
-For SGD with momentum (its buffer is the update direction) only ``update_to_weight`` applies. A parameter sharded over
+``amsgrad`` divides by the running maximum of ``v_hat``, and so does the reading. RMSprop and Adagrad give
+``update_rms`` (of their normalized step ``g / (sqrt(v) + eps)``, RMSprop's momentum aside) and ``update_to_weight``;
+SGD with momentum (its buffer is the update direction; Nesterov's step is ``g + momentum * buffer``) only
+``update_to_weight``. Coupled weight decay is solved for from the parameters after the step. Another kind of
+optimizer is said once and read not at all (:func:`unread_reason`). A parameter sharded over
 processes (a DTensor: FSDP2, tensor parallelism) adds its local part; a replicated one (DDP, or a norm beside tensor
 parallel weights) adds its part once over all processes; the sums cross processes in one all-reduce, so every process
 reads the whole model's values.

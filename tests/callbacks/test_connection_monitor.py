@@ -379,7 +379,7 @@ def test_the_optimizers_state_is_read_after_every_step_and_logged_at_each_sample
             optimizer = trainer.optimizers[0]
             optimizer.register_step_post_hook(lambda *_: seen.append(optimizer_signals(optimizer)))
 
-    monitor = ConnectionMonitor(every_n_steps=3, diagnostics=("walk",))
+    monitor = ConnectionMonitor(every_n_steps=3, diagnostics=("walk",), optimizer_every_n_steps=1)
     run = L.Trainer(
         max_steps=5, callbacks=[monitor, Recorder()], logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1, log_every_n_steps=1,

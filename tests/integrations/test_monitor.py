@@ -1003,3 +1003,18 @@ def test_events_out_of_order_raise_naming_the_missing_event_with_every_hook_remo
         model(data[2])
     entropy = "connmon/attention_entropy/all"
     assert values[entropy] == pytest.approx(reference.last_values[entropy], rel=1e-6) and list(logged) == [2]
+
+
+def test_step_called_without_with_says_once_that_it_did_nothing():
+    model = TinyGPT()
+    monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",))
+    with pytest.warns(UserWarning, match=r"monitor.step\(0\) was called without `with`, so it did nothing") as said:
+        monitor.step(0)
+        model(batches(1)[0])
+        monitor.step(1)
+    assert len([w for w in said if "without `with`" in str(w.message)]) == 1 and monitor.samples == 0
+    with pytest.raises(ValueError, match="an integer >= 0"):
+        monitor.step(-1)
+    with monitor.step(2):  # used as documented: no warning, a sample
+        model(batches(1)[0])
+    assert monitor.samples == 1 and no_hooks(model)

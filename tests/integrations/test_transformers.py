@@ -162,7 +162,12 @@ def test_report_to_wandb_gets_the_keys_histograms_and_figures(tmp_path, monkeypa
     import wandb
 
     wandb.teardown()  # W&B reads the environment once per process: make it read WANDB_MODE=offline again
-    options = {"every_n_steps": 2, "full_every_n_samples": 1, "figures_every_n_samples": 1}
+    options = {
+        "every_n_steps": 2,
+        "full_every_n_samples": 1,
+        "figures_every_n_samples": 1,
+        "optimizer_every_n_steps": 1,
+    }
     trainer = make_trainer(tmp_path, monitor=options, report_to=["wandb"])
     trainer.train()
     run_dir = wandb.run.dir

@@ -30,6 +30,7 @@ def logged_keys(tmp_path_factory) -> set[str]:
     monitor = connmon.Monitor(
         model,
         every_n_steps=1,
+        optimizer_every_n_steps=1,
         full_every_n_samples=1,
         figures_every_n_samples=1,
         wandb=run,
