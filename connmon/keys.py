@@ -20,6 +20,8 @@ SHARPNESS_RATIO = "connmon/sharpness_ratio"
 SHARPNESS_EIGENVALUE = "connmon/sharpness_eigenvalue"
 UPDATE_SHARPNESS_RATIO = "connmon/update_sharpness_ratio"
 UPDATE_SHARPNESS_EIGENVALUE = "connmon/update_sharpness_eigenvalue"
+CRITICAL_SHARPNESS_RATIO = "connmon/critical_sharpness_ratio"  # eta / eta_c along the update
+CRITICAL_SHARPNESS = "connmon/critical_sharpness_eigenvalue"  # 2 / eta_c, in the learning rate's units
 CURVATURE_INTERVAL = "connmon/curvature_interval"
 CURVATURE_GRADIENTS = "connmon/overhead/curvature_gradients"
 
@@ -37,6 +39,7 @@ LOGIT_AFTER_QK_CLIP = "logit_after_qk_clip"  # the layer's max logit on the clip
 UPDATE_RMS = "connmon/update_rms"
 STALE_SECOND_MOMENT = "connmon/stale_second_moment"
 UPDATE_TO_WEIGHT = "connmon/update_to_weight"
+GRADIENT_TO_SECOND_MOMENT = "connmon/gradient_to_second_moment"  # sum g^2 / sum v_hat, its median over 50 steps
 
 # what the monitors cost
 OVERHEAD = "connmon/overhead"
@@ -98,6 +101,8 @@ def describe(key: str, value: float) -> str:
         return f"{head_place(int(layer), int(head))}: max logit {value:.4g}"
     if key in (SHARPNESS_RATIO, UPDATE_SHARPNESS_RATIO):
         return f"curvature along the step {value:.3g}x the optimizer's edge of stability"
+    if key == CRITICAL_SHARPNESS_RATIO:
+        return f"the step {value:.3g}x the smallest step along it that raises its batch's loss"
     return f"{key} = {value:.4g}"
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -54,7 +55,21 @@ def reference(optimizer: torch.optim.Optimizer) -> dict[str, float]:
     values = {"update_to_weight": math.sqrt(update / theta)}
     if adam:
         values = {"update_rms": math.sqrt(squares / count), "stale_second_moment": stale / count, **values}
+        values["gradient_to_second_moment"] = decoupling(optimizer)
     return values
+
+
+def decoupling(optimizer: torch.optim.Optimizer) -> float:
+    """``sum g^2 / sum v_hat`` over every coordinate with state, in float64 (a missing gradient counts as zero)."""
+    gradient, second = 0.0, 0.0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p, {})
+            if "exp_avg_sq" not in state:
+                continue
+            gradient += float(p.grad.double().square().sum()) if p.grad is not None else 0.0
+            second += float(state["exp_avg_sq"].double().sum()) / (1 - group["betas"][1] ** float(state["step"]))
+    return gradient / second
 
 
 class StepTaken:
@@ -129,6 +144,8 @@ def test_the_signals_are_the_update_the_optimizer_takes_in_float64_over_groups_w
     taken = StepTaken(optimizer, normalized, stale)
     train(net, optimizer, steps=5, clear=False)  # the gradients stay, as in the optimizer's step post-hook
     found = optimizer_signals(optimizer)
+    if stale:  # Adam's: the gradient against its second moment, from the state (the step taken does not show it)
+        assert found.pop("gradient_to_second_moment") == pytest.approx(decoupling(optimizer), rel=1e-6)
     assert found.keys() == taken.values.keys()
     assert found == pytest.approx(taken.values, rel=1e-6)
     if "stale_second_moment" in found:
@@ -140,7 +157,7 @@ def test_the_signals_are_their_float64_definitions_on_the_optimizers_state(kind)
     net = model()
     groups = [{"params": net[0].parameters()}, {"params": [*net[2].parameters(), *net[3].parameters()], "lr": 5e-3}]
     optimizer = KINDS[kind][0](groups)
-    train(net, optimizer, steps=5)
+    train(net, optimizer, steps=5, clear=False)
     assert optimizer_signals(optimizer) == pytest.approx(reference(optimizer), rel=1e-5)
 
 
@@ -200,11 +217,14 @@ def test_a_monitor_reads_the_optimizer_after_every_step_and_logs_the_largest_sin
         assert f"connmon/{name}" not in logged[0]  # no step taken before the first sample
         expected = max(values[name] for values in per_step[:3])  # steps 1..3 taken by the sample at step 3
         assert logged[3][f"connmon/{name}"] == pytest.approx(expected, rel=1e-5)
+    median = statistics.median(values["gradient_to_second_moment"] for values in per_step[:3])  # within 50 steps
+    assert logged[3]["connmon/gradient_to_second_moment"] == pytest.approx(median, rel=1e-5)
     pending = monitor.state_dict()["optimizer_state"]  # steps 4 and 5, not logged yet
     assert pending["connmon/update_rms"] == pytest.approx(max(v["update_rms"] for v in per_step[3:]), rel=1e-5)
+    assert [step for step, _ in pending["recent"]] == [1, 2, 3, 4, 5]  # the steps taken of each reading
     fresh = connmon.Monitor(TinyGPT(), every_n_steps=3, diagnostics=("walk",))
     fresh.load_state_dict(monitor.state_dict())
-    assert fresh.optimizer_state.largest == pending
+    assert fresh.optimizer_state.state_dict() == pending
     monitor.close()
     off = connmon.Monitor(TinyGPT(), every_n_steps=3, optimizer_every_n_steps=None)
     assert off.optimizer_state is None and not off._post_hooks

@@ -243,3 +243,168 @@ def test_misuse_is_refused_with_the_reason():
     probe.stepped()
     with pytest.raises(ValueError, match=r"scalar tensor, got a tensor of shape \(2,\)"):
         probe.difference(lambda: w * 2)
+
+
+# --- critical sharpness: eta / eta_c by a line search of forwards along the update -----------------------------------
+
+
+def regression(kind: str, lr: float):
+    """A tanh MLP fitting ``sin`` (float64), trained 30 steps: the model, its loss and its optimizer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 4, generator=gen, dtype=torch.float64)
+    y = torch.sin(x.sum(1, keepdim=True))
+    makers = {"Adam": lambda ps: torch.optim.Adam(ps, lr=lr), "SGD": lambda ps: torch.optim.SGD(ps, lr=lr),
+              "AdamW": lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.1),
+              "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9)}  # fmt: skip
+    optimizer = makers[kind](model.parameters())
+
+    def loss_fn():
+        return nn.functional.mse_loss(model(x), y)
+
+    for _ in range(30):
+        optimizer.zero_grad()
+        loss_fn().backward()
+        optimizer.step()
+    return model, loss_fn, optimizer
+
+
+def along(params, before, u, t, loss_fn) -> float:
+    """The loss at ``before + t u`` (the parameters left there)."""
+    with torch.no_grad():
+        offset = 0
+        for p, b in zip(params, before, strict=True):
+            p.copy_(b + t * u[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+    return loss_fn().item()
+
+
+# near the edge along the update (ratios 0.2-5): where the reading decides anything
+@pytest.mark.parametrize(("kind", "lr"), [("Adam", 0.1), ("AdamW", 0.3), ("SGD", 0.6), ("SGD", 0.8),
+                                          ("SGD momentum", 0.1)])  # fmt: skip
+def test_critical_sharpness_is_the_first_rise_along_the_update_and_near_its_quadratic_model(kind, lr):
+    """Against the first rise of the loss along ``u`` found by a dense scan and bisection (float64), and the
+    quadratic model's ``u^T H u / (-2 g . u)`` from a double backward at the parameters before the step."""
+    model, loss_fn, optimizer = regression(kind, lr)
+    optimizer.zero_grad()
+    loss_fn().backward()
+    params = list(model.parameters())
+    gradient = torch.cat([p.grad.reshape(-1) for p in params])
+    before = [p.detach().clone() for p in params]
+    probe = UpdateProbe(optimizer)
+    optimizer.step()
+    probe.stepped()
+    after = [p.detach().clone() for p in params]
+    u = torch.cat([(a - b).reshape(-1) for a, b in zip(after, before, strict=True)])
+    base = along(params, before, u, 0.0, loss_fn)
+    grid = [2 ** (k / 50) for k in range(-300, 301)]  # 1/64 .. 64
+    low = next(t for t in reversed(grid[: next(i for i, t in enumerate(grid) if along(params, before, u, t, loss_fn)
+                                              > base)]))  # fmt: skip
+    high = low * 2 ** (1 / 50)
+    for _ in range(60):  # bisection to the first rise
+        middle = (low + high) / 2
+        low, high = (low, middle) if along(params, before, u, middle, loss_fn) > base else (middle, high)
+    along(params, before, u, 0.0, loss_fn)  # the parameters before the step
+    grads = torch.autograd.grad(loss_fn(), params, create_graph=True)
+    curvature = torch.cat([h.reshape(-1) for h in torch.autograd.grad(
+        torch.cat([g.reshape(-1) for g in grads]) @ u, params)]) @ u  # fmt: skip
+    with torch.no_grad():
+        for p, a in zip(params, after, strict=True):
+            p.copy_(a)
+    read = probe.critical([loss_fn])
+    assert read.critical_step == pytest.approx(high, rel=1e-2)
+    assert read.ratio == pytest.approx((curvature / (-2 * gradient @ u)).item(), rel=0.1)
+    assert all(torch.equal(p, a) for p, a in zip(params, after, strict=True))
+
+
+def test_critical_sharpness_reads_the_whole_step_restores_everything_and_warm_starts():
+    """Two micro-batches (their mean) read what their concatenation reads; parameters, gradients, buffers, random
+    streams and mode are left bitwise; a start at the last critical step brackets it in fewer forwards."""
+    model = noisy_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x, y = torch.randn(16, 4), torch.randn(16, 1)
+    nn.functional.mse_loss(model(x), y).backward()
+    probe = UpdateProbe(optimizer)
+    optimizer.step()
+    probe.stepped()
+    saved = [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+    grads = [p.grad.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    halves = [lambda i=i: nn.functional.mse_loss(model(x[8 * i : 8 * i + 8]), y[8 * i : 8 * i + 8]) for i in (0, 1)]
+    model.eval()  # one batch-norm statistic for the halves and the whole
+    whole = probe.critical([lambda: nn.functional.mse_loss(model(x), y)], model=model, seed=3)
+    probe._used = False  # the same probe again (a test of the reading alone)
+    parts = probe.critical(halves, model=model, seed=3, start=whole.critical_step)
+    model.train()
+    assert parts.ratio == pytest.approx(whole.ratio, rel=1e-9) and parts.forwards < whole.forwards
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(saved, (*model.parameters(), *model.buffers()), strict=True))
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, model.parameters(), strict=True))
+
+
+def test_critical_sharpness_restores_the_parameters_bitwise_when_a_forward_raises():
+    model = tiny_gpt().float()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    probe, _ = probed_step(model, optimizer, batch())
+    saved = [p.detach().clone() for p in model.parameters()]
+    calls = []
+
+    def loss_fn():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("boom")
+        return loss_of(model, batch())
+
+    with pytest.raises(RuntimeError, match="boom"):
+        probe.critical([loss_fn])
+    assert all(torch.equal(a, b) for a, b in zip(saved, model.parameters(), strict=True))
+    with pytest.raises(ValueError, match="start must be a positive"):
+        probed_step(model, optimizer, batch())[0].critical([loss_fn], start=0)
+
+
+def test_the_critical_estimator_logs_the_step_it_trained_on_and_leaves_training_bitwise():
+    """``SharpnessSampler(estimator="critical")`` in a plain loop: at steps 2 and 4 it logs the reading of the
+    updates of steps 1 and 3 on their own batches (what a probe around those steps reads), and trains as without it."""
+    import warnings
+
+    import connmon
+    from connmon.curvature.sampler import SharpnessSampler
+
+    def run(watched: bool):
+        model = tiny_gpt()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+        logged, probes = {}, {}
+        monitor = None
+        if watched:
+            sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", estimator="critical")
+            monitor = connmon.Monitor(model, attention=False, optimizer=optimizer, loss_fn=loss_of, sharpness=sampler,
+                                      log=lambda values, step: logged.update({step: values}))  # fmt: skip
+        for step in range(6):
+            data = batch(step)
+            if monitor is not None:
+                with monitor.step(step, batch=data):
+                    loss = loss_of(model, data)
+            else:
+                loss = loss_of(model, data)
+            loss.backward()
+            probe = UpdateProbe(optimizer) if not watched and step in (1, 3) else None
+            optimizer.step()
+            if probe is not None:
+                probe.stepped()
+                probes[step + 1] = probe.critical([lambda d=data: loss_of(model, d)], model=model, seed=step + 1,
+                                                  start=probes[2].critical_step if step == 3 else 1.0)  # fmt: skip
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], logged, probes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        watched, logged, _ = run(True)
+        plain, _, probes = run(False)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain, strict=True))
+    key = "connmon/critical_sharpness_ratio"
+    assert sorted(step for step, values in logged.items() if key in values) == [2, 4]
+    for step in (2, 4):
+        assert logged[step][key] == pytest.approx(probes[step].ratio, rel=1e-12)
+        lr = 3e-2
+        assert logged[step]["connmon/critical_sharpness_eigenvalue"] == pytest.approx(2 * probes[step].ratio / lr)

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 from connmon.curvature.geometry import StepGeometry, check_optimizer, step_geometry
 from connmon.curvature.ratio import Sharpness, sharpness_ratio
-from connmon.curvature.update import READINGS, Reading, UpdateProbe, UpdateSharpness
+from connmon.curvature.update import READINGS, CriticalSharpness, Reading, UpdateProbe, UpdateSharpness
 
 __all__ = [
     "READINGS",
+    "CriticalSharpness",
     "Reading",
     "Sharpness",
     "StepGeometry",

@@ -8,7 +8,11 @@ bias-corrected moments and ``u = m_hat / (sqrt(v_hat) + eps)`` its normalized up
 * ``stale_second_moment``: the share of coordinates where ``|u| > 1``: ``|m_hat| > sqrt(v_hat) + eps``, the second
   moment out of date against the gradients the first moment already holds (Wortsman et al. 2023b; Molybog et al.
   2023): such a coordinate's update is larger than Adam's bound of one;
-* ``update_to_weight``: ``||lr u|| / ||theta||`` over every parameter (the decoupled decay left out).
+* ``update_to_weight``: ``||lr u|| / ||theta||`` over every parameter (the decoupled decay left out);
+* ``gradient_to_second_moment``: ``sum g^2 / sum v_hat`` over every coordinate, ``g`` the gradient the step read and
+  ``v_hat`` its second moment after the step (this gradient included): how far the second moment stands from the
+  gradients it divides now (Bai et al. 2026's decoupling; low when ``v_hat`` holds the memory of larger gradients,
+  a stale second moment). Logged as its median over the readings of the last :data:`MEDIAN_STEPS` steps.
 
 ``amsgrad`` divides by the running maximum of ``v_hat``, and so does the reading. RMSprop and Adagrad give
 ``update_rms`` (of their normalized step ``g / (sqrt(v) + eps)``, RMSprop's momentum aside) and ``update_to_weight``;
@@ -23,6 +27,7 @@ reads the whole model's values.
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Any
 
 import torch
@@ -35,10 +40,10 @@ from connmon._ranks import warn_rank_zero
 
 __all__ = ["OPTIMIZER_SIGNALS", "READ_KINDS", "OptimizerSignalWindow", "optimizer_signals", "unread_reason"]
 
-OPTIMIZER_SIGNALS = ("update_rms", "stale_second_moment", "update_to_weight")
-SIGNAL_KEYS = dict(
-    zip(OPTIMIZER_SIGNALS, (keys.UPDATE_RMS, keys.STALE_SECOND_MOMENT, keys.UPDATE_TO_WEIGHT), strict=True)
-)
+OPTIMIZER_SIGNALS = ("update_rms", "stale_second_moment", "update_to_weight", "gradient_to_second_moment")
+SIGNAL_KEYS = dict(zip(OPTIMIZER_SIGNALS, (keys.UPDATE_RMS, keys.STALE_SECOND_MOMENT, keys.UPDATE_TO_WEIGHT,
+                                           keys.GRADIENT_TO_SECOND_MOMENT), strict=True))  # fmt: skip
+MEDIAN_STEPS = 50  # gradient_to_second_moment is logged as its median over the readings of this many steps
 
 
 class OptimizerSignalWindow:
@@ -63,6 +68,8 @@ class OptimizerSignalWindow:
 
     def __init__(self, owner: str = "connmon") -> None:
         self.largest: dict[str, float] = {}
+        self.recent: list[tuple[int, float]] = []  # (step, gradient_to_second_moment) of the last MEDIAN_STEPS steps
+        self._fresh = False  # one was read since the last take()
         self.owner = owner  # named in what it says
         self._said: set[str] = set()  # an optimizer kind it cannot read, a non-finite update: each said once
 
@@ -77,7 +84,14 @@ class OptimizerSignalWindow:
             self._say("unread", f"{self.owner}: {reason}")
             return {}
         values = {SIGNAL_KEYS[name]: value for name, value in optimizer_signals(optimizer).items()}
+        ratio = values.get(keys.GRADIENT_TO_SECOND_MOMENT)
+        if ratio is not None:  # a level read over many steps, not a spike: kept apart
+            now = step if step is not None else (self.recent[-1][0] + 1 if self.recent else 0)
+            self.recent = [(at, kept) for at, kept in self.recent if at > now - MEDIAN_STEPS] + [(now, ratio)]
+            self._fresh = True
         for key, value in values.items():
+            if key == keys.GRADIENT_TO_SECOND_MOMENT:
+                continue
             kept = self.largest.get(key)
             if kept is None or math.isnan(value) or (not math.isnan(kept) and value > kept):
                 self.largest[key] = value
@@ -93,17 +107,27 @@ class OptimizerSignalWindow:
             warn_rank_zero(line)
 
     def take(self) -> dict[str, float]:
-        """The largest of each signal since the last call (empty when no step was read), and a fresh window."""
+        """The largest of each signal since the last call (empty when no step was read), and a fresh window.
+
+        ``gradient_to_second_moment`` is the median of its readings over the last :data:`MEDIAN_STEPS` steps (a
+        level, read alike whenever the samples come), when one was read since the last call.
+        """
         largest, self.largest = self.largest, {}
+        if self.recent and self._fresh:
+            largest[keys.GRADIENT_TO_SECOND_MOMENT] = statistics.median(value for _, value in self.recent)
+        self._fresh = False
         return largest
 
-    def state_dict(self) -> dict[str, float]:
-        """The window not logged yet."""
-        return dict(self.largest)
+    def state_dict(self) -> dict[str, Any]:
+        """The window not logged yet: the largest of each signal, and the readings the median is taken over."""
+        return {**self.largest, "recent": [list(pair) for pair in self.recent], "fresh": self._fresh}
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self.largest = dict(state)
+        state = dict(state)
+        self.recent = [(int(at), float(value)) for at, value in state.pop("recent", [])]
+        self._fresh = bool(state.pop("fresh", False))
+        self.largest = {key: float(value) for key, value in state.items()}
 
 
 READ_KINDS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.RMSprop, torch.optim.Adagrad)
@@ -135,7 +159,7 @@ def optimizer_signals(optimizer: torch.optim.Optimizer) -> dict[str, float]:
         return {}
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW))
     processes = process_count()
-    sums: list[Tensor] = []  # per group: [sum (lr u)^2, sum u^2, coordinates, stale coordinates, sum theta^2]
+    sums: list[Tensor] = []  # per group: sum (lr u)^2, sum u^2, coordinates, stale ones, sum theta^2, g^2, v_hat
     normalized = adam  # whether u is a normalized step whose RMS is read
     for group in optimizer.param_groups:
         params = [p for p in group["params"] if _has_state(optimizer, p, group)]
@@ -148,25 +172,32 @@ def optimizer_signals(optimizer: torch.optim.Optimizer) -> dict[str, float]:
         u, lr, group_normalized = _update(optimizer, group, params, state=state, weights=weights)
         normalized = normalized or group_normalized
         squares = torch.stack(torch._foreach_norm(u)).square()
+        zeros = torch.zeros(len(params), device=device)
+        stale, gradient, second = zeros, zeros, zeros
         if adam:
             stale = torch.stack([torch.count_nonzero(t.abs() > 1) for t in u]).float()
-        else:
-            stale = torch.zeros(len(params), device=device)
+            gradient = torch.stack([_gradient(p).square().sum() if p.grad is not None else zeros[0] for p in params])
+            beta2 = group["betas"][1]
+            second = torch.stack([local(s["exp_avg_sq"]).float().sum() / (1 - beta2 ** float(s["step"]))
+                                  for s in state])  # fmt: skip
         counts = torch.tensor([float(t.numel()) for t in u], device=device)
         theta = torch.stack(torch._foreach_norm(weights)).square()
-        parts = torch.stack([squares * torch.tensor(lr, device=device).square(), squares, counts, stale, theta])
+        lrs = torch.tensor(lr, device=device).square()
+        parts = torch.stack([squares * lrs, squares, counts, stale, theta, gradient, second])
         sums.append((parts * share).sum(1))
     if not sums:
         return {}
     total = torch.stack(sums).sum(0)
     if is_distributed():
         sum_over_processes(total)
-    update, squares, count, stale, theta = total.tolist()
+    update, squares, count, stale, theta, gradient, second = total.tolist()
     values = {"update_to_weight": math.sqrt(update / theta) if theta > 0 else math.nan}
     if normalized and count > 0:
         values = {"update_rms": math.sqrt(squares / count), **values}
     if adam and count > 0:
         values = {"update_rms": values["update_rms"], "stale_second_moment": stale / count, **values}
+        if second > 0:
+            values["gradient_to_second_moment"] = gradient / second
     return values
 
 

@@ -60,7 +60,7 @@ from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int
 from connmon._pause import paused
 from connmon._ranks import warn_rank_zero
-from connmon.curvature import UpdateProbe, check_optimizer, sharpness_ratio
+from connmon.curvature import CriticalSharpness, UpdateProbe, check_optimizer, sharpness_ratio
 from connmon.curvature.lockstep import PeerFailure
 from connmon.curvature.products import Products
 from connmon.curvature.ratio import STORAGES, Storage
@@ -68,8 +68,8 @@ from connmon.curvature.ratio import STORAGES, Storage
 if TYPE_CHECKING:  # the rules are handed in by the entry points: the curvature imports nothing from alerts/
     from connmon.alerts.rules import RuleSet
 
-Estimator = Literal["finite_difference_lanczos", "exact_lanczos", "difference", "secant"]
-ESTIMATORS: tuple[Estimator, ...] = ("finite_difference_lanczos", "exact_lanczos", "difference", "secant")
+Estimator = Literal["finite_difference_lanczos", "exact_lanczos", "difference", "secant", "critical"]
+ESTIMATORS: tuple[Estimator, ...] = ("finite_difference_lanczos", "exact_lanczos", "difference", "secant", "critical")
 RENAMED_ESTIMATORS = {"gradient_difference": "finite_difference_lanczos", "lanczos": "exact_lanczos"}  # 0.1.0's names
 Cadence = Literal["adaptive", "fixed"]
 CADENCES: tuple[Cadence, ...] = ("adaptive", "fixed")
@@ -95,6 +95,8 @@ def keys_of(estimator: Estimator) -> tuple[str, str]:
     """
     if estimator in ("finite_difference_lanczos", "exact_lanczos"):
         return RATIO_KEY, EIGENVALUE_KEY
+    if estimator == "critical":
+        return keys.CRITICAL_SHARPNESS_RATIO, keys.CRITICAL_SHARPNESS
     return UPDATE_RATIO_KEY, UPDATE_EIGENVALUE_KEY
 
 
@@ -144,8 +146,14 @@ class SharpnessSampler(CopiesDetached):
         every_n_steps: the densest interval: with ``cadence="fixed"``, sample at optimizer steps ``every_n_steps``,
             ``2 every_n_steps``, ...; with ``"adaptive"``, the first sample is at ``every_n_steps`` and each sample
             sets the next one's distance from its ratio (:func:`adaptive_interval`).
-        estimator: ``"finite_difference_lanczos"``, ``"exact_lanczos"``, ``"difference"`` or ``"secant"`` (see the
-            module docstring; 0.1.0's ``"gradient_difference"`` and ``"lanczos"`` still work, with a warning).
+        estimator: ``"finite_difference_lanczos"``, ``"exact_lanczos"``, ``"difference"``, ``"secant"`` or
+            ``"critical"`` (see the module docstring; 0.1.0's ``"gradient_difference"`` and ``"lanczos"`` still work,
+            with a warning). ``"critical"`` logs ``connmon/critical_sharpness_ratio``, ``eta / eta_c``: the step
+            the optimizer took over the smallest step along the same update that raises the loss of the batch it
+            trained on (all its micro-batches; the mean over processes), by a line search of 4-7 forwards
+            (:meth:`connmon.curvature.UpdateProbe.critical`), read at the next step's start, warm-started from the
+            previous reading; and ``connmon/critical_sharpness_eigenvalue``, ``2 / eta_c`` in the first parameter
+            group's learning-rate units (Kalra et al.'s critical sharpness).
         lanczos_steps: Hessian-vector products per sample with the two Lanczos estimators.
         budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample, the
             sampler stretches every interval by ``k``, the smallest stride whose measured mean cost fits at the
@@ -236,6 +244,8 @@ class SharpnessSampler(CopiesDetached):
         self._start_step: int | None = None  # the first step seen since attach (the clock's start)
         self._failure: str | None = None  # why the pending probe could not be used
         self._difference_length = math.nan  # the gradient differences' last ||h w|| / ||theta||
+        self._critical: tuple[list, list[float] | None, Any] = ([], None, None)  # the probed step's losses
+        self._critical_start = 1.0  # where the next line search starts: the last critical step
 
     @property
     def reads_lanczos(self) -> bool:
@@ -326,6 +336,14 @@ class SharpnessSampler(CopiesDetached):
             return values
         if self.estimator == "secant" and self._probe is not None and self._probe_step == step:
             values = self._read(step, lambda probe: probe.secant())
+        if self.estimator == "critical" and self._probe is not None and self._probe_step == step:
+            losses, weights, model = self._critical
+            self._critical = ([], None, None)
+            values = self._read(step, lambda probe: probe.critical(
+                losses, weights=weights, model=model, seed=step, start=self._critical_start))  # fmt: skip
+        if self.estimator == "critical" and self._loss_step == step and self.due(step + 1):
+            self._critical = (list(self._losses), _weights(self._weights), self._model)  # the step about to be taken
+            self._drop_losses()
         if self.due(step + 1) and self.off is None:
             with self.clock.measuring():
                 try:
@@ -348,6 +366,8 @@ class SharpnessSampler(CopiesDetached):
             return False
         if self.estimator == "difference":
             return self._probe is not None and self._probe_step == step
+        if self.estimator == "critical":  # the batch of a step whose update is read
+            return self.due(step + 1)
         return self.due(step)
 
     def before_forward(
@@ -457,8 +477,13 @@ class SharpnessSampler(CopiesDetached):
                 try:
                     with paused():
                         result = read(self._probe)
-                    ratio, constant = result.ratio, result.constant
-                    gradients = getattr(result, "gradient_evaluations", 0)
+                    ratio, gradients = result.ratio, getattr(result, "gradient_evaluations", 0)
+                    if isinstance(result, CriticalSharpness):  # its second key: 2 / eta_c in the rate's units
+                        assert self.optimizer is not None  # attached: it read a probe of the optimizer's step
+                        self._critical_start = result.critical_step
+                        constant = 2 / (float(self.optimizer.param_groups[0]["lr"]) * self._lr_scale())
+                    else:
+                        constant = result.constant
                 except torch.OutOfMemoryError:
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()

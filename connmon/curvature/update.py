@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,6 +39,25 @@ class UpdateSharpness:
     curvature: float
     constant: float
     reading: Reading
+
+
+@dataclass(frozen=True)
+class CriticalSharpness:
+    """How far the update the optimizer took stands from the step that would raise its batch's loss.
+
+    Attributes:
+        ratio: ``eta / eta_c``: the step taken over the smallest step along the same update that raises the loss
+            (1: the step just raises it; above 1, past the edge along the update; the orientation of
+            ``sharpness_ratio``). ``2 / eta_c`` is Kalra et al.'s critical sharpness (arXiv 2601.16979).
+        critical_step: ``eta_c / eta``, where the loss along the update first rises above its value before the step
+            (bounded to ``[1/64, 64]``: a loss that still falls at 64 steps reads ``ratio = 1/64``).
+        forwards: the forward passes of the whole step's batch the line search took (the loss before the step
+            included).
+    """
+
+    ratio: float
+    critical_step: float
+    forwards: int
 
 
 class UpdateProbe:
@@ -175,6 +194,90 @@ class UpdateProbe:
         now, before, ahead = losses
         return self._result(ahead + before - 2 * now, "difference")
 
+    def critical(
+        self,
+        loss_fns: Sequence[Callable[[], Tensor]],
+        *,
+        weights: Sequence[float] | None = None,
+        model: nn.Module | None = None,
+        seed: int = 0,
+        start: float = 1.0,
+    ) -> CriticalSharpness:
+        """``eta / eta_c`` by a line search of forwards along the update just taken, on the step's own batch.
+
+        ``phi(t)`` is the weighted sum of ``loss_fns()`` (the step's micro-batches: ``weights`` as the training put on
+        each, None for their mean) with the parameters at ``theta_before + t u``: ``t = 1`` is the step taken. Under
+        ``torch.distributed`` it is the mean over every process (the global batch's loss; one all-reduce a forward),
+        so every process brackets alike.
+        ``eta_c / eta`` is the smallest ``t > 0`` where ``phi(t)`` rises above ``phi(0)``: bracketed from ``start``
+        (the previous reading's, a warm start) by doubling or halving, then placed by the quadratic through
+        ``phi(0)`` and the bracket's two ends (exact on a quadratic loss). Forwards only, under ``no_grad``, each
+        with the random streams reseeded by ``seed`` (the training run's streams untouched, its buffers restored
+        when ``model`` is given); the parameters are restored bitwise, also when a forward raises. It holds a second
+        copy of the parameters while it runs. Call it after :meth:`stepped`, before the next ``optimizer.step()``.
+
+        Raises:
+            ValueError: if :meth:`stepped` was not called, the probe was read before, a loss is not a scalar, or
+                ``start`` is not positive.
+
+        Examples:
+            >>> import torch
+            >>> from connmon.curvature import UpdateProbe
+            >>> w = torch.nn.Parameter(torch.tensor([1.0, 1.0]))
+            >>> h = torch.tensor([1.0, 30.0])  # a quadratic: H = diag(1, 30)
+            >>> loss_fn = lambda: 0.5 * (h * w * w).sum()
+            >>> optimizer = torch.optim.SGD([w], lr=0.05)
+            >>> loss_fn().backward()
+            >>> probe = UpdateProbe(optimizer)
+            >>> optimizer.step()
+            >>> probe.stepped()
+            >>> u = -0.05 * h * torch.tensor([1.0, 1.0])  # the step: eta / eta_c = u^T H u / (-2 g . u)
+            >>> read = probe.critical([loss_fn])
+            >>> round(read.ratio, 6), round(((h * u * u).sum() / (-2 * (h * u).sum())).item(), 6)
+            (0.738929, 0.738929)
+        """
+        self._check()
+        if not start > 0:
+            raise ValueError(f"start must be a positive multiple of the step, got start={start!r}")
+        from connmon.curvature.products import step_weights
+
+        factors = step_weights(list(loss_fns), weights)
+        device = self.params[0].device if self.params else torch.device("cpu")
+        world = process_count()
+        lockstep = Lockstep(world, local(self.params[0]).device if self.params else device)
+        forwards = 0
+        with training_state_kept(model, device), torch.no_grad():
+            after = [p.detach().clone() for p in self.params]  # theta_before + u, put back at the end
+
+            def phi(t: float) -> float:
+                nonlocal forwards
+                for p, before, now in zip(self.params, self._before, after, strict=True):
+                    p.copy_(before + t * (now - before) if t != 1 else now)
+                pairs = zip(loss_fns, factors, strict=True)
+                value = sum(factor * scalar_at(loss_fn, seed) for loss_fn, factor in pairs)
+                lockstep.check()
+                forwards += 1
+                if world == 1:
+                    return value
+                total = torch.tensor([value], dtype=torch.float64, device=local(self.params[0]).device)
+                return float(sum_over_processes(total)[0]) / world  # the global batch's: every process decides alike
+
+            try:
+                with lockstep.armed(model):  # a failure on one process stops all: none waits in a collective
+                    rise = _line_search(phi, start)
+            except PeerFailure:
+                settle(model)
+                raise
+            except Exception:
+                settle(model)
+                lockstep.announce()
+                raise
+            finally:
+                for p, now in zip(self.params, after, strict=True):
+                    p.copy_(now)
+                self._used = True
+        return CriticalSharpness(1 / rise, rise, forwards)
+
     def secant(self) -> UpdateSharpness:
         """``u^T H u = u . (g_{t+1} - g_t)``, with ``g_{t+1}`` the gradient in ``.grad`` now (after the next backward).
 
@@ -205,6 +308,50 @@ class UpdateProbe:
         assert self._norm is not None  # _check said so
         value = (curvature + self._decay) / self._norm
         return UpdateSharpness(value / self._constant, value, self._constant, reading)
+
+
+SHORTEST_STEP, LONGEST_STEP = 1 / 64, 64.0  # the line search's bounds, in multiples of the step taken
+
+
+def _line_search(phi: Callable[[float], float], start: float) -> float:
+    """The smallest ``t > 0`` where ``phi(t) > phi(0)``: bracketed by doubling or halving from ``start``, then placed.
+
+    Within the bracket ``[t1, t2]`` (``phi(t1) <= phi(0) < phi(t2)``) the root of the quadratic ``a t + b t^2``
+    through ``(0, 0)``, ``(t1, f1)`` and ``(t2, f2)`` (``f = phi - phi(0)``), or the chord's where that quadratic does
+    not open upward. Bounded to :data:`SHORTEST_STEP` and :data:`LONGEST_STEP`.
+    """
+    base = phi(0.0)
+    t = min(max(start, SHORTEST_STEP), LONGEST_STEP)
+    f = phi(t) - base
+    if f > 0:  # the crossing is below t: halve until the loss no longer rises
+        high, f_high = t, f
+        while True:
+            t /= 2
+            if t < SHORTEST_STEP:
+                return SHORTEST_STEP
+            f = phi(t) - base
+            if not f > 0:
+                low, f_low = t, f
+                break
+            high, f_high = t, f
+    else:  # double until it rises
+        low, f_low = t, f
+        while True:
+            t *= 2
+            if t > LONGEST_STEP:
+                return LONGEST_STEP
+            f = phi(t) - base
+            if f > 0:
+                high, f_high = t, f
+                break
+            low, f_low = t, f
+    if not (math.isfinite(f_low) and math.isfinite(f_high)):
+        return high  # a non-finite loss at the bracket's top: the rise is there
+    b = (f_high / high - f_low / low) / (high - low)
+    a = f_low / low - b * low
+    if b > 0 and a < 0:
+        return min(max(-a / b, low), high)
+    return low + (high - low) * (-f_low) / (f_high - f_low) if f_high != f_low else high
 
 
 def _grad_square(params: list[Tensor]) -> float:

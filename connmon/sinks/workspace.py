@@ -135,7 +135,7 @@ def build_workspace(
         wr.LinePlot(
             title=title,
             x=x,
-            metric_regex=f"^{re.escape(prefix)}connmon/(update_)?sharpness_{quantity}$",  # the top's and the update's
+            metric_regex=f"^{re.escape(prefix)}connmon/(update_|critical_)?sharpness_{quantity}$",  # each estimator's
             line_widths={f"{prefix}connmon/sharpness_{quantity}": 4.0},
             line_titles={f"{prefix}connmon/sharpness_{quantity}": "top of the spectrum (the warning)"},
         )
@@ -152,15 +152,20 @@ def build_workspace(
         )
     )
     curvature += [
-        wr.LinePlot(
-            title=f"optimizer state: {title} (every step, largest since the last sample)", x=x, y=[f"{prefix}{key}"]
-        )
+        wr.LinePlot(title=f"optimizer state: {title} (largest since the last sample)", x=x, y=[f"{prefix}{key}"])
         for key, title in (
             (keys.UPDATE_RMS, "RMS of Adam's normalized update"),
             (keys.STALE_SECOND_MOMENT, "share with |m_hat| > sqrt(v_hat)"),
             (keys.UPDATE_TO_WEIGHT, "update-to-weight ratio"),
         )
     ]
+    curvature.append(
+        wr.LinePlot(
+            title="optimizer state: sum g^2 / sum v_hat, median over 50 steps (low: a stale second moment)",
+            x=x,
+            y=[f"{prefix}{keys.GRADIENT_TO_SECOND_MOMENT}"],
+        )
+    )
     curvature.append(
         wr.LinePlot(
             title="connmon overhead (fraction of training time)",
