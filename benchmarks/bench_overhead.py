@@ -17,8 +17,8 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
   (accumulate_grad_batches=4), against "plain x4".
 * recipe (exact_lanczos): the same with exact Lanczos (double backward) every 20 steps, the previous default.
 * recipe (secant): the same with the secant along the update every 20 steps.
-* finite_difference_lanczos_10, secant_1, difference_10, exact_lanczos_10: one SharpnessMonitor alone at that fixed
-  cadence (tables before 2026-12-04 call the two Lanczos estimators gradient_difference and lanczos).
+* finite_difference_lanczos_10, secant_1, difference_10, exact_lanczos_10, critical_10: one SharpnessMonitor alone
+  at that fixed cadence (tables before 2026-12-04 call the two Lanczos estimators gradient_difference and lanczos).
 * lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="exact_lanczos", budget=0.05): the cadence it chooses.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
 
@@ -115,7 +115,7 @@ def run(config: str, data: DataLoader, workdir: Path, lr: float = 3e-3) -> dict[
             ConnectionMonitor(every_n_steps=25, diagnostics=("walk",), figures_every_n_samples=None),
             DriftAlert(actions=("log",)),
         ]
-    for estimator in ("finite_difference_lanczos", "secant", "difference", "exact_lanczos"):
+    for estimator in ("finite_difference_lanczos", "secant", "difference", "exact_lanczos", "critical"):
         if config.startswith(f"{estimator}_"):
             every = int(config.split("_")[-1])
             callbacks.append(
@@ -181,7 +181,7 @@ for step in range(4):
     if step == 3:
         step_peak = status("VmHWM") - before
         before = reset()  # the sample from here: the parameter copy, the step it spans, the reading
-        if {estimator!r} in ("secant", "difference"):
+        if {estimator!r} in ("secant", "difference", "critical"):
             probe = UpdateProbe(optimizer)
         if {estimator!r} == "finite_difference_lanczos":  # where SharpnessMonitor reads it: .grad held, before the step
             sharpness_ratio(loss_fn, optimizer, steps=8, model=model)
@@ -192,6 +192,8 @@ if {estimator!r} == "difference":
     probe.difference(loss_fn, model=model)
 elif {estimator!r} == "secant":
     probe.secant()  # after the next backward, which training does anyway
+elif {estimator!r} == "critical":
+    probe.critical([loss_fn], model=model)
 elif {estimator!r} == "exact_lanczos":
     sharpness_ratio(loss_fn, optimizer, steps=8, model=model, products="double_backward")
 print(step_peak, status("VmHWM") - before)
@@ -267,7 +269,7 @@ def main() -> None:
         print(f"every_n_steps=100 {1 + per_sample / 100:.4f}x, every_n_steps=10 {1 + per_sample / 10:.3f}x")
     print("\n| curvature sample | what it adds to training's memory, MB | training steps' own, MB | sample / step |")
     print("|---|---|---|---|")
-    for estimator in ("finite_difference_lanczos", "secant", "difference", "exact_lanczos"):
+    for estimator in ("finite_difference_lanczos", "secant", "difference", "exact_lanczos", "critical"):
         step, sample = peak_memory(estimator)
         print(f"| {estimator} | {sample / 2**20:.1f} | {step / 2**20:.1f} | {sample / step:.2f} |")
 

@@ -148,6 +148,20 @@ def settle(model: nn.Module | None) -> None:
         module.reshard()
 
 
+def release_gathered(model: nn.Module | None) -> None:
+    """After forwards outside training (no backward follows): every FSDP2 module's gathered weights freed.
+
+    A forward under ``no_grad`` leaves the root's parameters gathered (it reshards only after its backward); the
+    training's next forward would then read them instead of the shards the optimizer steps.
+    """
+    if model is None:
+        return
+    for module in model.modules():
+        reshard = getattr(module, "reshard", None)
+        if callable(reshard) and type(module).__name__.startswith("FSDP"):
+            reshard()
+
+
 def _grad_tensors(value: Any) -> list[Tensor]:
     """The tensors in a (nested) forward input or output that take part in the backward."""
     found: list[Tensor] = []

@@ -152,7 +152,7 @@ def optimizer_signals(optimizer: torch.optim.Optimizer) -> dict[str, float]:
         >>> weight.grad = torch.tensor([1.0, -1.0, 2.0, -2.0])
         >>> optimizer.step()
         >>> {k: round(v, 3) for k, v in optimizer_signals(optimizer).items()}
-        {'update_rms': 1.0, 'stale_second_moment': 0.0, 'update_to_weight': 0.1}
+        {'update_rms': 1.0, 'stale_second_moment': 0.0, 'update_to_weight': 0.1, 'gradient_to_second_moment': 1.0}
     """
     optimizer = unwrap_optimizer(optimizer)
     if not isinstance(optimizer, READ_KINDS):

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from connmon._collectives import local, process_count, sum_over_processes
 from connmon._optimizer import unwrap_optimizer
 from connmon.curvature.geometry import optimizer_kind, parameter_steps, widened
-from connmon.curvature.lockstep import Lockstep, PeerFailure, settle
+from connmon.curvature.lockstep import Lockstep, PeerFailure, release_gathered, settle
 from connmon.curvature.ratio import scalar_at, training_state_kept
 
 Reading = Literal["difference", "secant"]
@@ -166,6 +166,7 @@ class UpdateProbe:
             try:
                 with lockstep.armed(model):  # a failure on one process stops all: none waits in a gather
                     losses.append(scalar_at(loss_fn, seed))
+                    release_gathered(model)  # FSDP2's root keeps what it gathered: the next point gathers afresh
                     lockstep.check()
                     for p, saved in zip(self.params, self._before, strict=True):  # the parameters at theta - u
                         now = p.detach().clone()
@@ -173,11 +174,13 @@ class UpdateProbe:
                         saved.copy_(now)  # the probe's copy holds theta now
                     state = "before"
                     losses.append(scalar_at(loss_fn, seed))
+                    release_gathered(model)  # FSDP2's root keeps what it gathered: the next point gathers afresh
                     lockstep.check()
                     for p, saved in zip(self.params, self._before, strict=True):  # theta + u = 2 theta - (theta - u)
                         p.neg_().add_(saved, alpha=2)
                     state = "ahead"
                     losses.append(scalar_at(loss_fn, seed))
+                    release_gathered(model)  # FSDP2's root keeps what it gathered: the next point gathers afresh
                     lockstep.check()
             except PeerFailure:
                 settle(model)
@@ -190,6 +193,7 @@ class UpdateProbe:
                 if state != "now":
                     for p, saved in zip(self.params, self._before, strict=True):
                         p.copy_(saved)
+                release_gathered(model)
                 self._used = True
         now, before, ahead = losses
         return self._result(ahead + before - 2 * now, "difference")
@@ -234,7 +238,7 @@ class UpdateProbe:
             >>> u = -0.05 * h * torch.tensor([1.0, 1.0])  # the step: eta / eta_c = u^T H u / (-2 g . u)
             >>> read = probe.critical([loss_fn])
             >>> round(read.ratio, 6), round(((h * u * u).sum() / (-2 * (h * u).sum())).item(), 6)
-            (0.738929, 0.738929)
+            (0.749195, 0.749195)
         """
         self._check()
         if not start > 0:
@@ -255,6 +259,7 @@ class UpdateProbe:
                     p.copy_(before + t * (now - before) if t != 1 else now)
                 pairs = zip(loss_fns, factors, strict=True)
                 value = sum(factor * scalar_at(loss_fn, seed) for loss_fn, factor in pairs)
+                release_gathered(model)  # FSDP2's root keeps what it gathered: the next point gathers afresh
                 lockstep.check()
                 forwards += 1
                 if world == 1:
@@ -275,6 +280,7 @@ class UpdateProbe:
             finally:
                 for p, now in zip(self.params, after, strict=True):
                     p.copy_(now)
+                release_gathered(model)  # FSDP2: the next training forward gathers the restored shards
                 self._used = True
         return CriticalSharpness(1 / rise, rise, forwards)
 

@@ -323,3 +323,80 @@ def test_fsdp2_bf16_mixed_precision_turns_the_curvature_off_with_the_reason_and_
         len(ranks[0]["warnings"]) == 1 and "MixedPrecisionPolicy(param_dtype=torch.bfloat16)" in ranks[0]["warnings"][0]
     )
     assert ranks[1]["warnings"] == []
+
+
+ALONG_THE_UPDATE = {"critical": "connmon/critical_sharpness_ratio", "difference": "connmon/update_sharpness_ratio"}
+
+
+def train_critical(
+    model, data: list[torch.Tensor], watched: bool, estimator: str = "critical"
+) -> tuple[list[float], dict[int, float]]:
+    """AdamW on ``data[step]``; with ``watched``, critical sharpness every 2nd step; the losses and the readings."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    logged: dict[int, float] = {}
+    monitor, key = None, ALONG_THE_UPDATE[estimator]
+    if watched:
+        monitor = connmon.Monitor(
+            model, attention=False, optimizer=optimizer, loss_fn=loss_fn,
+            sharpness=SharpnessSampler(every_n_steps=2, cadence="fixed", estimator=estimator),
+            log=lambda values, step: key in values and logged.update({step: values[key]}),
+        )  # fmt: skip
+    losses = []
+    for step, ids in enumerate(data):
+        with monitor.step(step, batch=ids) if monitor is not None else contextlib.nullcontext():
+            loss = loss_fn(model, ids)
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    if monitor is not None:
+        assert monitor.sharpness.off is None, monitor.sharpness.off
+        monitor.close()
+    return losses, logged
+
+
+def critical_worker(rank: int, port: int, out: str, layout: str, estimator: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        runs = {}
+        for watched in (False, True):
+            torch.manual_seed(0)
+            model = TinyGPT().double()
+            if layout == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                for block in model.blocks:
+                    fully_shard(block)
+                fully_shard(model)
+            else:
+                model = torch.nn.parallel.DistributedDataParallel(model)
+            runs[watched] = train_critical(model, batches(rank), watched, estimator)
+        with open(os.path.join(out, f"critical{rank}.json"), "w") as file:
+            json.dump({"plain": runs[False][0], "watched": runs[True][0], "read": runs[True][1]}, file)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("estimator", list(ALONG_THE_UPDATE))
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_readings_along_the_update_of_a_sharded_run_are_the_global_batchs_and_training_is_bitwise_unchanged(
+    tmp_path, layout, estimator
+):
+    """The critical step's line search takes the mean loss over the processes (the global batch's), the second
+    difference is averaged across them: what one process reads on the whole batch (logged on rank zero). Under FSDP2
+    every point's forward gathers the shards written for it, and training's next forward the restored ones."""
+    mp.spawn(critical_worker, args=(free_port(), str(tmp_path), layout, estimator), nprocs=2)
+    ranks = [json.loads((tmp_path / f"critical{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["watched"] == rank["plain"]  # bitwise, on every rank
+    assert ranks[1]["read"] == {} and sorted(ranks[0]["read"]) == ["2", "4", "6"][: len(ranks[0]["read"])]
+    assert len(ranks[0]["read"]) >= 2
+    torch.manual_seed(0)
+    whole = [torch.cat(pair) for pair in zip(batches(0), batches(1), strict=True)]  # the global batch
+    _, expected = train_critical(TinyGPT().double(), whole, watched=True, estimator=estimator)
+    for step, ratio in ranks[0]["read"].items():
+        assert ratio == pytest.approx(expected[int(step)], rel=1e-6), step
