@@ -216,7 +216,7 @@ def main() -> None:
         "plain", "monitor_100", "monitor_100 -logits", "monitor_100 -optimizer", "monitor_100 -logits -optimizer",
         "monitor_10", "recipe", "plain x4", "recipe x4", "recipe (exact_lanczos)",
         "recipe (secant)", "finite_difference_lanczos_10", "secant_1", "difference_10", "exact_lanczos_10",
-        "lanczos budget 5%", "wandb.watch",
+        "critical_10", "lanczos budget 5%", "wandb.watch",
     ]  # fmt: skip
     if args.configs:
         configs = ["plain", *[c for c in configs if c in args.configs and c != "plain"]]
