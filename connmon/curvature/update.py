@@ -372,8 +372,9 @@ def _grad_square(params: list[Tensor]) -> float:
 class _Sums:
     """Sums over parameters kept on their device (one host copy at the end), added across the shards of sharded ones.
 
-    A sharded parameter (a DTensor, as FSDP2 makes) contributes its local shard; those parts are summed across the
-    processes of its 1-D device mesh. Replicated parameters (DDP) hold the same values everywhere and are not.
+    A sharded parameter (a DTensor with a ``Shard`` placement, as FSDP2 and tensor parallelism make) contributes its
+    local shard; those parts are summed across the processes of its 1-D device mesh. Replicated parameters (DDP, and a
+    ``Replicate`` DTensor such as a row-parallel layer's bias) hold the same values everywhere and are not.
     """
 
     def __init__(self, count: int) -> None:
@@ -382,8 +383,8 @@ class _Sums:
         self.group: Any = None
 
     def add(self, p: Tensor, *values: Tensor | float) -> None:
-        target = self.plain
-        if hasattr(p, "device_mesh"):
+        target = self.plain  # a replicated DTensor (a row-parallel layer's bias) holds its whole value everywhere
+        if hasattr(p, "device_mesh") and any(placement.is_shard() for placement in getattr(p, "placements", ())):
             mesh = p.device_mesh
             if mesh.ndim != 1:
                 raise ValueError(f"parameters sharded over a {mesh.ndim}-D device mesh are not supported (1-D only)")

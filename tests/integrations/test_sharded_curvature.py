@@ -363,15 +363,24 @@ def critical_worker(rank: int, port: int, out: str, layout: str, estimator: str)
         for watched in (False, True):
             torch.manual_seed(0)
             model = TinyGPT().double()
+            data = batches(rank)
             if layout == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
 
                 for block in model.blocks:
                     fully_shard(block)
                 fully_shard(model)
+            elif layout == "tp":  # each block's MLP column- then row-sharded; both processes read one batch
+                from torch.distributed.device_mesh import init_device_mesh
+                from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+                mesh = init_device_mesh("cpu", (2,))
+                for block in model.blocks:
+                    parallelize_module(block.mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+                data = batches(0)
             else:
                 model = torch.nn.parallel.DistributedDataParallel(model)
-            runs[watched] = train_critical(model, batches(rank), watched, estimator)
+            runs[watched] = train_critical(model, data, watched, estimator)
         with open(os.path.join(out, f"critical{rank}.json"), "w") as file:
             json.dump({"plain": runs[False][0], "watched": runs[True][0], "read": runs[True][1]}, file)
     except BaseException:
@@ -382,7 +391,7 @@ def critical_worker(rank: int, port: int, out: str, layout: str, estimator: str)
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("estimator", list(ALONG_THE_UPDATE))
-@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "tp"])
 def test_readings_along_the_update_of_a_sharded_run_are_the_global_batchs_and_training_is_bitwise_unchanged(
     tmp_path, layout, estimator
 ):
@@ -397,6 +406,8 @@ def test_readings_along_the_update_of_a_sharded_run_are_the_global_batchs_and_tr
     assert len(ranks[0]["read"]) >= 2
     torch.manual_seed(0)
     whole = [torch.cat(pair) for pair in zip(batches(0), batches(1), strict=True)]  # the global batch
+    if layout == "tp":  # one data-parallel group: its one batch
+        whole = batches(0)
     _, expected = train_critical(TinyGPT().double(), whole, watched=True, estimator=estimator)
     for step, ratio in ranks[0]["read"].items():
         assert ratio == pytest.approx(expected[int(step)], rel=1e-6), step
