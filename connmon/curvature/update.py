@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -164,7 +165,7 @@ class UpdateProbe:
         with training_state_kept(model, device), torch.no_grad():
             state = "now"  # which point the parameters hold: now, before (theta - u), ahead (theta + u)
             try:
-                with lockstep.armed(model):  # a failure on one process stops all: none waits in a gather
+                with _in_lockstep(lockstep, model):
                     losses.append(scalar_at(loss_fn, seed))
                     release_gathered(model)  # FSDP2's root keeps what it gathered: the next point gathers afresh
                     lockstep.check()
@@ -182,13 +183,6 @@ class UpdateProbe:
                     losses.append(scalar_at(loss_fn, seed))
                     release_gathered(model)  # FSDP2's root keeps what it gathered: the next point gathers afresh
                     lockstep.check()
-            except PeerFailure:
-                settle(model)
-                raise
-            except Exception:
-                settle(model)
-                lockstep.announce()
-                raise
             finally:
                 if state != "now":
                     for p, saved in zip(self.params, self._before, strict=True):
@@ -268,15 +262,8 @@ class UpdateProbe:
                 return float(sum_over_processes(total)[0]) / world  # the global batch's: every process decides alike
 
             try:
-                with lockstep.armed(model):  # a failure on one process stops all: none waits in a collective
+                with _in_lockstep(lockstep, model):
                     rise = _line_search(phi, start)
-            except PeerFailure:
-                settle(model)
-                raise
-            except Exception:
-                settle(model)
-                lockstep.announce()
-                raise
             finally:
                 for p, now in zip(self.params, after, strict=True):
                     p.copy_(now)
@@ -314,6 +301,21 @@ class UpdateProbe:
         assert self._norm is not None  # _check said so
         value = (curvature + self._decay) / self._norm
         return UpdateSharpness(value / self._constant, value, self._constant, reading)
+
+
+@contextlib.contextmanager
+def _in_lockstep(lockstep: Lockstep, model: nn.Module | None) -> Iterator[None]:
+    """Forwards of a reading: a failure on one process stops all (none waits in a collective), FSDP2 settled."""
+    try:
+        with lockstep.armed(model):
+            yield
+    except PeerFailure:
+        settle(model)
+        raise
+    except Exception:
+        settle(model)
+        lockstep.announce()
+        raise
 
 
 SHORTEST_STEP, LONGEST_STEP = 1 / 64, 64.0  # the line search's bounds, in multiples of the step taken
