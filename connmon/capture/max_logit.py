@@ -404,7 +404,8 @@ class _Watch(TorchFunctionMode):
             warn_once(
                 f"connmon: {self.tracker.names[self.index]}: reading its max logit raised {type(error).__name__}: "
                 f"{error}; it is not read from now on, and training goes on unchanged",
-                key=("max-logit-error", id(self.module)),
+                key="max-logit-error",
+                module=self.module,
             )
         return result
 
@@ -457,7 +458,8 @@ class _Watch(TorchFunctionMode):
                 warn_once(
                     f"connmon: {tracker.names[self.index]}: {why}, so its per-step max logit is read exactly "
                     "(blockwise q k^T) on every read step, not from the kernel's statistics",
-                    key=("no-bound", id(self.module)),
+                    key="no-bound",
+                    module=self.module,
                 )
             return None
         assert isinstance(saved, Tensor)
@@ -559,7 +561,8 @@ class _Watch(TorchFunctionMode):
             f"connmon: {tracker.names[self.index]}'s projections are split by head over a mesh with more than one "
             "dimension (tensor parallelism beside data parallelism), so its per-step max logit is not read and "
             "QK-clip does not act there",
-            key=("tp-2d", id(self.module)),
+            key="tp-2d",
+            module=self.module,
         )
 
     def finish(self) -> None:
@@ -572,13 +575,15 @@ class _Watch(TorchFunctionMode):
                 warn_once(
                     f"connmon: {tracker.names[self.index]}: its queries or keys are not output rows of one of its "
                     "projections (a norm, a latent or a rotation between them), so QK-clip cannot scale them there",
-                    key=("qk-layout", id(self.module)),
+                    key="qk-layout",
+                    module=self.module,
                 )
         elif not tracker._seen_call[self.index]:
             warn_once(
                 f"connmon: {tracker.names[self.index]} calls no scaled_dot_product_attention in its training forward "
                 "(hand-written, flex or fused attention), so its per-step max logit is not read",
-                key=("no-sdpa", id(self.module)),
+                key="no-sdpa",
+                module=self.module,
             )
 
 

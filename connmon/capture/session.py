@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -120,7 +121,7 @@ class CaptureSession:
     def skip(self, module: nn.Module, why: str | None = None) -> None:
         """Record nothing for ``module`` in this session; ``why`` is warned once per cause and layer."""
         if why is not None and self._watching(module):  # also after its record was handed on
-            warn_once(f"connmon: {self.name(module)} is not recorded: {why}", key=(why, id(module)))
+            warn_once(f"connmon: {self.name(module)} is not recorded: {why}", key=why, module=module)
         self.done.add(id(module))
         self._pending.pop(id(module), None)
 
@@ -360,7 +361,8 @@ class CaptureSession:
                 f"from its capture reproduces its output only to a relative error of {error:.2g} (tolerance "
                 f"{tolerance:g}), so it computes something the walk does not model (gating, a norm before the "
                 "output projection, ...); register an adapter that reads it exactly",
-                key=("reconstruction", id(module)),
+                key="reconstruction",
+                module=module,
             )
             return
         if self.on_record is not None:
@@ -436,14 +438,17 @@ def full_precision() -> Iterator[None]:
 
 
 _WARNED: set[object] = set()
+_WARNED_ABOUT: weakref.WeakKeyDictionary[nn.Module, set[object]] = weakref.WeakKeyDictionary()
 
 
-def warn_once(message: str, key: object = None) -> None:
-    """Warn once per ``key`` (default: the message) for the life of the process.
+def warn_once(message: str, key: object = None, module: nn.Module | None = None) -> None:
+    """Warn once per ``key`` (default: the message), per ``module`` while it lives, else for the life of the process.
 
-    Keys are ``(cause, id(module))``: one warning per cause and layer, however many samples hit it.
+    A module is held by a weak reference, not its ``id``: a new module that reuses a freed one's address is warned
+    about again.
     """
     key = message if key is None else key
-    if key not in _WARNED:
-        _WARNED.add(key)
+    said = _WARNED if module is None else _WARNED_ABOUT.setdefault(module, set())
+    if key not in said:
+        said.add(key)
         warnings.warn(message, stacklevel=user_stacklevel())

@@ -281,3 +281,41 @@ def test_a_reading_that_raises_warns_once_and_leaves_training_bitwise_unchanged(
     assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1], strict=True))
     assert not any(key.startswith("connmon/step_max_logit") for key in monitor.last_values)
     monitor.close()
+
+
+class _HandWritten(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(8, dim=-1)
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+
+
+def _why_unread(module: torch.nn.Module) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker = HeadMaxLogits([module], ["attn"])
+        with tracker.watching():
+            module(torch.randn(1, 4, 8))
+            tracker.read()
+    return [str(w.message) for w in caught if "calls no scaled_dot_product" in str(w.message)]
+
+
+def test_a_new_layer_at_a_freed_layers_address_is_told_why_it_is_unread():
+    import gc
+    import weakref
+
+    first = _HandWritten()
+    address, freed = id(first), weakref.ref(first)
+    assert len(_why_unread(first)) == 1 and _why_unread(first) == []  # once per layer
+    del first
+    gc.collect()
+    assert freed() is None
+    held = []  # CPython hands out a size class's freed blocks last freed first: take them until the layer's comes
+    while len(held) < 100_000 and id(second := _HandWritten.__new__(_HandWritten)) != address:
+        held.append(second)
+    assert id(second) == address
+    second.__init__()
+    assert len(_why_unread(second)) == 1

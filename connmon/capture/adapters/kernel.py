@@ -614,7 +614,8 @@ def _read_transformers_call(
             f"connmon: {layer.name}: its eager attention function adds the boolean attention mask to the scores as "
             "numbers (True +1, False 0), so it masks no key; recorded as the model computes it (transformers' eager "
             "attention takes an additive float mask, 0 where a key may be attended)",
-            key=("boolean eager mask", id(module)),
+            key="boolean eager mask",
+            module=module,
         )
         mask = mask.to(query.dtype)
     is_causal = False
