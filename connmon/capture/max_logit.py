@@ -420,7 +420,7 @@ class _Watch(TorchFunctionMode):
         mask = call.get("attn_mask")
         mask = None if mask is None else local(mask).detach()
         tracker = self.tracker
-        bound = None if tracker.exact else self._bound(result, mask)
+        bound = None if tracker.exact else self._bound(result, mask, query, key)
         if bound is not None:
             tracker.observe(self.index, bound, bound=True)
         if bound is None:  # no kernel bound: read exactly on its read steps, and on every step a clip acts on
@@ -439,11 +439,13 @@ class _Watch(TorchFunctionMode):
             self.attention_output = local(result).detach() if isinstance(result, Tensor) else None
             self.tracker._layouts[self.index] = layout
 
-    def _bound(self, result: object, mask: Tensor | None) -> Tensor | None:
+    def _bound(self, result: object, mask: Tensor | None, query: Tensor, key: Tensor) -> Tensor | None:
         """``(H,)`` each head's largest logsumexp the kernel saved for its backward, or None where it saved none.
 
         None too for an additive float mask: its values (ALiBi, soft biases) enter the logsumexp, which then bounds
-        ``s + bias``, not the logit. Both are said once per layer; the call is then read exactly.
+        ``s + bias``, not the logit. Both are said once per layer; the call is then read exactly. A head whose queries
+        or keys are not finite reads NaN: some kernels (CPU flash attention on some instruction sets) save a
+        logsumexp of 0 for such rows.
         """
         saved = getattr(getattr(result, "grad_fn", None), "_saved_logsumexp", None)
         why = None
@@ -466,8 +468,11 @@ class _Watch(TorchFunctionMode):
         lse = local(saved).detach().float()
         lse = lse.reshape(-1, *lse.shape[-2:])  # (B, H, L)
         if mask is None:  # causal or unmasked, no row without a key: a NaN is the forward's own (it says most)
-            return lse.amax(dim=(0, 2))
-        return lse.nan_to_num(nan=-math.inf).amax(dim=(0, 2))  # a masked-out row's NaN is no reading
+            bound = lse.amax(dim=(0, 2))
+        else:
+            bound = lse.nan_to_num(nan=-math.inf).amax(dim=(0, 2))  # a masked-out row's NaN is no reading
+        finite = _finite_heads(query, bound.numel()) & _finite_heads(key, bound.numel())
+        return bound.masked_fill(~finite, math.nan)
 
     def _multi_head(self, args: tuple, kwargs: dict) -> None:
         """``nn.MultiheadAttention``'s self-attention: its queries and keys from its own input projection."""
@@ -585,6 +590,13 @@ class _Watch(TorchFunctionMode):
                 key="no-sdpa",
                 module=self.module,
             )
+
+
+def _finite_heads(side: Tensor, heads: int) -> Tensor:
+    """``(heads,)`` whether each query head's rows of ``side`` (queries, or keys shared by a group: GQA) are finite."""
+    rows = side if side.dim() >= 3 else side.unsqueeze(0)  # (L, E): one head
+    per_head = rows.isfinite().reshape(-1, *rows.shape[-3:]).all(dim=(0, 2, 3))  # (H_side,)
+    return per_head.repeat_interleave(heads // per_head.numel())
 
 
 def _layout_state(layout: HeadLayout) -> dict:

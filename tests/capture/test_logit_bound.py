@@ -59,6 +59,30 @@ def test_the_bound_is_the_largest_logsumexp_and_bounds_the_max_logit_within_log_
     assert bool((bound[0].double() >= logit - 1e-4).all()) and bool((bound[0].double() <= logit + math.log(n)).all())
 
 
+@pytest.mark.parametrize("heads, kv_heads, side", [(4, 4, "query"), (4, 2, "key"), (1, 1, "query")])
+def test_a_head_with_a_non_finite_query_or_key_reads_nan_whatever_the_kernel_saved(heads, kv_heads, side):
+    """CPU flash attention saves a logsumexp of 0 for NaN rows on some instruction sets: the bound says NaN."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, heads, 6, 8, generator=gen).requires_grad_()
+    k, v = torch.randn(2, kv_heads, 6, 8, generator=gen), torch.randn(2, kv_heads, 6, 8, generator=gen)
+    with torch.no_grad():
+        (q if side == "query" else k)[1, 0, 3, 2] = math.nan  # query head 0, or the keys of query heads 0..H/Hk-1
+    module = Attend().train()
+    tracker = HeadMaxLogits([module], ["attend"])
+    tracker._seen_call[0] = True
+    tracker.exact = False
+    with tracker.watching():
+        module(q, k, v, is_causal=True, enable_gqa=kv_heads != heads)
+    _, bound = tracker.read_both()
+    nan = bound[0].isnan()
+    assert (
+        nan.tolist() == [h < heads // kv_heads for h in range(heads)]
+        if side == "key"
+        else nan.tolist() == [h == 0 for h in range(heads)]
+    )
+    assert bool(bound[0][~nan].isfinite().all())
+
+
 def test_a_call_whose_bound_passes_the_threshold_is_read_exactly_and_an_additive_mask_is_read_exactly_said_once():
     gen = torch.Generator().manual_seed(0)
     q = (torch.randn(2, 4, 10, 8, generator=gen) * torch.tensor([0.1, 0.1, 6.0, 0.1]).view(1, 4, 1, 1)).requires_grad_()
