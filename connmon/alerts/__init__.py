@@ -28,9 +28,11 @@ from connmon.alerts.detectors import (
 from connmon.alerts.qk_clip import QKClip
 from connmon.alerts.restore import RestorePointError, RestorePoints, load_restore_point, write_restore_point
 from connmon.alerts.rules import (
+    KINDS,
     LEVELS,
     Alert,
     AllOf,
+    Kind,
     Level,
     Rule,
     RuleSet,
@@ -48,6 +50,7 @@ from connmon.alerts.transport_clip import TransportClip
 __all__ = [
     "CUSUM",
     "DEFAULT_ACTIONS",
+    "KINDS",
     "KNOWN_ACTIONS",
     "LEVELS",
     "Action",
@@ -59,6 +62,7 @@ __all__ = [
     "Direction",
     "EWMAZScore",
     "Growth",
+    "Kind",
     "LearningRateBackoff",
     "Level",
     "NonFinite",

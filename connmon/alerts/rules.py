@@ -24,8 +24,10 @@ from connmon._options import check_choice, check_items, check_number
 from connmon.alerts.detectors import Detector, EWMAZScore, NonFinite, Surge, Threshold
 
 __all__ = [
+    "KINDS",
     "Alert",
     "AllOf",
+    "Kind",
     "Level",
     "Rule",
     "RuleSet",
@@ -40,6 +42,8 @@ __all__ = [
 
 Level = Literal["INFO", "WARN", "ERROR"]
 LEVELS: tuple[Level, ...] = ("INFO", "WARN", "ERROR")
+Kind = Literal["warning", "notice"]
+KINDS: tuple[Kind, ...] = ("warning", "notice")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class Alert:
         baseline: the value's baseline (None for threshold and non-finite tests).
         level: ``"INFO"``, ``"WARN"`` or ``"ERROR"``.
         evidence: for a conjunction (:class:`AllOf`), what its other rules saw, in words.
+        kind: its rule's kind: ``"warning"`` (a claim that the run will fail) or ``"notice"`` (the run is at risk).
     """
 
     rule: str
@@ -67,6 +72,7 @@ class Alert:
     baseline: float | None
     level: Level
     evidence: str = ""
+    kind: Kind = "warning"
 
     @property
     def title(self) -> str:
@@ -112,9 +118,12 @@ class Rule:
             start of a run.
         since: if set, values before this step are not tested (nor fed to the detector): a rule whose input means
             nothing yet in a run's first steps.
+        kind: ``"warning"``, a claim that the run will fail (judged by its precision on runs that do not: an
+            :class:`AlertRunner` logs it, sends it to W&B and hands it to the actions), or ``"notice"``, the run is at
+            risk (a state many healthy runs pass through): one line when it fires, and nothing else.
 
     Raises:
-        ValueError: for an unknown level or a negative cooldown.
+        ValueError: for an unknown level or kind, or a negative cooldown.
 
     Examples:
         >>> from connmon.alerts import EWMAZScore, Rule
@@ -128,11 +137,13 @@ class Rule:
     cooldown: int = 100
     until: int | None = None
     since: int | None = None
+    kind: Kind = "warning"
 
     def __post_init__(self) -> None:
         _check_text("name", self.name)
         _check_text("keys", self.keys)
         check_choice("level", self.level, LEVELS)
+        check_choice("kind", self.kind, KINDS)
         check_number("cooldown", self.cooldown, low=0, integer=True)
         check_number("until", self.until, low=0, integer=True, optional=True)
         check_number("since", self.since, low=0, integer=True, optional=True)
@@ -164,10 +175,11 @@ class AllOf:
         within: how many steps back a member's firing still counts.
         level: ``"INFO"``, ``"WARN"`` or ``"ERROR"``.
         cooldown: steps after an alert during which this conjunction does not alert again.
+        kind: ``"warning"`` or ``"notice"``, as :class:`Rule`'s.
 
     Raises:
         ValueError: for fewer than two rules, duplicate member names, a negative window or cooldown, or an unknown
-            level.
+            level or kind.
 
     Examples:
         >>> from connmon.alerts import AllOf, EWMAZScore, Rule, RuleSet, Threshold
@@ -185,6 +197,7 @@ class AllOf:
     within: int = 100
     level: Level = "WARN"
     cooldown: int = 100
+    kind: Kind = "warning"
 
     def __post_init__(self) -> None:
         _check_text("name", self.name)
@@ -198,6 +211,7 @@ class AllOf:
         check_number("within", self.within, low=0, integer=True)
         check_choice("level", self.level, LEVELS)
         check_number("cooldown", self.cooldown, low=0, integer=True)
+        check_choice("kind", self.kind, KINDS)
 
 
 @dataclass
@@ -268,7 +282,7 @@ class RuleSet:
             quiet = state.last_alert_step is not None and step - state.last_alert_step < rule.cooldown
             if fired is not None and not quiet:
                 state.last_alert_step, state.count = step, state.count + 1
-                alerts.append(dataclasses.replace(fired, rule=rule.name, level=rule.level))
+                alerts.append(dataclasses.replace(fired, rule=rule.name, level=rule.level, kind=rule.kind))
         return alerts
 
     def ready_step(self, key: str, every_n_steps: int) -> int | None:

@@ -53,6 +53,10 @@ class AlertOptions(TypedDict, total=False):
 class AlertRunner:
     """Runs rules on every sample and acts on the alerts they raise.
 
+    A warning rule's alert (``Rule(kind="warning")``, the default: a claim that the run will fail) is acted on; a
+    notice rule's (``kind="notice"``: the run is at risk) is one line (rank zero), kept in :attr:`notices`, and
+    nothing else: no W&B alert, no action, no ``on_alert``, not counted in ``connmon/alerts/total``.
+
     Each alert is, by ``actions``: ``"log"``, a warning with the evidence (rank zero); ``"wandb"``, a W&B
     ``run.alert`` when a W&B sink is given (rank zero); ``"stop"``, a stop request when its level is at least
     ``stop_level`` (the values are synced, so every process decides the same); ``"backoff"`` (opt-in), the
@@ -142,6 +146,7 @@ class AlertRunner:
         self.on_alert = on_alert
         self.wait_duration = wait_duration
         self.alerts: deque[Alert] = deque(maxlen=history)
+        self.notices: deque[Alert] = deque(maxlen=history)  # what the notice rules said (``Rule(kind="notice")``)
         self.total = 0
         self._raised: set[str] = set()  # the actions whose answer raised (said once each)
         made: dict[str, Callable[[], AlertAction]] = {
@@ -179,7 +184,11 @@ class AlertRunner:
             agree: a decision every process takes together (a trainer's any-process reduction); the restore point
                 asked for and the stop are agreed through it, so one process's request is every process's.
         """
-        alerts = self.rules.update(values, step)
+        fired = self.rules.update(values, step)
+        alerts = [alert for alert in fired if alert.kind == "warning"]
+        for notice in (alert for alert in fired if alert.kind == "notice"):
+            self.notices.append(notice)
+            warn_rank_zero(f"connmon notice (at risk, not a claim that the run will fail): {notice.rule}: {notice.text}")
         self.total += len(alerts)
         self.alerts.extend(alerts)
         alerted = Alerted(alerts, step, wandb, agree)

@@ -121,3 +121,26 @@ def test_an_action_that_raises_is_said_once_and_the_run_and_the_other_actions_go
     assert len(raised) == 1 and "'page the on-call' action raised ConnectionError: the pager is down" in raised[0]
     assert monitor.samples == 4 and runner.total >= 4  # every step sampled and alerted
     assert saved  # the restore point, answering after the broken action, still asked for and saved
+
+
+def test_a_notice_is_one_line_and_nothing_else():
+    handled, backoff = [], LearningRateBackoff(rules=("edge along the update",))
+    runner = AlertRunner(
+        [Rule("edge along the update", "x", Threshold(1.0), level="ERROR", kind="notice")],
+        actions=("log", "backoff", "checkpoint", "stop"),
+        backoff=backoff,
+        restore_points=RestorePoints(level="INFO"),
+        on_alert=handled.append,
+    )
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        alerts, stop = runner.run({"x": 2.0}, step=4)
+    assert alerts == [] and not stop and handled == [] and backoff.scale == 1.0
+    assert runner.restore_points is not None and runner.restore_points.due is None
+    assert [str(w.message) for w in said] == [
+        "connmon notice (at risk, not a claim that the run will fail): edge along the update: x = 2 at step 4 (bound 1)"
+    ]
+    assert [n.rule for n in runner.notices] == ["edge along the update"] and runner.total == 0
+    assert runner.counts(alerts)["connmon/alerts/total"] == 0.0
+    with pytest.raises(ValueError, match="kind"):
+        Rule("r", "x", Threshold(1.0), kind="claim")  # type: ignore[arg-type]
