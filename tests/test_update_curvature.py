@@ -7,6 +7,7 @@ that sharpness_ratio estimates, and equal to it when the update lies along the t
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -408,3 +409,68 @@ def test_the_critical_estimator_logs_the_step_it_trained_on_and_leaves_training_
         assert logged[step][key] == pytest.approx(probes[step].ratio, rel=1e-12)
         lr = 3e-2
         assert logged[step]["connmon/critical_sharpness_eigenvalue"] == pytest.approx(2 * probes[step].ratio / lr)
+
+
+def _two_looks_run(samplers: list, steps: int):
+    """A plain loop under a Monitor per sampler (or none): the parameters after it, and each monitor's logged rows."""
+    import warnings
+
+    import connmon
+
+    model = tiny_gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    logs: list[dict] = [{} for _ in samplers]
+    monitors = [connmon.Monitor(model, attention=False, optimizer=optimizer, loss_fn=loss_of, sharpness=sampler,
+                                log=lambda values, step, log=log: log.setdefault(step, {}).update(values))
+                for sampler, log in zip(samplers, logs, strict=True)]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(steps):
+            data = batch(step)
+            with contextlib.ExitStack() as stack:
+                for monitor in monitors:
+                    stack.enter_context(monitor.step(step, batch=data))
+                loss = loss_of(model, data)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        for monitor in monitors:
+            monitor.close()
+    return [p.detach().clone() for p in model.parameters()], logs
+
+
+def test_two_looks_read_what_each_estimator_reads_alone_and_the_first_look_brings_the_second_forward():
+    """Critical sharpness every 2 steps (the first look) beside Lanczos every 4 (the second): with a trigger never
+    reached, each logs what its estimator alone logs, and training is bitwise unchanged; with a trigger always
+    reached, the second look comes at the step after the first look that moved, then once per 4 steps."""
+    from connmon.curvature.sampler import SharpnessSampler
+
+    lanczos, critical = "connmon/sharpness_ratio", "connmon/critical_sharpness_ratio"
+    plain, _ = _two_looks_run([], 12)
+    never = SharpnessSampler(every_n_steps=4, cadence="fixed", first_look_every_n_steps=2, first_look_trigger=1e9)
+    watched, (both,) = _two_looks_run([never], 12)
+    assert all(torch.equal(a, b) for a, b in zip(watched, plain, strict=True))
+    _, (alone,) = _two_looks_run([SharpnessSampler(every_n_steps=4, cadence="fixed")], 12)
+    _, (first,) = _two_looks_run([SharpnessSampler(every_n_steps=2, cadence="fixed", estimator="critical")], 12)
+    assert sorted(s for s, v in both.items() if lanczos in v) == sorted(s for s, v in alone.items() if lanczos in v)
+    assert sorted(s for s, v in both.items() if critical in v) == [2, 4, 6, 8, 10]
+    for step, values in alone.items():
+        assert both[step][lanczos] == values[lanczos]
+    for step, values in first.items():
+        assert both[step][critical] == values[critical]
+    assert never.first_looks == 5 and never.samples == 2
+    always = SharpnessSampler(every_n_steps=4, cadence="fixed", first_look_every_n_steps=2, first_look_trigger=0.0)
+    _, (moved,) = _two_looks_run([always], 12)
+    assert sorted(s for s, v in moved.items() if lanczos in v) == [3, 7, 11]
+    restored = SharpnessSampler(every_n_steps=4, cadence="fixed", first_look_every_n_steps=2)
+    restored.load_state_dict(always.state_dict())
+    assert restored.state_dict() == always.state_dict() and restored.first_looks == 5
+
+
+def test_two_looks_take_a_lanczos_estimator():
+    from connmon.curvature.sampler import SharpnessSampler
+
+    with pytest.raises(ValueError, match="first_look_every_n_steps takes a Lanczos estimator"):
+        SharpnessSampler(estimator="secant", first_look_every_n_steps=2)
+    with pytest.raises(ValueError, match="first_look_every_n_steps"):
+        SharpnessSampler(first_look_every_n_steps=0)

@@ -188,7 +188,9 @@ class AlertRunner:
         alerts = [alert for alert in fired if alert.kind == "warning"]
         for notice in (alert for alert in fired if alert.kind == "notice"):
             self.notices.append(notice)
-            warn_rank_zero(f"connmon notice (at risk, not a claim that the run will fail): {notice.rule}: {notice.text}")
+            warn_rank_zero(
+                f"connmon notice (at risk, not a claim that the run will fail): {notice.rule}: {notice.text}"
+            )
         self.total += len(alerts)
         self.alerts.extend(alerts)
         alerted = Alerted(alerts, step, wandb, agree)

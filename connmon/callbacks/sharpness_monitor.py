@@ -13,7 +13,7 @@ from typing_extensions import Unpack
 from connmon._options import check_callable
 from connmon.callbacks._cost import say_cost
 from connmon.callbacks._run import LightningRun, RunPart
-from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessKeywords, SharpnessSampler, keys_of
+from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessKeywords, SharpnessSampler
 
 __all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
 
@@ -173,4 +173,4 @@ class SharpnessMonitor(RunPart):
         if trainer is None:
             return
         for listener in self._listeners:
-            listener(trainer, step, {k: values[k] for k in keys_of(self.sampler.estimator)})
+            listener(trainer, step, {k: values[k] for k in self.sampler.reading_keys() if k in values})

@@ -57,7 +57,7 @@ from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, check_budget, overhead_values, stride_for
 from connmon._moved import renamed
 from connmon._optimizer import unwrap_optimizer
-from connmon._options import check_int
+from connmon._options import check_int, check_number
 from connmon._pause import paused
 from connmon._ranks import warn_rank_zero
 from connmon.curvature import CriticalSharpness, UpdateProbe, check_optimizer, sharpness_ratio
@@ -130,6 +130,8 @@ class SharpnessKeywords(TypedDict, total=False):
     budget: float | None
     cadence: Cadence
     storage: Storage
+    first_look_every_n_steps: int | None
+    first_look_trigger: float
 
 
 class SharpnessSampler(CopiesDetached):
@@ -162,6 +164,11 @@ class SharpnessSampler(CopiesDetached):
         cadence: ``"adaptive"`` or ``"fixed"``.
         storage: ``"device"``, or ``"cpu"`` to keep a gradient-difference solve's six parameter-sized vectors in host
             memory (see :func:`connmon.curvature.sharpness_ratio`).
+        first_look_every_n_steps: with a Lanczos estimator, None, or two looks: critical sharpness (as
+            ``estimator="critical"`` reads it, a few forwards) after every this many optimizer steps as the first
+            look, and the Lanczos sample as the second look, on its own cadence and brought forward to the next step
+            where the first look reads ``first_look_trigger`` or more (at most once per ``every_n_steps``).
+        first_look_trigger: the first look's ratio from which the second look is taken.
         owner: the entry point named in warnings.
 
     Raises:
@@ -201,11 +208,16 @@ class SharpnessSampler(CopiesDetached):
         budget: float | None = None,
         cadence: Cadence = "adaptive",
         storage: Storage = "device",
+        first_look_every_n_steps: int | None = None,
+        first_look_trigger: float = 1.0,
         owner: str = "SharpnessSampler",
     ) -> None:
         check_int("every_n_steps", every_n_steps)
         check_int("lanczos_steps", lanczos_steps)
         check_budget(budget)
+        if first_look_every_n_steps is not None:
+            check_int("first_look_every_n_steps", first_look_every_n_steps)
+        check_number("first_look_trigger", first_look_trigger, low=0.0)
         if estimator in RENAMED_ESTIMATORS:
             estimator = renamed("estimator", estimator, RENAMED_ESTIMATORS[estimator], removed_in="0.2.0")  # type: ignore[assignment]
         if estimator not in ESTIMATORS:
@@ -214,12 +226,18 @@ class SharpnessSampler(CopiesDetached):
             raise ValueError(f"cadence must be one of {CADENCES}, got cadence={cadence!r}")
         if storage not in STORAGES:
             raise ValueError(f"storage must be one of {STORAGES}, got storage={storage!r}")
+        if first_look_every_n_steps is not None and estimator not in ("finite_difference_lanczos", "exact_lanczos"):
+            raise ValueError(
+                f"first_look_every_n_steps takes a Lanczos estimator for the second look, got estimator={estimator!r}"
+            )
         self.every_n_steps = every_n_steps
         self.estimator = estimator
         self.lanczos_steps = lanczos_steps
         self.budget = budget
         self.cadence = cadence
         self.storage = storage
+        self.first_look_every_n_steps = first_look_every_n_steps
+        self.first_look_trigger = first_look_trigger
         self.owner = owner
         self.clock = CostClock("curvature")
         self.off: str | None = None  # why the sampler is off for this run, if it is
@@ -246,11 +264,30 @@ class SharpnessSampler(CopiesDetached):
         self._difference_length = math.nan  # the gradient differences' last ||h w|| / ||theta||
         self._critical: tuple[list, list[float] | None, Any] = ([], None, None)  # the probed step's losses
         self._critical_start = 1.0  # where the next line search starts: the last critical step
+        self.first_looks = 0  # first looks taken in this run (two looks)
+        self._last_lanczos: int | None = None  # the step of the latest second look (two looks)
 
     @property
     def reads_lanczos(self) -> bool:
         """Whether the estimator is one of the Lanczos ones (the whole step's batch, read before its step)."""
         return self.estimator in ("finite_difference_lanczos", "exact_lanczos")
+
+    @property
+    def reads_critical(self) -> bool:
+        """Whether critical sharpness is read: the estimator, or the first of two looks."""
+        return self.estimator == "critical" or self.first_look_every_n_steps is not None
+
+    def reading_keys(self) -> tuple[str, ...]:
+        """The ratio and eigenvalue keys the readings log (the first look's too, with two looks).
+
+        Examples:
+            >>> from connmon.curvature.sampler import SharpnessSampler
+            >>> SharpnessSampler(first_look_every_n_steps=20).reading_keys()  # doctest: +NORMALIZE_WHITESPACE
+            ('connmon/sharpness_ratio', 'connmon/sharpness_eigenvalue', 'connmon/critical_sharpness_ratio',
+             'connmon/critical_sharpness_eigenvalue')
+        """
+        second = keys_of("critical") if self.first_look_every_n_steps is not None else ()
+        return (*keys_of(self.estimator), *second)
 
     # --- life cycle -----------------------------------------------------------------------------------------------
 
@@ -279,7 +316,7 @@ class SharpnessSampler(CopiesDetached):
     def reset(self) -> None:
         """A new run: no sample taken, the budget's stride back to 1, the cadence from its start."""
         self.samples, self.stride, self.gradients, self.next_step, self.last_values = 0, 1, 0, None, {}
-        self.held_until = 0
+        self.held_until, self.first_looks, self._last_lanczos, self._critical_start = 0, 0, None, 1.0
 
     def detach(self) -> None:
         """Remove the optimizer hook and drop any pending probe (its parameter copy) and kept losses."""
@@ -296,10 +333,16 @@ class SharpnessSampler(CopiesDetached):
         """Whether optimizer step ``step`` (steps taken so far) is sampled."""
         if self.off is not None or step <= 0 or step < self.held_until:
             return False
-        if self.cadence == "fixed":
+        if self.cadence == "fixed" and self.first_look_every_n_steps is None:
             return step % (self.every_n_steps * self.stride) == 0
         first = self.every_n_steps * self.stride
         return step >= (self.next_step if self.next_step is not None else first)
+
+    def _critical_due(self, step: int) -> bool:
+        """Whether the update that leads to step ``step`` is read by critical sharpness."""
+        if self.first_look_every_n_steps is None:
+            return self.estimator == "critical" and self.due(step)
+        return self.off is None and step > 0 and step % (self.first_look_every_n_steps * self.stride) == 0
 
     def hold_for(self, rules: RuleSet) -> None:
         """After its values went to ``rules``: no sample while none of its values could raise an alert.
@@ -327,24 +370,29 @@ class SharpnessSampler(CopiesDetached):
             return None
         if self._start_step is None:
             self._start_step = step
-        values = None
-        if self.reads_lanczos:
-            if self._losses and self._loss_step == step:
-                losses, weights, model = list(self._losses), _weights(self._weights), self._model
-                self._drop_losses()
-                values = self._read(step, lambda _: self._lanczos(losses, weights, model, step), needs_probe=False)
-            return values
-        if self.estimator == "secant" and self._probe is not None and self._probe_step == step:
-            values = self._read(step, lambda probe: probe.secant())
-        if self.estimator == "critical" and self._probe is not None and self._probe_step == step:
+        values: dict[str, float] | None = None
+        if self.reads_critical and self._probe is not None and self._probe_step == step:
             losses, weights, model = self._critical
             self._critical = ([], None, None)
             values = self._read(step, lambda probe: probe.critical(
-                losses, weights=weights, model=model, seed=step, start=self._critical_start))  # fmt: skip
-        if self.estimator == "critical" and self._loss_step == step and self.due(step + 1):
+                losses, weights=weights, model=model, seed=step, start=self._critical_start),
+                kind="critical")  # fmt: skip
+        if self.reads_lanczos:
+            if self._losses and self._loss_step == step and self.due(step):
+                losses, weights, model = list(self._losses), _weights(self._weights), self._model
+                lanczos = self._read(step, lambda _: self._lanczos(losses, weights, model, step), needs_probe=False)
+                values = {**(values or {}), **(lanczos or {})} or None
+            if self.first_look_every_n_steps is None:
+                self._drop_losses()
+                return values
+        if self.estimator == "secant" and self._probe is not None and self._probe_step == step:
+            values = self._read(step, lambda probe: probe.secant())
+        if self.reads_critical and self._loss_step == step and self._critical_due(step + 1):
             self._critical = (list(self._losses), _weights(self._weights), self._model)  # the step about to be taken
+        if self.reads_critical or self.reads_lanczos:
             self._drop_losses()
-        if self.due(step + 1) and self.off is None:
+        wanted = self._critical_due(step + 1) if self.reads_critical else self.due(step + 1)
+        if wanted and self.off is None:
             with self.clock.measuring():
                 try:
                     probe = UpdateProbe(self.optimizer, self._lr_scale())
@@ -366,9 +414,9 @@ class SharpnessSampler(CopiesDetached):
             return False
         if self.estimator == "difference":
             return self._probe is not None and self._probe_step == step
-        if self.estimator == "critical":  # the batch of a step whose update is read
-            return self.due(step + 1)
-        return self.due(step)
+        if self.reads_critical and self._critical_due(step + 1):  # the batch of a step whose update is read
+            return True
+        return self.estimator != "critical" and self.due(step)
 
     def before_forward(
         self,
@@ -417,6 +465,9 @@ class SharpnessSampler(CopiesDetached):
             "next_step": self.next_step,
             "held_until": self.held_until,
             "difference_length": self._difference_length,
+            "critical_start": self._critical_start,
+            "first_looks": self.first_looks,
+            "last_lanczos": self._last_lanczos,
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -428,6 +479,10 @@ class SharpnessSampler(CopiesDetached):
         self.next_step = int(next_step) if next_step is not None else None
         self.held_until = int(state_dict.get("held_until", 0))
         self._difference_length = float(state_dict.get("difference_length", math.nan))
+        self._critical_start = float(state_dict.get("critical_start", 1.0))
+        self.first_looks = int(state_dict.get("first_looks", 0))
+        last = state_dict.get("last_lanczos")
+        self._last_lanczos = int(last) if last is not None else None
 
     # --- workers ----------------------------------------------------------------------------------------------------
 
@@ -464,7 +519,12 @@ class SharpnessSampler(CopiesDetached):
             except Exception as error:  # never end the training run; _read reports it on every process
                 self._probe, self._failure = None, f"{type(error).__name__}: {error}"
 
-    def _read(self, step: int, read: Callable[[Any], Any], needs_probe: bool = True) -> dict[str, float] | None:
+    def _read(
+        self, step: int, read: Callable[[Any], Any], needs_probe: bool = True, kind: Estimator | None = None
+    ) -> dict[str, float] | None:
+        """One reading (``kind``: ``"critical"`` for a first look, else the estimator's), reduced and scheduled."""
+        kind = kind or self.estimator
+        first_look = kind != self.estimator
         with self.clock.measuring():
             self._last_step = step
             if self._start_step is None:
@@ -504,26 +564,36 @@ class SharpnessSampler(CopiesDetached):
                 self.turn_off(_first_reason(failure) if distributed else failure or "it failed")
                 return None
             ratio = summed / count
-            self.samples += 1
-            self.gradients += gradients
-        if self.budget is not None:
-            self._rebudget(step)
-        interval = self._schedule(step, ratio)
-        ratio_key, eigenvalue_key = keys_of(self.estimator)
-        values = {
-            ratio_key: ratio,
-            eigenvalue_key: ratio * constant,
-            INTERVAL_KEY: interval,
-            **overhead_values(self.clock, step - (self._start_step or 0)),
-        }
+            if first_look:
+                self.first_looks += 1
+            else:
+                self.samples += 1
+                self.gradients += gradients
+        ratio_key, eigenvalue_key = keys_of(kind)
+        values = {ratio_key: ratio, eigenvalue_key: ratio * constant}
+        if first_look:
+            if not ratio < self.first_look_trigger:  # NaN too: the second look at the next step, once per interval
+                soonest = step + 1 if self._last_lanczos is None else self._last_lanczos + self.every_n_steps
+                due = self.next_step if self.next_step is not None else self.every_n_steps * self.stride
+                self.next_step = min(due, max(step + 1, soonest))
+        else:
+            if self.budget is not None:
+                self._rebudget(step)
+            values[INTERVAL_KEY] = self._schedule(step, ratio)
+            if self.reads_lanczos:
+                self._last_lanczos = step
+        values.update(overhead_values(self.clock, step - (self._start_step or 0)))
         if self.reads_lanczos:  # the run's gradients (a resumed run's restored) over its optimizer steps so far
             values[GRADIENTS_KEY] = self.gradients / max(step, 1)
-        self.last_values = values
+        two_looks = self.first_look_every_n_steps is not None
+        self.last_values = {**self.last_values, **values} if two_looks else values
         return values
 
     def _schedule(self, step: int, ratio: float) -> int:
         """The steps to the next sample (the same on every process: ``ratio`` is their mean)."""
         if self.cadence == "fixed":
+            if self.first_look_every_n_steps is not None:  # a second look brought forward moves the fixed grid on
+                self.next_step = step + self.every_n_steps * self.stride
             return self.every_n_steps * self.stride
         interval = adaptive_interval(ratio, self.every_n_steps) * self.stride
         self.next_step = step + interval
