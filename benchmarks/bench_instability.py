@@ -76,7 +76,7 @@ from connmon.alerts import (
 from connmon.callbacks.sharpness_monitor import RATIO_KEY
 from connmon.capture import paused
 from connmon.capture.max_logit import HeadMaxLogits
-from connmon.curvature import sharpness_ratio
+from connmon.curvature import UpdateProbe, sharpness_ratio
 from connmon.curvature.optimizer_state import OPTIMIZER_SIGNALS, optimizer_signals
 from connmon.metrics import DriftMetrics, SpectrumMetrics, TransportMetrics, WalkMetrics
 
@@ -337,6 +337,7 @@ def train(
         backoff.attach([optimizer], owner="bench")
     gen = torch.Generator().manual_seed(config["seed"])
     losses, grad_norms, samples, ratios, head_logits = [], [], {}, {}, []
+    critical, bracket = {}, 1.0  # (eta / eta_c, forwards) every config["critical_every"] steps; the warm start
     signals: dict[str, list[float]] = {name: [] for name in OPTIMIZER_SIGNALS}  # the optimizer's state, every step
     output_logits: list[float] = []  # the largest output logit, every step
     z_loss = config.get("z_loss", 0.0)
@@ -373,7 +374,15 @@ def train(
                 window = table.tolist()
         if not math.isfinite(losses[-1]):
             break
+        every = config.get("critical_every")
+        probe = UpdateProbe(optimizer) if every and step % every == 0 else None
         optimizer.step()
+        if probe is not None:  # as SharpnessSampler(estimator="critical"): along the step taken, on its batch
+            probe.stepped()
+            loss_fn = functools.partial(next_token_loss, model, idx, target, z_loss)
+            with paused():
+                read = probe.critical([loss_fn], model=model, seed=step, start=bracket)
+            critical[step], bracket = (float(f"{read.ratio:.4g}"), read.forwards), read.critical_step
         for name, value in optimizer_signals(optimizer).items():
             signals[name].append(float(f"{value:.4g}"))
         if clip is not None and table is not None:  # K2's QK-clip: this step's logits, after its update
@@ -386,6 +395,7 @@ def train(
         "grad_norm": grad_norms,
         "samples": samples,
         "sharpness": ratios,
+        "critical": critical,
         "head_logits": head_logits,
         "backoffs": fired,
         "optimizer_signals": signals,
@@ -427,7 +437,8 @@ def divergence(losses: list[float]) -> int | None:
 def alert_steps(rules: Callable[[], RuleSet], series: dict[int, dict[str, float]]) -> list[int]:
     """Every step at which a fresh rule set alerts on the series (online, cooldowns included)."""
     ruleset = rules()
-    return [step for step in sorted(series) if ruleset.update(series[step], step)]
+    return [step for step in sorted(series)
+            if any(a.kind == "warning" for a in ruleset.update(series[step], step))]  # fmt: skip
 
 
 def score(alerts: list[int], div: int | None) -> tuple[int | None, int]:

@@ -65,6 +65,8 @@ from connmon.curvature.optimizer_state import OPTIMIZER_SIGNALS
 ATTENTION_EVERY = 25  # the README's recipe: a light attention sample every 25 steps
 SMOOTH = 20  # steps in the final smoothed loss
 RAMP_STEPS = 1500  # the suite's ramp reaches its peak at step 1500
+STALE_PEAK = 0.3  # the stale-second-moment arms' peak rate
+CRITICAL_EVERY = 10  # critical sharpness recorded after every this many steps
 
 
 def configs(args: argparse.Namespace) -> list[dict]:
@@ -90,7 +92,7 @@ def configs(args: argparse.Namespace) -> list[dict]:
                     runs.append({"arm": f"healthy transport-clip {factor:g}", "seed": seed, **healthy, "width": 128,
                                  "qk_norm": False, "transport_clip": factor})  # fmt: skip
         if seed < args.first_seed + args.mechanism_seeds:
-            runs += mechanism_arms(seed, args.steps)
+            runs += mechanism_arms(seed, args.steps, args.stale_peak)
         if args.ramp:
             ramp = {"seed": seed, "start": 1e-3, "ramp": 1500, "shape": "exp", "corpus": "markov", "width": 128}
             runs.append({"arm": "ramp", **ramp, "peak": 1e-1, "qk_norm": False})
@@ -105,10 +107,11 @@ def configs(args: argparse.Namespace) -> list[dict]:
                 runs.append({"arm": "ramp backoff", **ramp, "peak": 1e-1, "qk_norm": False, "backoff": True})
     for run in runs:
         run["head_logits"] = True
+        run["critical_every"] = args.critical_every
     return runs
 
 
-def mechanism_arms(seed: int, steps: int) -> list[dict]:
+def mechanism_arms(seed: int, steps: int, stale_peak: float = STALE_PEAK) -> list[dict]:
     """The mechanisms the field knows beyond logit growth, each beside the twin it differs from by one setting.
 
     * ``adam beta2 0.999`` / ``adam beta2 0.95``: QK-norm (no logit growth), a warmup to 1e-2: Adam's second moment
@@ -116,6 +119,8 @@ def mechanism_arms(seed: int, steps: int) -> list[dict]:
     * ``z-loss twin``: the beta2 0.95 run with PaLM's z-loss (1e-4): the output logits' drift without it.
     * ``post-LN`` / ``pre-LN``: 3e-3 from the first step, no warmup (Xiong et al. 2020), no QK-norm.
     * ``cosine`` / ``cosine qk-norm``: a warmup to 1e-2 and a cosine decay to a tenth over the run.
+    * ``stale beta2 0.999`` / ``stale beta2 0.95``: QK-norm and z-loss (1e-4) hold the attention and output logits;
+      a warmup over 300 steps to ``stale_peak`` (a few tenths): where beta2 0.999's second moment lags the gradient.
     * ``bad batches`` / ``lr spike``: a healthy run (1e-3) that trains 5 steps on random tokens, or 3 steps at 30x
       its rate, at step 400: a loss spike it recovers from (no alert is right).
     """
@@ -123,6 +128,7 @@ def mechanism_arms(seed: int, steps: int) -> list[dict]:
     high = {**base, "peak": 1e-2, "ramp": 100, "qk_norm": True}
     healthy = {**base, "peak": 1e-3, "ramp": 100, "qk_norm": False}
     cosine = {**base, "peak": 1e-2, "ramp": 100, "shape": "cosine", "decay": steps}
+    stale = {**base, "peak": stale_peak, "ramp": 300, "qk_norm": True, "z_loss": 1e-4}
     return [
         {"arm": "adam beta2 0.999", **high, "beta2": 0.999},
         {"arm": "adam beta2 0.95", **high, "beta2": 0.95},
@@ -131,6 +137,8 @@ def mechanism_arms(seed: int, steps: int) -> list[dict]:
         {"arm": "pre-LN", **base, "peak": 3e-3, "ramp": 0, "qk_norm": False},
         {"arm": "cosine", **cosine, "qk_norm": False},
         {"arm": "cosine qk-norm", **cosine, "qk_norm": True},
+        {"arm": "stale beta2 0.999", **stale, "beta2": 0.999},
+        {"arm": "stale beta2 0.95", **stale, "beta2": 0.95},
         {"arm": "bad batches", **healthy, "bad_batches": [400, 5]},
         {"arm": "lr spike", **healthy, "lr_spike": [400, 3, 30.0]},
     ]
@@ -158,6 +166,7 @@ def failure(run: dict, twins: dict) -> tuple[int | None, str]:
 
 
 TWIN_OF = {"logit growth": "qk-norm twin", "post-LN": "pre-LN", "adam beta2 0.999": "adam beta2 0.95",
+           "stale beta2 0.999": "stale beta2 0.95",
            "adam beta2 0.95": "z-loss twin", "cosine": "cosine qk-norm"}  # fmt: skip
 # a run that ends behind the arm named here (its twin that differs by one setting) has failed: stuck
 
@@ -210,8 +219,8 @@ def fed(
 
 
 def first_alerts(rules: Callable[[], RuleSet], series: dict[int, dict[str, float]]) -> list[tuple[int, str, str]]:
-    ruleset = rules()
-    return [(step, a.rule, a.key) for step in series for a in ruleset.update(series[step], step)]
+    ruleset = rules()  # warnings only: a notice claims no failure
+    return [(step, a.rule, a.key) for step in series for a in ruleset.update(series[step], step) if a.kind == "warning"]
 
 
 def previous_defaults() -> RuleSet:
@@ -506,6 +515,128 @@ def candidates() -> dict[str, Callable[[], RuleSet]]:
     return out
 
 
+LEAD = 50  # issue 65's target: a divergence warned at least this many steps ahead
+
+
+def configuration(run: dict) -> tuple:
+    """What a seed ensemble shares: the arm and every setting but the seed."""
+    return (run["arm"], run["peak"], run["ramp"], run["corpus"], run.get("init"), run["width"])
+
+
+def two_looks_fed(run: dict, look: dict) -> dict[int, dict[str, float]]:
+    """What the rules see under a two-look cadence, replayed on the recorded readings.
+
+    ``look``: ``first`` (critical sharpness every this many steps, a multiple of the recorded 10), ``trigger`` (the
+    critical ratio from which the second look is taken), ``base`` (Lanczos every this many steps regardless; None:
+    only when triggered) and ``dense`` (steps the second look stays dense after a trigger). A second look is the
+    recorded Lanczos ratio at the first 40-step grid point at or after the trigger (a run would read it at the next
+    step: the replay's lead is short by up to 39 steps); Lanczos with ``base=None, trigger=inf`` never runs.
+    """
+    critical = {int(s): v[0] for s, v in run.get("critical", {}).items() if int(s) % look["first"] == 0}
+    lanczos = {int(s): r for s, r in run.get("sharpness", {}).items() if s != "off"}
+    dense_until, taken = -1, set()
+    for step in sorted(critical):
+        if not critical[step] < look["trigger"]:
+            dense_until = max(dense_until, step + look["dense"])
+    triggers = sorted(s for s in critical if not critical[s] < look["trigger"])
+    for step in sorted(lanczos):
+        on_base = look["base"] is not None and step % look["base"] == 0
+        after_trigger = any(t <= step <= t + look["dense"] for t in triggers)
+        if on_base or after_trigger:
+            taken.add(step)
+    series = fed(run, SHARPNESS_EVERY, taken)
+    for step, ratio in critical.items():
+        series.setdefault(step + 1, {})[keys.CRITICAL_SHARPNESS_RATIO] = ratio  # read at the next step's start
+    stale = run.get("optimizer_signals", {}).get("gradient_to_second_moment") or []
+    readings = [(s, v) for s, v in enumerate(stale) if (s + 1) % 10 == 0]  # optimizer_every_n_steps=10
+    for step in series:
+        recent = [v for s, v in readings if step - 50 < s < step]
+        if recent:
+            series[step][keys.GRADIENT_TO_SECOND_MOMENT] = statistics.median(recent)
+    return dict(sorted(series.items()))
+
+
+LOOKS: dict[str, dict] = {
+    "Lanczos every 40 (recorded; today's fixed cadence)": {"first": 10, "trigger": -math.inf, "base": 40, "dense": 0},
+    "critical every 10, Lanczos after ratio 1, base 400": {"first": 10, "trigger": 1.0, "base": 400, "dense": 120},
+    "critical every 20, Lanczos after ratio 1, base 400": {"first": 20, "trigger": 1.0, "base": 400, "dense": 120},
+    "critical every 10, Lanczos after ratio 1.5, base 400": {"first": 10, "trigger": 1.5, "base": 400, "dense": 120},
+    "critical every 10, no Lanczos": {"first": 10, "trigger": math.inf, "base": None, "dense": 0},
+}
+
+
+def ensemble_rules() -> dict[str, Callable[[], RuleSet]]:
+    """The rule sets scored on seed ensembles: the defaults, and each candidate on the new readings alone."""
+    out: dict[str, Callable[[], RuleSet]] = {"defaults": lambda: RuleSet(default_rules())}
+    for bound in (1.0, 1.5, 2.0, 3.0):
+        for consecutive in (1, 2, 3):
+            rule = Rule("c", keys.CRITICAL_SHARPNESS_RATIO, Threshold(bound, consecutive=consecutive), cooldown=1000)
+            out[f"critical ratio > {bound:g} on {consecutive}"] = _one(rule)
+    for bound in (0.1, 0.15, 0.2, 0.3):
+        rule = Rule("c", keys.GRADIENT_TO_SECOND_MOMENT, Threshold(bound, "fall"), cooldown=1000, since=100)
+        out[f"gradient / second moment < {bound:g} (50-step median, from step 100)"] = _one(rule)
+    return out
+
+
+def ensemble_table(runs: list[dict]) -> None:
+    """Each rule set under each cadence, scored on seed ensembles (issue 65's targets).
+
+    A configuration is at risk if one of its seeds fails, safe if none does. ``warned``: failing seeds warned at
+    least ``LEAD`` steps ahead (a stuck run: at any step); ``false``: alerts on the seeds of safe configurations
+    (and alerts more than ``WINDOW`` steps before a failure); the arms they fell on; the estimated cost (1 + attention
+    3% + each critical reading's forwards / 3 + 11 gradients a Lanczos sample, per step).
+    """
+    twins = twins_of(runs)
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(configuration(run), []).append(run)
+    outcome = {id(run): failure(run, twins) for run in runs}
+    risky = {key for key, seeds in groups.items() if any(outcome[id(r)][0] is not None for r in seeds)}
+    print("\n### Configurations and their seeds (failure step, or -)\n")
+    for key, seeds in sorted(groups.items()):
+        cells = [f"{r['seed']}: {outcome[id(r)][1]} {outcome[id(r)][0]}" if outcome[id(r)][0] is not None
+                 else f"{r['seed']}: -" for r in sorted(seeds, key=lambda r: r["seed"])]  # fmt: skip
+        print(f"* {key[0]} (LR {key[1]:g}): {'at risk' if key in risky else 'safe'}; " + ", ".join(cells))
+    print(f"\n### Seed ensembles: each rule set under each cadence (a lead counts from {LEAD} steps)\n")
+    print("| cadence | rules | failing seeds warned | leads | missed (arm) | false alarms (arm) | cost (median, max) |")
+    print("|---|---|---|---|---|---|---|")
+    for look_name, look in LOOKS.items():
+        feeds = {id(run): two_looks_fed(run, look) for run in runs}
+        costs = [_looks_cost(run, feeds[id(run)], look) for run in runs]
+        for rules_name, rules in ensemble_rules().items():
+            warned, failing, leads, missed, false = 0, 0, [], [], []
+            for run in runs:
+                fail, kind = outcome[id(run)]
+                alerts = first_alerts(rules, feeds[id(run)])
+                if fail is None:
+                    false += [run["arm"]] * len(alerts) if configuration(run) not in risky else []
+                    continue
+                failing += 1
+                ahead = [fail - a[0] for a in alerts if fail - WINDOW <= a[0] <= fail]
+                early = [a for a in alerts if a[0] < fail - WINDOW]
+                false += [run["arm"]] * len(early)
+                if (kind == "stuck" and alerts) or (ahead and max(ahead) >= LEAD):
+                    warned += 1
+                    leads.append(max(ahead) if ahead else "stuck")
+                else:
+                    missed.append(run["arm"])
+            cost = f"{statistics.median(costs):.2f}x, {max(costs):.2f}x"
+            print(f"| {look_name} | {rules_name} | {warned}/{failing} | {leads} | {_counted(missed)} | "
+                  f"{len(false)} ({_counted(false)}) | {cost} |")  # fmt: skip
+
+
+def _counted(arms: list[str]) -> str:
+    return ", ".join(f"{arm} {arms.count(arm)}" for arm in sorted(set(arms))) or "-"
+
+
+def _looks_cost(run: dict, series: dict[int, dict[str, float]], look: dict) -> float:
+    steps = max(1, len(run["loss"]))
+    readings = [v for s, v in run.get("critical", {}).items() if int(s) % look["first"] == 0]
+    forwards = sum(v[1] for v in readings) if look["trigger"] != -math.inf else 0
+    lanczos = sum(keys.SHARPNESS_RATIO in values for values in series.values())
+    return 1 + ATTENTION_COST + (forwards / 3 + GRADIENTS_PER_SAMPLE * lanczos) / steps
+
+
 def _one(rule: Rule | AllOf) -> Callable[[], RuleSet]:
     return lambda: RuleSet([rule])
 
@@ -559,7 +690,11 @@ def main() -> None:
     parser.add_argument("--curvature-every", type=int, default=SHARPNESS_EVERY,
                         help="read the recorded ratio every this many steps (a multiple of 40)")  # fmt: skip
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--stale-peak", type=float, default=STALE_PEAK, help="the stale-second-moment arms' peak")
+    parser.add_argument("--critical-every", type=int, default=CRITICAL_EVERY,
+                        help="record critical sharpness after every this many steps")  # fmt: skip
     parser.add_argument("--search", action="store_true", help="also every candidate rule alone")
+    parser.add_argument("--ensemble", action="store_true", help="only the seed-ensemble table (issue 65's targets)")
     parser.add_argument("--save", type=Path)
     parser.add_argument("--load", type=Path, nargs="*")
     args = parser.parse_args()
@@ -581,6 +716,9 @@ def main() -> None:
                 )
                 if args.save:
                     args.save.write_text(json.dumps(runs))
+    if args.ensemble:
+        ensemble_table([run for run in runs if not action_of(run)])
+        return
     table([run for run in runs if not action_of(run)], args.curvature_every)
     cadence_table([run for run in runs if not action_of(run)])
     signal_table([run for run in runs if not action_of(run) and run.get("optimizer_signals")])

@@ -52,6 +52,8 @@ EDGE_RULE = "crossing the edge of stability"  # the curvature far past the edge;
 LOGIT_EDGE_RULE = "attention logits pushing past the edge"  # the curvature past the edge while logits grow
 PAST_EDGE_RULE = "past the edge of stability"  # the curvature just past the edge (opt-in)
 LOGIT_RULE = "attention logits exploding"
+CRITICAL_EDGE_NOTICE = "at the edge along the update"  # a notice: critical sharpness at its edge
+STALE_MOMENT_NOTICE = "second moment out of date"  # a notice: Adam's v behind the gradient
 
 # W&B histograms and figures
 HEAD_ISOMETRY_GAP_HIST = "connmon/head_isometry_gap_hist"

@@ -37,12 +37,14 @@ from connmon.alerts.rules import (
     Rule,
     RuleSet,
     attention_collapse_rules,
+    critical_edge_notice,
     default_rules,
     edge_crossing_rule,
     edge_of_stability_rule,
     logit_bound_rule,
     logit_edge_rule,
     logit_explosion_rule,
+    stale_second_moment_notice,
 )
 from connmon.alerts.runner import DEFAULT_ACTIONS, KNOWN_ACTIONS, Action, AlertRunner
 from connmon.alerts.transport_clip import TransportClip
@@ -75,6 +77,7 @@ __all__ = [
     "Threshold",
     "TransportClip",
     "attention_collapse_rules",
+    "critical_edge_notice",
     "default_rules",
     "edge_crossing_rule",
     "edge_of_stability_rule",
@@ -82,6 +85,7 @@ __all__ = [
     "logit_bound_rule",
     "logit_edge_rule",
     "logit_explosion_rule",
+    "stale_second_moment_notice",
     "write_restore_point",
 ]
 

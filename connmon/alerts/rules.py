@@ -411,7 +411,7 @@ def _feed(rule: Rule, state: _RuleState, values: Mapping[str, float], step: int)
 
 
 def default_rules() -> list[Rule | AllOf]:
-    """DriftAlert's default rules: each names its mechanism and where it saw it; none fires on a run that stays healthy.
+    """DriftAlert's default rules: four warnings (a claim that the run will fail) and two notices (it is at risk).
 
     Chosen on ``benchmarks/bench_mechanisms.py`` (benchmarks/README.md and docs/monitoring.md have the tables): runs
     that fail by attention-logit growth (no QK-norm: a warmup to a high constant rate, or the suite's slow LR ramp,
@@ -428,6 +428,13 @@ def default_rules() -> list[Rule | AllOf]:
       edge on two samples in a row: far past where runs that live at the edge hover.
     * ``attention logits pushing past the edge`` (WARN, :func:`logit_edge_rule`): the curvature past the edge on two
       samples in a row while some head's max logit grows (x1.5 within four samples, above 20).
+    * ``at the edge along the update`` (a notice, :func:`critical_edge_notice`): critical sharpness at its edge on
+      two readings in a row.
+    * ``second moment out of date`` (a notice, :func:`stale_second_moment_notice`): Adam's second moment far above
+      the squared gradients it now sees.
+
+    Each warning is judged by its precision: on the mechanisms benchmark the warnings raised 5 false alarms on 48
+    runs that did not fail (benchmarks/README.md). A notice is one line, never an action or a W&B alert.
 
     The rules of earlier versions are opt-in: the curvature alone (:func:`edge_of_stability_rule`) also fires on
     runs that live at the edge and never diverge (the QK-norm twins); logits that tripled by step 50 fired on every
@@ -439,14 +446,55 @@ def default_rules() -> list[Rule | AllOf]:
         >>> from connmon.alerts import default_rules
         >>> [rule.name for rule in default_rules()]  # doctest: +NORMALIZE_WHITESPACE
         ['non-finite attention', 'attention logits exploding', 'crossing the edge of stability',
-         'attention logits pushing past the edge']
+         'attention logits pushing past the edge', 'at the edge along the update', 'second moment out of date']
     """
     return [
         Rule("non-finite attention", f"{keys.PREFIX}*max*logit*/L*", NonFinite(), level="ERROR", cooldown=0),
         logit_explosion_rule(),
         edge_crossing_rule(),
         logit_edge_rule(),
+        critical_edge_notice(),
+        stale_second_moment_notice(),
     ]
+
+
+def critical_edge_notice(bound: float = 1.0, consecutive: int = 2, cooldown: int = 200, since: int = 20) -> Rule:
+    """A notice, not a warning: critical sharpness at or past its edge (``bound``) on ``consecutive`` readings.
+
+    ``connmon/critical_sharpness_ratio`` (``eta / eta_c``: a :class:`~connmon.curvature.sampler.SharpnessSampler`
+    with ``estimator="critical"`` or ``first_look_every_n_steps``) at 1 means the step just taken is the largest along
+    its direction that does not raise its batch's loss. Runs that live at the edge and never diverge sit there for long
+    stretches, so this says the run is at risk, and claims nothing more (docs/monitoring.md has its record).
+
+    Examples:
+        >>> from connmon.alerts import RuleSet, critical_edge_notice
+        >>> rules = RuleSet([critical_edge_notice()])
+        >>> [[a.kind for a in rules.update({"connmon/critical_sharpness_ratio": r}, s)] for s, r in [(20, 1.1),
+        ...  (40, 1.2)]]
+        [[], ['notice']]
+    """
+    detector = Threshold(bound, consecutive=consecutive)
+    return Rule(keys.CRITICAL_EDGE_NOTICE, keys.CRITICAL_SHARPNESS_RATIO, detector, "INFO", cooldown=cooldown,
+                since=since, kind="notice")  # fmt: skip
+
+
+def stale_second_moment_notice(bound: float = 0.15, cooldown: int = 500, since: int = 100) -> Rule:
+    """A notice, not a warning: Adam's second moment out of date (Bai et al. 2026's decoupling).
+
+    ``connmon/gradient_to_second_moment`` (the median over 50 steps of ``sum g^2 / sum v_hat``, read in the optimizer
+    state's pass: :mod:`connmon.curvature.optimizer_state`) below ``bound``: the second moment Adam divides by is
+    far larger than the gradients it now sees, so a burst of gradient meets steps sized for a calmer past. Not
+    tested before step ``since``: ``v_hat`` is then an average of few steps.
+
+    Examples:
+        >>> from connmon.alerts import RuleSet, stale_second_moment_notice
+        >>> rules = RuleSet([stale_second_moment_notice()])
+        >>> [a.text for a in rules.update({"connmon/gradient_to_second_moment": 0.06}, 300)]  # doctest: +ELLIPSIS
+        ['... at step 300 (bound 0.15)']
+    """
+    detector = Threshold(bound, "fall")
+    return Rule(keys.STALE_MOMENT_NOTICE, keys.GRADIENT_TO_SECOND_MOMENT, detector, "INFO", cooldown=cooldown,
+                since=since, kind="notice")  # fmt: skip
 
 
 def logit_explosion_rule(

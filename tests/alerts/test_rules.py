@@ -163,7 +163,8 @@ def test_a_checkpoint_of_the_earlier_default_rules_resumes_under_the_current_one
     current.load_state_dict(json.loads(json.dumps(earlier.state_dict())))  # rules it does not know are ignored
     assert current.counts == {"non-finite attention": 1, "attention logits exploding": 0,
                               "crossing the edge of stability": 0,
-                              "attention logits pushing past the edge": 0}  # fmt: skip
+                              "attention logits pushing past the edge": 0, "at the edge along the update": 0,
+                              "second moment out of date": 0}  # fmt: skip
     head = "connmon/head_max_logit/L00H00"
     assert [current.update({head: value}, step) for step, value in [(25, 2.0), (50, 4.0)]] == [[], []]
     saved = json.loads(json.dumps(current.state_dict()))
