@@ -17,6 +17,7 @@ from tests.callbacks.lightning_models import LitGPT, loader
 
 RATIO = "connmon/sharpness_ratio"
 UPDATE = "connmon/update_sharpness_ratio"
+CRITICAL = "connmon/critical_sharpness_ratio"
 
 
 def lightning_ratios(estimator: str, max_steps: int = 7) -> dict[int, float]:
@@ -38,14 +39,21 @@ def next_token_loss(model, batch):
     return torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
 
 
-def plain_loop(monitor_options: dict, max_steps: int = 7) -> tuple[dict[int, float], torch.nn.Module]:
-    """LitGPT's model, data and SGD in a plain loop, with connmon.Monitor's sharpness."""
+def plain_loop(monitor_options: dict, max_steps: int = 7, looks: bool = False) -> tuple[dict, torch.nn.Module]:
+    """LitGPT's model, data and SGD in a plain loop, with connmon.Monitor's sharpness.
+
+    The ratio logged at each step, or with ``looks`` the two looks' ratios (``{key: ratio}``) at each step.
+    """
     module = LitGPT()
     model = module.model
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     logged = {}
 
     def log(values, step):
+        if looks:
+            read = {key: values[key] for key in (RATIO, CRITICAL) if key in values}
+            logged.setdefault(step, {}).update(read)
+            return
         for key in (RATIO, UPDATE):
             if key in values:
                 logged[step] = values[key]
@@ -71,6 +79,22 @@ def test_a_plain_loop_logs_what_lightning_logs(estimator):
     loop, _ = plain_loop({"sharpness": sampler, "loss_fn": next_token_loss})
     assert sorted(loop) == [2, 4, 6]
     assert loop == pytest.approx(lightning_ratios(estimator), rel=1e-9)
+
+
+def test_two_looks_log_the_same_in_lightning_and_a_plain_loop():
+    options = {"every_n_steps": 4, "cadence": "fixed", "first_look_every_n_steps": 2, "first_look_trigger": 0.0}
+    loop, _ = plain_loop({"sharpness": SharpnessSampler(**options), "loss_fn": next_token_loss}, 9, looks=True)
+    loop = {step: values for step, values in loop.items() if values}
+    series: dict[int, dict[str, float]] = {}
+    monitor = SharpnessMonitor(lambda m, b: next_token_loss(m.model, b), **options)
+    monitor.add_listener(lambda trainer, step, values: series.setdefault(step, {}).update(values))
+    trainer = L.Trainer(max_steps=9, callbacks=[monitor], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")  # fmt: skip
+    trainer.fit(LitGPT(), loader())
+    assert sorted(s for s, v in loop.items() if RATIO in v) == [3, 7] and sorted(loop) == [2, 3, 4, 6, 7, 8]
+    assert sorted(series) == sorted(loop)
+    for step, values in loop.items():
+        assert {k: series[step][k] for k in values} == pytest.approx(values, rel=1e-9)
 
 
 def test_the_plain_loop_trains_bitwise_the_same_and_leaves_no_hook():
