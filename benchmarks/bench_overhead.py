@@ -17,8 +17,10 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
   (accumulate_grad_batches=4), against "plain x4".
 * recipe (exact_lanczos): the same with exact Lanczos (double backward) every 20 steps, the previous default.
 * recipe (secant): the same with the secant along the update every 20 steps.
-* finite_difference_lanczos_10, secant_1, difference_10, exact_lanczos_10, critical_10: one SharpnessMonitor alone
-  at that fixed cadence (tables before 2026-12-04 call the two Lanczos estimators gradient_difference and lanczos).
+* recipe (two looks): the same with two looks: critical sharpness every 20 steps, gradient-difference Lanczos every
+  200 steps (fixed) and at the step after a first look at 1 or more (at most once per 200 steps).
+* finite_difference_lanczos_10, secant_1, difference_10, exact_lanczos_10, critical_10, critical_20: one
+  SharpnessMonitor alone at that fixed cadence (tables before 2026-12-04 call the two Lanczos estimators gradient_difference and lanczos).
 * lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="exact_lanczos", budget=0.05): the cadence it chooses.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
 
@@ -93,6 +95,9 @@ def next_token_loss(module: L.LightningModule, batch: tuple[torch.Tensor, torch.
     return torch.nn.functional.cross_entropy(module(idx).flatten(0, 1), target.flatten())
 
 
+TWO_LOOKS_FIRST = 20  # "recipe (two looks)": the first look's cadence
+
+
 def run(config: str, data: DataLoader, workdir: Path, lr: float = 3e-3) -> dict[int, float]:
     torch.manual_seed(0)
     model = example.TinyGPT(lr=lr)
@@ -107,7 +112,10 @@ def run(config: str, data: DataLoader, workdir: Path, lr: float = 3e-3) -> dict[
         callbacks.append(ConnectionMonitor(every_n_steps=every, figures_every_n_samples=None, **full, **off))
     if config.startswith("recipe"):
         sharpness = SharpnessMonitor(next_token_loss)  # the defaults: gradient differences, adaptive from 20 steps
-        if "(" in config:
+        if config == "recipe (two looks)":  # critical sharpness every 20 steps, Lanczos every 200 or when it moves
+            sharpness = SharpnessMonitor(next_token_loss, every_n_steps=200, cadence="fixed",
+                                         first_look_every_n_steps=TWO_LOOKS_FIRST)  # fmt: skip
+        elif "(" in config:
             estimator = config.split("(")[1].rstrip(")")
             sharpness = SharpnessMonitor(next_token_loss, every_n_steps=20, estimator=estimator, cadence="fixed")
         callbacks += [
@@ -215,8 +223,8 @@ def main() -> None:
     configs = [
         "plain", "monitor_100", "monitor_100 -logits", "monitor_100 -optimizer", "monitor_100 -logits -optimizer",
         "monitor_10", "recipe", "plain x4", "recipe x4", "recipe (exact_lanczos)",
-        "recipe (secant)", "finite_difference_lanczos_10", "secant_1", "difference_10", "exact_lanczos_10",
-        "critical_10", "lanczos budget 5%", "wandb.watch",
+        "recipe (secant)", "recipe (two looks)", "finite_difference_lanczos_10", "secant_1", "difference_10",
+        "exact_lanczos_10", "critical_10", "critical_20", "lanczos budget 5%", "wandb.watch",
     ]  # fmt: skip
     if args.configs:
         configs = ["plain", *[c for c in configs if c in args.configs and c != "plain"]]
