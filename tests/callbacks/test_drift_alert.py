@@ -407,3 +407,18 @@ def test_a_run_resumed_from_a_checkpoint_logs_the_uninterrupted_runs_curvature(t
     assert 0 < first.sampler.state_dict()["difference_length"] < 0.1
     resumed, _ = run("resumed", 10, ckpt_path=next((tmp_path / "ckpt").iterdir()))
     assert sorted(resumed) == [6, 8] and resumed == {step: whole[step] for step in (6, 8)}
+
+
+def test_a_notice_reaches_the_console_and_not_the_wandb_run(tmp_path, monkeypatch):
+    logger = offline_logger(tmp_path, monkeypatch)
+    notice = Rule("logits at risk", LOGIT, Threshold(-1.0), cooldown=100, kind="notice")
+    warning = Rule("any logit", LOGIT, Threshold(-1.0), cooldown=100)
+    alert = DriftAlert(rules=[notice, warning], actions=("log", "wandb"))
+    with pytest.warns(UserWarning, match=r"connmon notice \(at risk, not a claim that the run will fail\): logits at"):
+        fit(tmp_path, [monitor(), alert], max_steps=2, logger=logger)
+    records = finish_and_read(logger)
+    text = json.dumps([r for r in records if r.get("type") == "alert" or "alert" in r])
+    assert "connmon: any logit" in text and "logits at risk" not in text
+    assert [a.rule for a in alert.alerts] == ["any logit"] and any(
+        item.get("connmon/alerts/total") == 1 for item in history(records)
+    )
