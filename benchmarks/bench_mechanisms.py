@@ -534,11 +534,15 @@ def two_looks_fed(run: dict, look: dict) -> dict[int, dict[str, float]]:
     """
     critical = {int(s): v[0] for s, v in run.get("critical", {}).items() if int(s) % look["first"] == 0}
     lanczos = {int(s): r for s, r in run.get("sharpness", {}).items() if s != "off"}
-    dense_until, taken = -1, set()
-    for step in sorted(critical):
-        if not critical[step] < look["trigger"]:
-            dense_until = max(dense_until, step + look["dense"])
-    triggers = sorted(s for s in critical if not critical[s] < look["trigger"])
+    taken, ordered = set(), sorted(critical)
+
+    def moved(i: int, step: int) -> bool:  # at the trigger, or (``relative``) that many times its last 10's median
+        if "relative" not in look:
+            return not critical[step] < look["trigger"]
+        before = [critical[s] for s in ordered[max(0, i - 10) : i]]
+        return len(before) >= 5 and not critical[step] < look["relative"] * statistics.median(before)
+
+    triggers = [step for i, step in enumerate(ordered) if moved(i, step)]
     for step in sorted(lanczos):
         on_base = look["base"] is not None and step % look["base"] == 0
         after_trigger = any(t <= step <= t + look["dense"] for t in triggers)
@@ -560,6 +564,14 @@ LOOKS: dict[str, dict] = {
     "Lanczos every 40 (recorded; today's fixed cadence)": {"first": 10, "trigger": -math.inf, "base": 40, "dense": 0},
     "critical every 10, Lanczos after ratio 1, base 400": {"first": 10, "trigger": 1.0, "base": 400, "dense": 120},
     "critical every 20, Lanczos after ratio 1, base 400": {"first": 20, "trigger": 1.0, "base": 400, "dense": 120},
+    "critical every 20, Lanczos after ratio 0.25, base 400": {"first": 20, "trigger": 0.25, "base": 400, "dense": 120},
+    "critical every 20, Lanczos after ratio x2 its median, base 400": {
+        "first": 20,
+        "trigger": 0.0,
+        "relative": 2.0,
+        "base": 400,
+        "dense": 120,
+    },
     "critical every 20, no Lanczos": {"first": 20, "trigger": math.inf, "base": None, "dense": 0},
     "critical every 10, no Lanczos": {"first": 10, "trigger": math.inf, "base": None, "dense": 0},
 }

@@ -20,7 +20,8 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
 * recipe (two looks): the same with two looks: critical sharpness every 20 steps, gradient-difference Lanczos every
   200 steps (fixed) and at the step after a first look at 1 or more (at most once per 200 steps).
 * finite_difference_lanczos_10, secant_1, difference_10, exact_lanczos_10, critical_10, critical_20: one
-  SharpnessMonitor alone at that fixed cadence (tables before 2026-12-04 call the two Lanczos estimators gradient_difference and lanczos).
+  SharpnessMonitor alone at that fixed cadence (tables before 2026-12-04 call the two Lanczos estimators
+  gradient_difference and lanczos).
 * lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="exact_lanczos", budget=0.05): the cadence it chooses.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
 
