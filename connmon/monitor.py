@@ -640,12 +640,6 @@ class Monitor(CopiesDetached):
                 handle.remove()
         self._pre_hook, self._post_hooks, self._logits_after_step = None, [], False
 
-    def to(self, device: torch.device | str) -> Monitor:
-        """Move the accumulators to ``device`` (where the model lives)."""
-        for sampler in self.attention_samplers:
-            sampler.to(device)
-        return self
-
     def close(self) -> None:
         """Remove every hook (the capture's, the max logits', the optimizer's) and stop the cost clocks (run over)."""
         self._drop()
@@ -910,11 +904,6 @@ class Monitor(CopiesDetached):
         """
         check_choice("of", of, ("attention", "curvature"))
         self._listeners[of].append((listener, sampler))
-
-    def remove_listener(self, listener: Listener, of: Literal["attention", "curvature"] = "attention") -> None:
-        """Stop calling ``listener`` (added with :meth:`add_listener`); a no-op if it is not there."""
-        check_choice("of", of, ("attention", "curvature"))
-        self._listeners[of] = [(known, part) for known, part in self._listeners[of] if known != listener]
 
     # --- the checkpoint -----------------------------------------------------------------------------------------------
 

@@ -5,12 +5,11 @@ it and the step post-hook puts the group's own value back. A learning-rate sched
 ``group["lr"]`` between steps, never sees the scale, so none can undo it (``LambdaLR``, ``OneCycleLR``, Lightning's
 scheduler configuration, the Hugging Face Trainer's), and a run on which no back-off fired is never touched: with a
 scale of 1 the hooks do nothing. The curvature readings (:mod:`connmon.curvature`) read the rate the step applies:
-:func:`pending_lr_scale`.
+:meth:`LearningRateBackoff.pending_scale`.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -23,27 +22,6 @@ from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_number
 from connmon._ranks import warn_rank_zero
 from connmon.alerts.action import AlertAction, Alerted
-
-_ATTACHED: weakref.WeakKeyDictionary[torch.optim.Optimizer, LearningRateBackoff] = weakref.WeakKeyDictionary()
-
-
-def pending_lr_scale(optimizer: Any) -> float:
-    """The factor a :class:`LearningRateBackoff` applies to ``optimizer``'s rates at its next step (1.0: none).
-
-    Inside the step, where the groups already hold the scaled rate, it is 1.0: ``group["lr"] * pending_lr_scale``
-    is the rate the step applies, before, during and after it. The edge-of-stability ratio reads it that way.
-
-    Examples:
-        >>> import torch
-        >>> from connmon.alerts.backoff import LearningRateBackoff, pending_lr_scale
-        >>> optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
-        >>> backoff = LearningRateBackoff(factor=0.5)
-        >>> backoff.attach([optimizer])
-        >>> pending_lr_scale(optimizer), backoff.fire(step=0), pending_lr_scale(optimizer)
-        (1.0, True, 0.5)
-    """
-    backoff = _ATTACHED.get(unwrap_optimizer(optimizer))
-    return 1.0 if backoff is None else backoff.pending_scale(optimizer)
 
 
 class LearningRateBackoff(CopiesDetached, AlertAction):
@@ -104,15 +82,11 @@ class LearningRateBackoff(CopiesDetached, AlertAction):
             self._handles.append(optimizer.register_step_pre_hook(self._scale))
             self._handles.append(optimizer.register_step_post_hook(self._restore))
             self._optimizers.append(optimizer)
-            _ATTACHED[optimizer] = self
 
     def detach(self) -> None:
         """Remove the hooks."""
         for handle in self._handles:
             handle.remove()
-        for optimizer in self._optimizers:
-            if _ATTACHED.get(optimizer) is self:
-                del _ATTACHED[optimizer]
         self._handles, self._optimizers = [], []
 
     def pending_scale(self, optimizer: Any) -> float:

@@ -105,7 +105,6 @@ def test_the_runner_backs_off_on_the_edge_rule_only_and_logs_the_scale():
 
 def test_the_edge_ratio_reads_the_rate_the_backed_off_step_applies():
     """``lr * lambda / c`` with the applied rate: before, inside and after the step, and a detached back-off not."""
-    from connmon.alerts.backoff import pending_lr_scale
     from connmon.curvature import sharpness_ratio
 
     torch.manual_seed(0)
@@ -132,7 +131,7 @@ def test_the_edge_ratio_reads_the_rate_the_backed_off_step_applies():
     assert inside[0][0] == pytest.approx(0.05) and inside[0][1] == pytest.approx(0.5 * exact, rel=1e-9)
     assert optimizer.param_groups[0]["lr"] == 0.1 and ratio() == pytest.approx(0.5 * exact, rel=1e-9)
     backoff.detach()
-    assert pending_lr_scale(optimizer) == 1.0 and ratio() == pytest.approx(exact, rel=1e-9)
+    assert backoff.pending_scale(optimizer) == 1.0 and ratio() == pytest.approx(exact, rel=1e-9)
 
 
 def test_every_entry_point_hands_its_back_off_to_the_curvature_sampler():
