@@ -549,7 +549,7 @@ def two_looks_fed(run: dict, look: dict) -> dict[int, dict[str, float]]:
         if on_base or after_trigger:
             taken.add(step)
     series = fed(run, SHARPNESS_EVERY, taken)
-    for step, ratio in critical.items():
+    for step, ratio in critical.items() if look.get("critical", True) else ():
         series.setdefault(step + 1, {})[keys.CRITICAL_SHARPNESS_RATIO] = ratio  # read at the next step's start
     stale = run.get("optimizer_signals", {}).get("gradient_to_second_moment") or []
     readings = [(s, v) for s, v in enumerate(stale) if (s + 1) % 10 == 0]  # optimizer_every_n_steps=10
@@ -575,6 +575,10 @@ LOOKS: dict[str, dict] = {
     "critical every 20, no Lanczos": {"first": 20, "trigger": math.inf, "base": None, "dense": 0},
     "critical every 10, no Lanczos": {"first": 10, "trigger": math.inf, "base": None, "dense": 0},
 }
+for _budget, _every in ((0.25, 80), (0.10, 120), (0.05, 240)):  # a Lanczos sample (11 gradients) every 11 / budget
+    LOOKS[f"Lanczos within a budget of {_budget:g}: every {_every}, the first at {_every}"] = {
+        "first": 10, "trigger": math.inf, "base": _every, "dense": 0, "critical": False,
+    }  # fmt: skip
 
 
 def ensemble_rules() -> dict[str, Callable[[], RuleSet]]:
@@ -643,7 +647,7 @@ def _counted(arms: list[str]) -> str:
 def _looks_cost(run: dict, series: dict[int, dict[str, float]], look: dict) -> float:
     steps = max(1, len(run["loss"]))
     readings = [v for s, v in run.get("critical", {}).items() if int(s) % look["first"] == 0]
-    forwards = sum(v[1] for v in readings) if look["trigger"] != -math.inf else 0
+    forwards = sum(v[1] for v in readings) if look["trigger"] != -math.inf and look.get("critical", True) else 0
     lanczos = sum(keys.SHARPNESS_RATIO in values for values in series.values())
     return 1 + ATTENTION_COST + (forwards / 3 + GRADIENTS_PER_SAMPLE * lanczos) / steps
 
