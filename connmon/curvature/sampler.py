@@ -389,7 +389,7 @@ class SharpnessSampler(CopiesDetached):
             values = self._read(step, lambda probe: probe.secant())
         if self.reads_critical and self._loss_step == step and self._critical_due(step + 1):
             self._critical = (list(self._losses), _weights(self._weights), self._model)  # the step about to be taken
-        if self.reads_critical or self.reads_lanczos:
+        if self.reads_critical:  # the Lanczos estimators alone returned above
             self._drop_losses()
         wanted = self._critical_due(step + 1) if self.reads_critical else self.due(step + 1)
         if wanted and self.off is None:
