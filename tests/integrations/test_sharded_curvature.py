@@ -334,13 +334,23 @@ def train_critical(
     """AdamW on ``data[step]``; with ``watched``, critical sharpness every 2nd step; the losses and the readings."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     logged: dict[int, float] = {}
-    monitor, key = None, ALONG_THE_UPDATE[estimator]
+    two_looks = estimator == "two looks"  # critical every 2 steps, Lanczos every 4 and after each first look
+    monitor, key = None, ALONG_THE_UPDATE["critical" if two_looks else estimator]
     if watched:
-        monitor = connmon.Monitor(
-            model, attention=False, optimizer=optimizer, loss_fn=loss_fn,
-            sharpness=SharpnessSampler(every_n_steps=2, cadence="fixed", estimator=estimator),
-            log=lambda values, step: key in values and logged.update({step: values[key]}),
-        )  # fmt: skip
+        if two_looks:
+            sampler = SharpnessSampler(every_n_steps=4, cadence="fixed", first_look_every_n_steps=2,
+                                       first_look_trigger=0.0)  # fmt: skip
+        else:
+            sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", estimator=estimator)  # type: ignore[arg-type]
+
+        def log(values: dict, step: int) -> None:
+            if key in values:
+                logged[step] = values[key]
+            if "connmon/sharpness_ratio" in values:  # the second look: its step, as a negative key
+                logged[-step] = values["connmon/sharpness_ratio"]
+
+        monitor = connmon.Monitor(model, attention=False, optimizer=optimizer, loss_fn=loss_fn, sharpness=sampler,
+                                  log=log)  # fmt: skip
     losses = []
     for step, ids in enumerate(data):
         with monitor.step(step, batch=ids) if monitor is not None else contextlib.nullcontext():
@@ -411,3 +421,21 @@ def test_readings_along_the_update_of_a_sharded_run_are_the_global_batchs_and_tr
     _, expected = train_critical(TinyGPT().double(), whole, watched=True, estimator=estimator)
     for step, ratio in ranks[0]["read"].items():
         assert ratio == pytest.approx(expected[int(step)], rel=1e-6), step
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "tp"])
+def test_two_looks_of_a_sharded_run_read_the_first_look_of_the_global_batch_and_train_bitwise(tmp_path, layout):
+    """Critical sharpness (the first look) as one process reads the whole batch; the Lanczos second look at the
+    same steps as one process's (the step after each first look, once per 4 steps); training bitwise unchanged."""
+    mp.spawn(critical_worker, args=(free_port(), str(tmp_path), layout, "two looks"), nprocs=2)
+    ranks = [json.loads((tmp_path / f"critical{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["watched"] == rank["plain"]
+    read = {int(step): ratio for step, ratio in ranks[0]["read"].items()}
+    whole = batches(0) if layout == "tp" else [torch.cat(pair) for pair in zip(batches(0), batches(1), strict=True)]
+    torch.manual_seed(0)
+    _, expected = train_critical(TinyGPT().double(), whole, watched=True, estimator="two looks")
+    assert sorted(read) == sorted(expected) == [-3, 2, 4]  # STEPS = 6: first looks at 2 and 4, a second at 3
+    for step in (s for s in read if s > 0):
+        assert read[step] == pytest.approx(expected[step], rel=1e-6), step
