@@ -1,14 +1,14 @@
 """Does acting on the curvature warning save the run? The learning-rate back-off on the instability suite.
 
-Each run of ``bench_sharpness.py``'s suite (the 16 AdamW and 4 SGD runs: ramps that diverge, their qk-norm
-controls, warmup runs) is trained with connmon as a user would run it: ``connmon.Monitor`` with a
-``SharpnessSampler()`` at its defaults (gradient differences, the adaptive cadence from every 20 steps), the default
-``edge_of_stability_rule()`` and the ``"backoff"`` action at its defaults (factor 0.5, cooldown 100). Ramp runs go on
-for ``--steps`` (2000): the ramp's 1500 steps, then 500 more at its peak, a rate at which every one of them diverged
-without the back-off. At the first back-off the run *without* it is continued from that very state (the model, its
-gradients, the optimizer and the batch generator copied before the step), so the two arms share everything before
-the action; the monitor does not change the training (its readings restore every parameter bitwise), so the run
-without is the suite's run.
+Each run of ``bench_sharpness.py``'s suite (the 16 AdamW and 4 SGD runs: ramps that diverge, their qk-norm controls,
+warmup runs) is trained with connmon as a user would run it: ``connmon.Monitor`` with a
+``SharpnessSampler(budget=None)`` (gradient differences, the adaptive cadence from every 20 steps, no budget), the
+default ``edge_of_stability_rule()`` and the ``"backoff"`` action at its defaults (factor 0.5, cooldown 100). Ramp runs
+go on for ``--steps`` (2000): the ramp's 1500 steps, then 500 more at its peak, a rate at which every one of them
+diverged without the back-off. At the first back-off the run *without* it is continued from that very state (the model,
+its gradients, the optimizer and the batch generator copied before the step), so the two arms share everything before
+the action; the monitor does not change the training (its readings restore every parameter bitwise), so the run without
+is the suite's run.
 
 Also the case users meet, a constant learning rate too high for the run (``TOO_HIGH``): SGD with momentum warmed up
 over 100 steps to 2.5, then constant, learns (to a 10-step mean of 2.81) and diverges at step 1052; at 2.0 it learns
@@ -81,7 +81,7 @@ def backoff_run(job: tuple[dict, int]) -> dict:
             ratios[step] = values[RATIO_KEY]
 
     runner = AlertRunner([edge_of_stability_rule()], actions=("backoff",), on_alert=on_alert)
-    sampler = SharpnessSampler()
+    sampler = SharpnessSampler(budget=None)
     monitor = connmon.Monitor(
         model, every_n_steps=steps + 1, diagnostics=("walk",), alerts=runner, optimizer=optimizer,
         sharpness=sampler, loss_fn=gpt_loss, log=log, log_histograms=False, figures_every_n_samples=None,

@@ -12,9 +12,11 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
   "monitor_100 -logits", "monitor_100 -optimizer" (either or both): the same without the per-step max logits
   (``logit_every_n_steps=None``) or the optimizer's state (``optimizer_every_n_steps=None``).
 * recipe: the alerting recipe of README and docs/monitoring.md at its defaults: SharpnessMonitor(loss_fn) (gradient
-  differences, the adaptive cadence from every_n_steps=20) + ConnectionMonitor(every_n_steps=25,
-  diagnostics=("walk",)) + DriftAlert; "recipe x4" the same with 4 micro-batches of 16 per step
-  (accumulate_grad_batches=4), against "plain x4".
+  differences, the adaptive cadence from every_n_steps=20, held to its default budget of 5% of the training's passes)
+  + ConnectionMonitor(every_n_steps=25, diagnostics=("walk",)) + DriftAlert; "recipe x4" the same with 4
+  micro-batches of 16 per step (accumulate_grad_batches=4), against "plain x4"; "recipe (budget none)",
+  "recipe (budget 0.10)", "recipe (budget 0.25)": the same held to no budget (the default before 2026-12-08) or to
+  another.
 * recipe (exact_lanczos): the same with exact Lanczos (double backward) every 20 steps, the previous default.
 * recipe (secant): the same with the secant along the update every 20 steps.
 * recipe (two looks): the same with two looks: critical sharpness every 20 steps, gradient-difference Lanczos every
@@ -22,10 +24,12 @@ monitors themselves logged as ``connmon/overhead`` (their clocks' time over the 
 * finite_difference_lanczos_10, secant_1, difference_10, exact_lanczos_10, critical_10, critical_20: one
   SharpnessMonitor alone at that fixed cadence (tables before 2026-12-04 call the two Lanczos estimators
   gradient_difference and lanczos).
-* lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="exact_lanczos", budget=0.05): the cadence it chooses.
+* lanczos budget 5%: SharpnessMonitor(every_n_steps=1, estimator="exact_lanczos", budget=0.05): the readings it affords.
 * wandb.watch(log="all", log_freq=100): gradients and parameters histograms, W&B offline.
 
-It also reports what one sampled step costs in the ConnectionMonitor(every_n_steps=10) run (light and full samples,
+``--steps`` sets the run's length (201: a 200-step window; the budgeted recipe's first reading comes at step 220, so
+its cost needs ``--steps 601`` or more). It also reports what one sampled step costs in the
+ConnectionMonitor(every_n_steps=10) run (light and full samples,
 in training steps) and the peak memory one curvature sample adds to what training holds, against what training
 steps need above the model alone (the kernel's high-water mark, in a fresh process; Linux). A plain fit runs
 first, untimed: the process's first fit pays for thread pools and allocator growth.
@@ -35,6 +39,7 @@ Usage:
     python benchmarks/bench_overhead.py --rounds 3
     python benchmarks/bench_overhead.py --rounds 3 --configs recipe "plain x4" "recipe x4"   # the default recipe
     python benchmarks/bench_overhead.py --rounds 1 --configs recipe --lr 3e-2   # the recipe on a high-LR run
+    python benchmarks/bench_overhead.py --rounds 1 --steps 1001 --skip-memory --configs recipe "recipe (budget none)"
 """
 
 from __future__ import annotations
@@ -113,7 +118,10 @@ def run(config: str, data: DataLoader, workdir: Path, lr: float = 3e-3) -> dict[
         callbacks.append(ConnectionMonitor(every_n_steps=every, figures_every_n_samples=None, **full, **off))
     if config.startswith("recipe"):
         sharpness = SharpnessMonitor(next_token_loss)  # the defaults: gradient differences, adaptive from 20 steps
-        if config == "recipe (two looks)":  # critical sharpness every 20 steps, Lanczos every 200 or when it moves
+        if config.startswith("recipe (budget"):
+            budget = config.split()[-1].rstrip(")")
+            sharpness = SharpnessMonitor(next_token_loss, budget=None if budget == "none" else float(budget))
+        elif config == "recipe (two looks)":  # critical sharpness every 20 steps, Lanczos every 200 or when it moves
             sharpness = SharpnessMonitor(next_token_loss, every_n_steps=200, cadence="fixed",
                                          first_look_every_n_steps=TWO_LOOKS_FIRST)  # fmt: skip
         elif "(" in config:
@@ -149,9 +157,9 @@ def run(config: str, data: DataLoader, workdir: Path, lr: float = 3e-3) -> dict[
     clocks += [cb.sampler.clock for cb in callbacks if isinstance(cb, SharpnessMonitor)]
     spent = sum(c.spent for c in clocks)  # as connmon/overhead: every monitor's time over the rest of the fit's
     logged = spent / (max(c.training + c.spent for c in clocks) - spent) if clocks else 0.0
-    stride = [cb.sampler.stride * cb.every_n_steps for cb in callbacks if isinstance(cb, SharpnessMonitor)]
+    readings = [cb.sampler.samples for cb in callbacks if isinstance(cb, SharpnessMonitor)]
     gradients = [cb.sampler.gradients / STEPS for cb in callbacks if isinstance(cb, SharpnessMonitor)]
-    return clock.times, logged, (stride[0] if stride else None), (gradients[0] if gradients else None)
+    return clock.times, logged, (readings[0] if readings else None), (gradients[0] if gradients else None)
 
 
 def peak_memory(estimator: str | None) -> tuple[int, int]:
@@ -217,13 +225,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", nargs="*", help="only these configurations (plain is always run)")
     parser.add_argument("--lr", type=float, default=3e-3, help="the example's peak rate (3e-2, 1e-1: high-LR runs)")
+    parser.add_argument("--steps", type=int, default=STEPS, help="steps per run (the window: steps 1 to the last)")
+    parser.add_argument("--skip-memory", action="store_true", help="leave out the memory table")
     args = parser.parse_args()
+    global STEPS
+    STEPS = args.steps
     os.environ.setdefault("WANDB_SILENT", "true")
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
     data = DataLoader(example.markov_corpus(4096), batch_size=16, shuffle=True)
     configs = [
         "plain", "monitor_100", "monitor_100 -logits", "monitor_100 -optimizer", "monitor_100 -logits -optimizer",
-        "monitor_10", "recipe", "plain x4", "recipe x4", "recipe (exact_lanczos)",
+        "monitor_10", "recipe", "recipe (budget none)", "recipe (budget 0.10)", "recipe (budget 0.25)", "plain x4",
+        "recipe x4", "recipe (exact_lanczos)",
         "recipe (secant)", "recipe (two looks)", "finite_difference_lanczos_10", "secant_1", "difference_10",
         "exact_lanczos_10", "critical_10", "critical_20", "lanczos budget 5%", "wandb.watch",
     ]  # fmt: skip
@@ -232,7 +245,7 @@ def main() -> None:
     throughput: dict[str, list[float]] = {c: [] for c in configs}
     whole: dict[str, list[float]] = {c: [] for c in configs}  # steps 0..200: the span the logged figure covers
     logged: dict[str, list[float]] = {c: [] for c in configs}
-    strides: dict[str, int | None] = {}
+    readings: dict[str, int | None] = {}
     gradients: dict[str, list[float]] = {c: [] for c in configs}
     light_cost: list[float] = []
     full_cost: list[float] = []
@@ -240,7 +253,7 @@ def main() -> None:
         run("plain", data, Path(tmp) / "warm-up")  # the process's first fit pays for thread pools and allocator growth
         for round_ in range(args.rounds):
             for config in configs:
-                times, fraction, strides[config], spent = run(config, data, Path(tmp) / f"{round_}", args.lr)
+                times, fraction, readings[config], spent = run(config, data, Path(tmp) / f"{round_}", args.lr)
                 if spent is not None:
                     gradients[config].append(spent)
                 window = [times[s] for s in range(1, STEPS)]
@@ -253,19 +266,17 @@ def main() -> None:
                     full_cost.extend((times[s] - step) / step for s in range(100, STEPS, 100))
                 print(f"round {round_ + 1}: {config} {throughput[config][-1]:.2f} steps/s", flush=True)
     base = statistics.median(throughput["plain"])
-    print(f"\ntorch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {args.rounds} rounds, steps 1..200, "
-          f"peak LR {args.lr:g}\n")  # fmt: skip
-    print("| configuration | steps/s (median) | step time vs plain | steps 0..200 vs plain | connmon/overhead logged "
-          "in the run | curvature gradients per step |")  # fmt: skip
+    print(f"\ntorch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {args.rounds} rounds, steps "
+          f"1..{STEPS - 1}, peak LR {args.lr:g}\n")  # fmt: skip
+    print(f"| configuration | steps/s (median) | step time vs plain | steps 0..{STEPS - 1} vs plain | connmon/overhead "
+          "logged in the run | curvature passes per step (readings) |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     for config in configs:
         rate = statistics.median(throughput[config])
         reference = statistics.median(throughput["plain x4"]) if config.endswith(" x4") else base
         unmonitored = config.startswith("plain") or config == "wandb.watch"
         inside = f"{100 * statistics.median(logged[config]):.1f}%" if not unmonitored else "-"
-        if strides[config] is not None and "budget" in config:
-            inside += f" (it chose every {strides[config]} steps)"
-        spent = f"{statistics.median(gradients[config]):.3f}" if gradients[config] else "-"
+        spent = f"{statistics.median(gradients[config]):.3f} ({readings[config]})" if gradients[config] else "-"
         plain_whole = statistics.median(whole["plain x4" if config.endswith(" x4") else "plain"])
         span = f"{statistics.median(whole[config]) / plain_whole:.3f}x"
         print(f"| {config} | {rate:.2f} | {reference / rate:.3f}x | {span} | {inside} | {spent} |")
@@ -276,6 +287,8 @@ def main() -> None:
         per_sample = ((cadence - 1) * light + full) / cadence
         print(f"amortized at the default full_every_n_samples={cadence} ({per_sample:.2f} steps per sample): ", end="")
         print(f"every_n_steps=100 {1 + per_sample / 100:.4f}x, every_n_steps=10 {1 + per_sample / 10:.3f}x")
+    if args.skip_memory:
+        return
     print("\n| curvature sample | what it adds to training's memory, MB | training steps' own, MB | sample / step |")
     print("|---|---|---|---|")
     for estimator in ("finite_difference_lanczos", "secant", "difference", "exact_lanczos", "critical"):

@@ -165,6 +165,7 @@ def curvature_rows(device: torch.device) -> list[str]:
     monitor = SharpnessMonitor(
         lambda m, b: torch.nn.functional.cross_entropy(m(b[0]).flatten(0, 1), b[1].flatten()), every_n_steps=2,
         cadence="fixed",
+     budget=None,
     )  # fmt: skip
     values: list[float] = []
     monitor.add_listener(lambda trainer, step, scalars: values.append(scalars["connmon/sharpness_ratio"]))

@@ -7,14 +7,16 @@ not counted). The training time is the wall time since :meth:`CostClock.start` m
 running beside it (one base for all of a run's monitors: the attention's and the curvature's shares add up to the
 total), so ``fraction`` is connmon's time over the time the training would have taken without it.
 
-A ``budget`` (a fraction such as 0.01) sets the stride of a monitor's costly part, the smallest one that keeps its
-mean cost per step inside the budget: :func:`stride_for`. Every process decides from the same figures (the
-largest across processes, :func:`connmon._collectives.largest_over_processes`), so the stride is the same everywhere.
+A ``budget`` (a fraction such as 0.01) holds a monitor's costly part inside that share of the training: the
+attention's full samples by their measured time (:mod:`connmon._budget`), the curvature's readings by the passes of the
+step's batch they take (:class:`connmon.curvature.sampler.SharpnessSampler`). Every process decides from the same
+figures, so the cadence is the same everywhere.
 
 Examples:
-    >>> from connmon._cost import stride_for
-    >>> stride_for(budget=0.01, cost=0.5, interval=2.0)  # 0.5 s every 2 s of training is 25%: every 25th sample
-    25
+    >>> from connmon._cost import CostClock
+    >>> clock = CostClock("curvature")
+    >>> clock.spent  # seconds in connmon so far
+    0.0
 """
 
 from __future__ import annotations
@@ -210,24 +212,6 @@ def cost_line(owner: str, clock: CostClock, sharpness: Any = None) -> str:
     if sharpness is not None:
         line += "; " + summary(sharpness.clock, "its curvature samples")
     return line
-
-
-def stride_for(budget: float, cost: float, interval: float) -> int:
-    """The smallest stride ``k`` with ``cost / (k * interval) <= budget``.
-
-    Args:
-        budget: the fraction of training time the costly part may take.
-        cost: seconds one costly sample takes.
-        interval: seconds of training between two candidate samples.
-
-    Examples:
-        >>> from connmon._cost import stride_for
-        >>> stride_for(0.05, cost=0.1, interval=10.0)  # 1% already: every candidate sample
-        1
-    """
-    if not (cost > 0 and interval > 0 and math.isfinite(cost) and math.isfinite(interval)):
-        return 1
-    return max(1, math.ceil(cost / (budget * interval) - 1e-9))
 
 
 def check_budget(budget: object) -> None:

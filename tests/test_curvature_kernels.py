@@ -143,7 +143,7 @@ def test_every_parameters_dtype_counts_a_float16_part_behind_a_float32_embedding
     with pytest.raises(ValueError, match=r"4 of the 5 parameters are torch\.float16: a difference of two gradients"):
         sharpness_ratio(lambda: loss_fn(model, ids), optimizer, steps=8, model=model)
     monitor = connmon.Monitor(model, every_n_steps=100, attention=False, optimizer=optimizer, loss_fn=loss_fn,
-                              sharpness=SharpnessSampler(every_n_steps=1, cadence="fixed"))  # fmt: skip
+                              sharpness=SharpnessSampler(every_n_steps=1, cadence="fixed", budget=None))  # fmt: skip
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         for step in range(3):

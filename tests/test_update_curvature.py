@@ -378,7 +378,7 @@ def test_the_critical_estimator_logs_the_step_it_trained_on_and_leaves_training_
         logged, probes = {}, {}
         monitor = None
         if watched:
-            sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", estimator="critical")
+            sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", estimator="critical", budget=None)
             monitor = connmon.Monitor(model, attention=False, optimizer=optimizer, loss_fn=loss_of, sharpness=sampler,
                                       log=lambda values, step: logged.update({step: values}))  # fmt: skip
         for step in range(6):
@@ -447,11 +447,15 @@ def test_two_looks_read_what_each_estimator_reads_alone_and_the_first_look_bring
 
     lanczos, critical = "connmon/sharpness_ratio", "connmon/critical_sharpness_ratio"
     plain, _ = _two_looks_run([], 12)
-    never = SharpnessSampler(every_n_steps=4, cadence="fixed", first_look_every_n_steps=2, first_look_trigger=1e9)
+    never = SharpnessSampler(
+        every_n_steps=4, cadence="fixed", first_look_every_n_steps=2, first_look_trigger=1e9, budget=None
+    )
     watched, (both,) = _two_looks_run([never], 12)
     assert all(torch.equal(a, b) for a, b in zip(watched, plain, strict=True))
-    _, (alone,) = _two_looks_run([SharpnessSampler(every_n_steps=4, cadence="fixed")], 12)
-    _, (first,) = _two_looks_run([SharpnessSampler(every_n_steps=2, cadence="fixed", estimator="critical")], 12)
+    _, (alone,) = _two_looks_run([SharpnessSampler(every_n_steps=4, cadence="fixed", budget=None)], 12)
+    _, (first,) = _two_looks_run(
+        [SharpnessSampler(every_n_steps=2, cadence="fixed", estimator="critical", budget=None)], 12
+    )
     assert sorted(s for s, v in both.items() if lanczos in v) == sorted(s for s, v in alone.items() if lanczos in v)
     assert sorted(s for s, v in both.items() if critical in v) == [2, 4, 6, 8, 10]
     for step, values in alone.items():
@@ -459,10 +463,12 @@ def test_two_looks_read_what_each_estimator_reads_alone_and_the_first_look_bring
     for step, values in first.items():
         assert both[step][critical] == values[critical]
     assert never.first_looks == 5 and never.samples == 2
-    always = SharpnessSampler(every_n_steps=4, cadence="fixed", first_look_every_n_steps=2, first_look_trigger=0.0)
+    always = SharpnessSampler(
+        every_n_steps=4, cadence="fixed", first_look_every_n_steps=2, first_look_trigger=0.0, budget=None
+    )
     _, (moved,) = _two_looks_run([always], 12)
     assert sorted(s for s, v in moved.items() if lanczos in v) == [3, 7, 11]
-    restored = SharpnessSampler(every_n_steps=4, cadence="fixed", first_look_every_n_steps=2)
+    restored = SharpnessSampler(every_n_steps=4, cadence="fixed", first_look_every_n_steps=2, budget=None)
     restored.load_state_dict(always.state_dict())
     assert restored.state_dict() == always.state_dict() and restored.first_looks == 5
 
@@ -471,6 +477,6 @@ def test_two_looks_take_a_lanczos_estimator():
     from connmon.curvature.sampler import SharpnessSampler
 
     with pytest.raises(ValueError, match="first_look_every_n_steps takes a Lanczos estimator"):
-        SharpnessSampler(estimator="secant", first_look_every_n_steps=2)
+        SharpnessSampler(estimator="secant", first_look_every_n_steps=2, budget=None)
     with pytest.raises(ValueError, match="first_look_every_n_steps"):
-        SharpnessSampler(first_look_every_n_steps=0)
+        SharpnessSampler(first_look_every_n_steps=0, budget=None)

@@ -42,8 +42,10 @@ class SharpnessMonitor(RunPart):
     With ``cadence="adaptive"`` (the default) ``every_n_steps`` is the densest interval, kept while the ratio is at
     least 0.5; from 0.25 the next sample comes ``3 every_n_steps`` later, below it ``8 every_n_steps`` later
     (:func:`connmon.curvature.sampler.adaptive_interval`); ``cadence="fixed"`` samples every ``every_n_steps``.
-    Every sample logs the interval it chose (``connmon/curvature_interval``), what the samples cost in gradients of
-    a step's batch per training step (``connmon/overhead/curvature_gradients``) and in time
+    ``budget=0.05`` (the default) holds the readings to 5% of the training's passes over its batches, the first
+    reading included: a Lanczos sample of about 11 gradients comes at most once every 220 steps on average
+    (``budget=None``: no limit). Every sample logs the interval it chose (``connmon/curvature_interval``), what the
+    readings cost in passes of a step's batch per training step (``connmon/overhead/curvature_gradients``) and in time
     (``connmon/overhead/curvature``, synchronized on accelerators, and ``connmon/overhead`` for every connmon monitor
     of the run); the end of the fit says it in one line. Under DDP and FSDP2 the reading is of the global batch the
     step trains on (the processes' gradients averaged in every product, as the strategy averages the training's),
@@ -98,7 +100,7 @@ class SharpnessMonitor(RunPart):
 
     @property
     def every_n_steps(self) -> int:
-        """The densest interval (before any budget stride)."""
+        """The densest interval (the budget may hold a reading back beyond it)."""
         return self.sampler.every_n_steps
 
     @property

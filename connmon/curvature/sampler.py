@@ -28,10 +28,14 @@ The cadence (``cadence="adaptive"``, the default) follows the risk: ``every_n_st
 taken while the latest ratio is at least 0.5 (on the suite it passes 0.5 some 220-300 steps before a divergence);
 from 0.25 the next sample comes ``3 every_n_steps`` later, below 0.25 ``8 every_n_steps`` later (:data:`LADDER`,
 :func:`adaptive_interval`).
-``cadence="fixed"`` samples every ``every_n_steps``. Every sample logs the interval it chose,
-``connmon/curvature_interval``, what the curvature has cost in gradients of the step's batch per training step,
-``connmon/overhead/curvature_gradients``, and its time, ``connmon/overhead`` and ``connmon/overhead/curvature``
-(see :mod:`connmon._cost`).
+``cadence="fixed"`` samples every ``every_n_steps``. The readings are held to a budget (``budget=0.05``, the default):
+the passes of the step's batch they take (a gradient is one pass; a forward a third of one, since a backward costs
+about two forwards) may be at most that fraction of the passes the training has taken since the sampler started,
+counted from the first reading on and with the next one priced at the most a reading of its kind has cost
+(:func:`passes_allowed`); a reading the budget cannot afford waits for the first step that can. Every sample logs the
+interval it chose, ``connmon/curvature_interval``, what the curvature has cost in passes of the step's batch per
+training step, ``connmon/overhead/curvature_gradients``, and its time, ``connmon/overhead`` and
+``connmon/overhead/curvature`` (see :mod:`connmon._cost`).
 
 The events, with ``step`` the number of optimizer steps taken so far:
 
@@ -52,9 +56,9 @@ import torch
 from torch import Tensor, nn
 
 from connmon import keys
-from connmon._collectives import gathered_objects, is_distributed, largest_over_processes, sum_over_processes
+from connmon._collectives import gathered_objects, is_distributed, sum_over_processes
 from connmon._copying import CopiesDetached
-from connmon._cost import CostClock, check_budget, overhead_values, stride_for
+from connmon._cost import CostClock, check_budget, overhead_values
 from connmon._moved import renamed
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int, check_number
@@ -83,6 +87,39 @@ GRADIENTS_KEY = keys.CURVATURE_GRADIENTS
 # (bench_sharpness.py: the suite's runs replayed under candidate ladders) has how this one was chosen.
 LADDER: tuple[tuple[float, int], ...] = ((0.5, 1), (0.25, 3), (0.0, 8))
 _MAX_MICRO_BATCHES = 1024  # losses kept for one sampled step (a loop that never steps must not grow a list)
+DEFAULT_BUDGET = 0.05
+FORWARD_PASSES = 1 / 3  # a forward in passes of the step's batch: a gradient (forward and backward) is one
+
+
+def first_reading_price(estimator: Estimator, lanczos_steps: int) -> float:
+    """What a reading is priced at before any has been taken, in passes of the step's batch.
+
+    A Lanczos reading is ``lanczos_steps`` products and the gradient at ``theta``, and on the suite one or two retaken
+    products (11 gradients at the median with 8 steps); a critical reading is a cold line search of up to 7 forwards;
+    ``"difference"`` is 3 forwards; ``"secant"`` reads gradients the training took.
+
+    Examples:
+        >>> from connmon.curvature.sampler import first_reading_price
+        >>> first_reading_price("finite_difference_lanczos", 8), round(first_reading_price("critical", 8), 2)
+        (11, 2.33)
+    """
+    if estimator in ("finite_difference_lanczos", "exact_lanczos"):
+        return lanczos_steps + 3
+    return {"critical": 7 * FORWARD_PASSES, "difference": 3 * FORWARD_PASSES, "secant": 0.0}[estimator]
+
+
+def passes_allowed(budget: float, steps: int) -> float:
+    """The passes of the step's batch that ``steps`` training steps allow the readings under ``budget``.
+
+    A reading is taken at a step where the passes spent so far plus its price fit: ``spent + price <=
+    passes_allowed(budget, steps)``, so the mean stays inside the budget from the first reading on.
+
+    Examples:
+        >>> from connmon.curvature.sampler import passes_allowed
+        >>> passes_allowed(0.05, 220)  # one 11-gradient Lanczos reading
+        11.0
+    """
+    return budget * steps + 1e-9
 
 
 def keys_of(estimator: Estimator) -> tuple[str, str]:
@@ -157,10 +194,14 @@ class SharpnessSampler(CopiesDetached):
             previous reading; and ``connmon/critical_sharpness_eigenvalue``, ``2 / eta_c`` in the first parameter
             group's learning-rate units (Kalra et al.'s critical sharpness).
         lanczos_steps: Hessian-vector products per sample with the two Lanczos estimators.
-        budget: None, or the fraction of training time the samples may take (e.g. 0.01): after each sample, the
-            sampler stretches every interval by ``k``, the smallest stride whose measured mean cost fits at the
-            densest interval (decided from the largest figures across processes, so identical everywhere, and saved
-            in :meth:`state_dict`). Said once per change.
+        budget: the fraction of the training's passes over its batches the readings may take (0.05: 5%), or None
+            for no limit. Counted in passes of the step's batch (a gradient one, a forward a third), from the step
+            the sampler starts and from the first reading on: a reading is taken only where the passes spent plus
+            its price (the most a reading of its kind has cost in this run, :func:`first_reading_price` before the
+            first) fit ``budget`` times the steps taken (:func:`passes_allowed`), else at the first step that fits.
+            Deterministic, and the same on every process (each reading's passes are their mean over processes).
+            The wait is said once; ``connmon/overhead/curvature_gradients`` logs the passes spent per step, and
+            ``connmon/overhead/curvature`` their time.
         cadence: ``"adaptive"`` or ``"fixed"``.
         storage: ``"device"``, or ``"cpu"`` to keep a gradient-difference solve's six parameter-sized vectors in host
             memory (see :func:`connmon.curvature.sharpness_ratio`).
@@ -181,7 +222,7 @@ class SharpnessSampler(CopiesDetached):
         <torch._C.Generator object at ...>
         >>> model = torch.nn.Linear(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> sampler = SharpnessSampler(every_n_steps=2)
+        >>> sampler = SharpnessSampler(every_n_steps=2, budget=None)  # every reading (the default budget: 5%)
         >>> sampler.attach(optimizer)
         >>> x, y = torch.randn(64, 4), torch.randn(64, 1)
         >>> loss_fn = lambda: torch.nn.functional.mse_loss(model(x), y)
@@ -205,7 +246,7 @@ class SharpnessSampler(CopiesDetached):
         every_n_steps: int = 20,
         estimator: Estimator = "finite_difference_lanczos",
         lanczos_steps: int = 8,
-        budget: float | None = None,
+        budget: float | None = DEFAULT_BUDGET,
         cadence: Cadence = "adaptive",
         storage: Storage = "device",
         first_look_every_n_steps: int | None = None,
@@ -242,8 +283,10 @@ class SharpnessSampler(CopiesDetached):
         self.clock = CostClock("curvature")
         self.off: str | None = None  # why the sampler is off for this run, if it is
         self.samples = 0
-        self.stride = 1  # with a budget: every interval times stride
-        self.gradients = 0  # gradients of a step's batch the samples took (the cost in units of a training step's)
+        self.gradients = 0.0  # passes of a step's batch the readings took (the cost in units of a training step's)
+        self._prices: dict[str, float] = {}  # the most a reading of each kind has cost, in passes (the budget's price)
+        self._counted_from: int | None = None  # the step the budget counts the training's passes from
+        self._waited = False  # the budget's wait was said
         self.next_step: int | None = None  # adaptive: the next sampled step (None: the first, at every_n_steps)
         self.held_until = 0  # no sample before this step: the rules watching the ratio are in their cooldown
         self.last_values: dict[str, float] = {}
@@ -314,8 +357,9 @@ class SharpnessSampler(CopiesDetached):
         self._hook = optimizer.register_step_post_hook(self._after_step)
 
     def reset(self) -> None:
-        """A new run: no sample taken, the budget's stride back to 1, the cadence from its start."""
-        self.samples, self.stride, self.gradients, self.next_step, self.last_values = 0, 1, 0, None, {}
+        """A new run: no sample taken, nothing spent against the budget, the cadence from its start."""
+        self.samples, self.gradients, self.next_step, self.last_values = 0, 0.0, None, {}
+        self._prices, self._counted_from, self._waited = {}, None, False
         self.held_until, self.first_looks, self._last_lanczos, self._critical_start = 0, 0, None, 1.0
 
     def detach(self) -> None:
@@ -334,15 +378,46 @@ class SharpnessSampler(CopiesDetached):
         if self.off is not None or step <= 0 or step < self.held_until:
             return False
         if self.cadence == "fixed" and self.first_look_every_n_steps is None:
-            return step % (self.every_n_steps * self.stride) == 0
-        first = self.every_n_steps * self.stride
-        return step >= (self.next_step if self.next_step is not None else first)
+            due = step % self.every_n_steps == 0
+        else:
+            due = step >= (self.next_step if self.next_step is not None else self.every_n_steps)
+        return due and self.affords(step, self.estimator)
+
+    def affords(self, step: int, kind: Estimator) -> bool:
+        """Whether the budget affords a reading of ``kind`` at step ``step`` (steps taken so far).
+
+        Examples:
+            >>> from connmon.curvature.sampler import SharpnessSampler
+            >>> sampler = SharpnessSampler(budget=0.05)  # a first Lanczos reading is priced at 11 gradients
+            >>> sampler.affords(219, "finite_difference_lanczos"), sampler.affords(220, "finite_difference_lanczos")
+            (False, True)
+        """
+        if self.budget is None:
+            return True
+        price = self._prices.get(kind, first_reading_price(kind, self.lanczos_steps))
+        counted_from = self._counted_from or 0
+        if self.gradients + price <= passes_allowed(self.budget, step - counted_from):
+            return True
+        if not self._waited:
+            self._waited = True
+            steps = math.ceil((self.gradients + price) / self.budget - 1e-9) + counted_from
+            warn_rank_zero(
+                f"{self.owner}: budget {100 * self.budget:g}%: a curvature reading ({kind}) is priced at {price:.3g} "
+                f"passes of the step's batch (a gradient is one), so readings come at most once every "
+                f"{price / self.budget:.0f} steps on average; the next at step {steps} (budget=None: no limit)"
+            )
+        return False
 
     def _critical_due(self, step: int) -> bool:
         """Whether the update that leads to step ``step`` is read by critical sharpness."""
         if self.first_look_every_n_steps is None:
             return self.estimator == "critical" and self.due(step)
-        return self.off is None and step > 0 and step % (self.first_look_every_n_steps * self.stride) == 0
+        return (
+            self.off is None
+            and step > 0
+            and step % self.first_look_every_n_steps == 0
+            and self.affords(step, "critical")
+        )
 
     def hold_for(self, rules: RuleSet) -> None:
         """After its values went to ``rules``: no sample while none of its values could raise an alert.
@@ -353,7 +428,7 @@ class SharpnessSampler(CopiesDetached):
         ratio can fire again (:meth:`connmon.alerts.RuleSet.ready_step`): that is also when a back-off is seen to
         have worked or not. The approach to the edge, where the lead comes from, is sampled as before.
         """
-        ready = rules.ready_step(keys_of(self.estimator)[0], self.every_n_steps * self.stride)
+        ready = rules.ready_step(keys_of(self.estimator)[0], self.every_n_steps)
         if ready is not None and ready > self.held_until:
             self.held_until = ready
 
@@ -370,6 +445,8 @@ class SharpnessSampler(CopiesDetached):
             return None
         if self._start_step is None:
             self._start_step = step
+        if self._counted_from is None:
+            self._counted_from = step
         values: dict[str, float] | None = None
         if self.reads_critical and self._probe is not None and self._probe_step == step:
             losses, weights, model = self._critical
@@ -412,6 +489,8 @@ class SharpnessSampler(CopiesDetached):
         """Whether :meth:`before_forward` wants the loss at ``step`` (an entry point fetches the batch only then)."""
         if self.off is not None or self.optimizer is None or self.estimator == "secant" or step == self._last_step:
             return False
+        if self._counted_from is None:
+            self._counted_from = step
         if self.estimator == "difference":
             return self._probe is not None and self._probe_step == step
         if self.reads_critical and self._critical_due(step + 1):  # the batch of a step whose update is read
@@ -455,13 +534,15 @@ class SharpnessSampler(CopiesDetached):
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on as the uninterrupted one.
 
-        Samples taken, the budget's stride, the gradients spent, the next sampled step, the hold, and the difference
-        length the gradient differences settled on (where the next sample's search starts).
+        Samples taken, the passes spent, each kind's price and the step the budget counts from, the next sampled step,
+        the hold, and the difference length the gradient differences settled on (where the next sample's search
+        starts).
         """
         return {
             "samples": self.samples,
-            "stride": self.stride,
             "gradients": self.gradients,
+            "prices": dict(self._prices),
+            "counted_from": self._counted_from,
             "next_step": self.next_step,
             "held_until": self.held_until,
             "difference_length": self._difference_length,
@@ -473,8 +554,10 @@ class SharpnessSampler(CopiesDetached):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.samples = int(state_dict.get("samples", 0))
-        self.stride = int(state_dict.get("stride", 1))
-        self.gradients = int(state_dict.get("gradients", 0))
+        self.gradients = float(state_dict.get("gradients", 0.0))
+        self._prices = {str(kind): float(price) for kind, price in state_dict.get("prices", {}).items()}
+        counted_from = state_dict.get("counted_from")
+        self._counted_from = int(counted_from) if counted_from is not None else None
         next_step = state_dict.get("next_step")
         self.next_step = int(next_step) if next_step is not None else None
         self.held_until = int(state_dict.get("held_until", 0))
@@ -530,14 +613,14 @@ class SharpnessSampler(CopiesDetached):
             if self._start_step is None:
                 self._start_step = step - 1
             failure = self._failure
-            ratio, constant, gradients = math.nan, math.nan, 0
+            ratio, constant, passes = math.nan, math.nan, 0.0
             if failure is None and needs_probe and not self._stepped:
                 failure = "the optimizer did not step after its parameters were copied"
             if failure is None:
                 try:
                     with paused():
                         result = read(self._probe)
-                    ratio, gradients = result.ratio, getattr(result, "gradient_evaluations", 0)
+                    ratio, passes = result.ratio, passes_of(result)
                     if isinstance(result, CriticalSharpness):  # its second key: 2 / eta_c in the rate's units
                         assert self.optimizer is not None  # attached: it read a probe of the optimizer's step
                         self._critical_start = result.critical_step
@@ -554,37 +637,36 @@ class SharpnessSampler(CopiesDetached):
                     failure = f"{type(error).__name__}: {error}"
             self._probe, self._failure = None, None
             measured = failure is None
-            total = torch.tensor([ratio if measured else 0.0, float(measured), float(not measured)],
+            total = torch.tensor([ratio if measured else 0.0, float(measured), float(not measured), passes],
                                  dtype=torch.float64, device=self._device)  # fmt: skip
             distributed = is_distributed()
             if distributed:
                 sum_over_processes(total)  # every process takes part in exactly one reduction per sample
-            summed, count, failed = total.tolist()
+            summed, count, failed, passes = total.tolist()
             if failed:
                 self.turn_off(_first_reason(failure) if distributed else failure or "it failed")
                 return None
-            ratio = summed / count
+            ratio, passes = summed / count, passes / count  # the same on every process: the budget decides alike
+            self.gradients += passes
+            self._prices[kind] = max(self._prices.get(kind, 0.0), passes)
             if first_look:
                 self.first_looks += 1
             else:
                 self.samples += 1
-                self.gradients += gradients
         ratio_key, eigenvalue_key = keys_of(kind)
         values = {ratio_key: ratio, eigenvalue_key: ratio * constant}
         if first_look:
             if not ratio < self.first_look_trigger:  # NaN too: the second look at the next step, once per interval
                 soonest = step + 1 if self._last_lanczos is None else self._last_lanczos + self.every_n_steps
-                due = self.next_step if self.next_step is not None else self.every_n_steps * self.stride
+                due = self.next_step if self.next_step is not None else self.every_n_steps
                 self.next_step = min(due, max(step + 1, soonest))
         else:
-            if self.budget is not None:
-                self._rebudget(step)
             values[INTERVAL_KEY] = self._schedule(step, ratio)
             if self.reads_lanczos:
                 self._last_lanczos = step
         values.update(overhead_values(self.clock, step - (self._start_step or 0)))
-        if self.reads_lanczos:  # the run's gradients (a resumed run's restored) over its optimizer steps so far
-            values[GRADIENTS_KEY] = self.gradients / max(step, 1)
+        # the run's passes (a resumed run's restored) over its optimizer steps since the sampler started
+        values[GRADIENTS_KEY] = self.gradients / max(step - (self._counted_from or 0), 1)
         two_looks = self.first_look_every_n_steps is not None
         self.last_values = {**self.last_values, **values} if two_looks else values
         return values
@@ -593,27 +675,11 @@ class SharpnessSampler(CopiesDetached):
         """The steps to the next sample (the same on every process: ``ratio`` is their mean)."""
         if self.cadence == "fixed":
             if self.first_look_every_n_steps is not None:  # a second look brought forward moves the fixed grid on
-                self.next_step = step + self.every_n_steps * self.stride
-            return self.every_n_steps * self.stride
-        interval = adaptive_interval(ratio, self.every_n_steps) * self.stride
+                self.next_step = step + self.every_n_steps
+            return self.every_n_steps
+        interval = adaptive_interval(ratio, self.every_n_steps)
         self.next_step = step + interval
         return interval
-
-    def _rebudget(self, step: int) -> None:
-        """Choose the stride whose mean cost per sample fits the budget (the same on every process)."""
-        assert self.budget is not None
-        steps = max(step - (self._start_step or 0), 1)
-        cost, training = largest_over_processes(
-            self.clock.spent / self.samples, self.clock.training / steps, device=self._device
-        )
-        stride = stride_for(self.budget, cost, training * self.every_n_steps)
-        if stride != self.stride:
-            self.stride = stride
-            warn_rank_zero(
-                f"{self.owner}: budget {100 * self.budget:g}%: a curvature sample costs {cost:.3g} s and a training "
-                f"step {training:.3g} s, so its intervals are {stride} times longer (every_n_steps="
-                f"{self.every_n_steps} x {stride} at the densest)"
-            )
 
     def turn_off(self, why: str) -> None:
         """Stop sampling for the rest of this run (dropping any parameter copy), with one warning that says why."""
@@ -630,6 +696,15 @@ def _first_reason(mine: str | None) -> str:
         if reason:
             return reason if len(reasons) == 1 else f"on process {rank}, {reason}"
     return "it failed on another process"
+
+
+def passes_of(result: Any) -> float:
+    """The passes of the step's batch a reading took: its gradients, and a third of a pass per forward."""
+    if isinstance(result, CriticalSharpness):
+        return result.forwards * FORWARD_PASSES
+    if getattr(result, "reading", None) == "difference":
+        return 3 * FORWARD_PASSES
+    return float(getattr(result, "gradient_evaluations", 0))
 
 
 def _weights(kept: list[float | None]) -> list[float] | None:

@@ -149,7 +149,7 @@ def test_every_entry_point_hands_its_back_off_to_the_curvature_sampler():
     model = TinyGPT()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     runner = AlertRunner([edge_of_stability_rule()], actions=("backoff",))
-    monitor = connmon.Monitor(model, optimizer=optimizer, sharpness=SharpnessSampler(), alerts=runner,
+    monitor = connmon.Monitor(model, optimizer=optimizer, sharpness=SharpnessSampler(budget=None), alerts=runner,
                               loss_fn=lambda m, b: m(b).mean())  # fmt: skip
     assert monitor.sharpness.backoff is runner.backoff and monitor.sharpness._lr_scale() == 1.0
     runner.backoff.fire(step=0)
@@ -157,7 +157,7 @@ def test_every_entry_point_hands_its_back_off_to_the_curvature_sampler():
     monitor.close()
 
     drift = DriftAlert(actions=("backoff",))
-    sharpness = SharpnessMonitor(next_token_loss, every_n_steps=2)
+    sharpness = SharpnessMonitor(next_token_loss, every_n_steps=2, budget=None)
     trainer = L.Trainer(
         max_steps=2, callbacks=[sharpness, drift], logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",

@@ -229,7 +229,7 @@ def test_a_clip_configured_where_it_could_never_act_is_refused_naming_what_is_mi
 
     from tests.callbacks.lightning_models import loader
 
-    callbacks = [SharpnessMonitor(lambda module, b: module(b[0]).mean(), every_n_steps=2),
+    callbacks = [SharpnessMonitor(lambda module, b: module(b[0]).mean(), every_n_steps=2, budget=None),
                  DriftAlert(actions=("log", "qk_clip"))]  # fmt: skip
     trainer = L.Trainer(max_steps=2, callbacks=callbacks, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")  # fmt: skip

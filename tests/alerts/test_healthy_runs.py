@@ -75,7 +75,8 @@ def test_fine_tuning_minilm_at_a_sane_lr_raises_no_default_alert(tmp_path):
     torch.manual_seed(0)
     alert = DriftAlert(actions=("log",))  # the default rules
     monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
-    sharpness = SharpnessMonitor(classification_loss, every_n_steps=20, cadence="fixed")  # every 20: the most samples
+    # every 20, no budget: the most samples
+    sharpness = SharpnessMonitor(classification_loss, every_n_steps=20, cadence="fixed", budget=None)
     trainer = L.Trainer(
         max_steps=41, callbacks=[monitor, sharpness, alert], logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,

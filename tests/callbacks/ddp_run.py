@@ -121,7 +121,7 @@ def sharpness_run(out: Path) -> None:
                 local[2] = sharpness_ratio(losses, trainer.optimizers[0], steps=8, seed=2).ratio
 
     synced = {}
-    monitor = SharpnessMonitor(loss_fn, every_n_steps=2, cadence="fixed")  # the default: gradient differences
+    monitor = SharpnessMonitor(loss_fn, every_n_steps=2, cadence="fixed", budget=None)  # gradient differences
     monitor.add_listener(lambda trainer, step, values: synced.update({step: values["connmon/sharpness_ratio"]}))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_steps=6, callbacks=[monitor, Direct()], logger=False,
@@ -141,7 +141,7 @@ def secant_run(out: Path, mode: str, estimator: str = "secant") -> None:
 
     synced = {}
     loss_fn = next_token_loss if estimator != "secant" else None
-    monitor = SharpnessMonitor(loss_fn, every_n_steps=2, estimator=estimator, cadence="fixed")
+    monitor = SharpnessMonitor(loss_fn, every_n_steps=2, estimator=estimator, cadence="fixed", budget=None)
     key = keys_of(estimator)[0]
     monitor.add_listener(lambda trainer, step, values: synced.update({step: values[key]}))
     trainer = L.Trainer(
@@ -167,7 +167,7 @@ def spawn_run(out: Path, mode: str) -> None:
 
     callbacks = [
         ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None),
-        SharpnessMonitor(next_token_loss, every_n_steps=2, cadence="fixed"),
+        SharpnessMonitor(next_token_loss, every_n_steps=2, cadence="fixed", budget=None),
         DriftAlert(actions=("log",)),
     ]
     trainer = L.Trainer(
@@ -187,7 +187,7 @@ def tensor_parallel_run(out: Path, mode: str) -> None:
 
     callbacks = [
         ConnectionMonitor(every_n_steps=2, edge_samples=None, edge_queries=None, figures_every_n_samples=None),
-        SharpnessMonitor(next_token_loss, every_n_steps=2, cadence="fixed"),
+        SharpnessMonitor(next_token_loss, every_n_steps=2, cadence="fixed", budget=None),
     ]
     sharded = mode == "tp"
     trainer = L.Trainer(

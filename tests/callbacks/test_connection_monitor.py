@@ -321,7 +321,7 @@ def test_each_sample_logs_the_monitor_cost_beside_the_sharpness_monitor_and_the_
         return torch.nn.functional.cross_entropy(module(batch[0]).flatten(0, 1), batch[1].flatten())
 
     monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None, budget=0.5)
-    sharpness = SharpnessMonitor(loss_fn, every_n_steps=3, cadence="fixed")
+    sharpness = SharpnessMonitor(loss_fn, every_n_steps=3, cadence="fixed", budget=None)
     t = L.Trainer(
         max_steps=7, callbacks=[monitor, sharpness], logger=CSVLogger(tmp_path, name="csv"), enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,

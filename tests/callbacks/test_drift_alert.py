@@ -393,7 +393,7 @@ def test_a_run_resumed_from_a_checkpoint_logs_the_uninterrupted_runs_curvature(t
 
     def run(name, max_steps, ckpt_path=None, extra=()):
         series = {}
-        sampler = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
+        sampler = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed", budget=None)
         sampler.add_listener(lambda trainer, step, values: series.update({step: values["connmon/sharpness_ratio"]}))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -31,7 +31,7 @@ def round_trips(objects: list) -> None:
 def test_the_lightning_callbacks_pickle_and_deepcopy_before_and_after_a_fit(tmp_path):
     callbacks = [
         ConnectionMonitor(every_n_steps=2, diagnostics=("walk",)),
-        SharpnessMonitor(next_token_loss, every_n_steps=2, cadence="fixed"),
+        SharpnessMonitor(next_token_loss, every_n_steps=2, cadence="fixed", budget=None),
         DriftAlert(actions=("log", "backoff", "checkpoint"), restore_points=RestorePoints(dirpath=tmp_path)),
     ]
     round_trips(callbacks)
@@ -48,7 +48,7 @@ def test_monitor_and_sampler_pickle_and_deepcopy_before_and_after_training():
     torch.manual_seed(0)
     model = TinyGPT()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sampler = SharpnessSampler(every_n_steps=2, cadence="fixed")
+    sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", budget=None)
     monitor = connmon.Monitor(
         model, every_n_steps=2, diagnostics=("walk",), optimizer=optimizer, sharpness=sampler, log=None,
         loss_fn=next_token_loss, alerts=AlertRunner(actions=("log", "backoff")),

@@ -77,7 +77,7 @@ def logged(tmp_path, key=RATIO):
 
 @pytest.mark.parametrize("estimator", LANCZOS)
 def test_the_ratio_is_connmon_curvature_of_the_sampled_step_before_its_optimizer_step(tmp_path, estimator):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed", budget=None)
     direct = Direct(2, products=PRODUCTS[estimator])
     fit(tmp_path, [monitor, direct], max_steps=7)
     values = logged(tmp_path)
@@ -90,7 +90,7 @@ def test_the_ratio_is_connmon_curvature_of_the_sampled_step_before_its_optimizer
 
 def test_gradient_differences_read_what_exact_lanczos_reads_through_the_fused_attention_kernel(tmp_path):
     """The default estimator on SDPA's fused CPU kernel against double backward on its math kernel, same run."""
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed", budget=None)
     exact = Direct(2, products="double_backward")
     fit(tmp_path, [monitor, exact], module=AdamGPT(), max_steps=9)
     values = logged(tmp_path)
@@ -103,7 +103,7 @@ def test_the_whole_accumulated_batch_reads_what_one_batch_of_its_size_reads_and_
     runs = {}
     for name, batch_size, accumulate in (("one batch", 16, 1), ("four micro-batches", 4, 4)):
         series = {}
-        monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
+        monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed", budget=None)
         monitor.add_listener(lambda trainer, step, values, series=series: series.update({step: values[RATIO]}))
         alert = DriftAlert(actions=("log",))
         fit(tmp_path / name, [monitor, alert], module=AdamGPT(), max_steps=7, data=loader(batch_size),
@@ -115,7 +115,7 @@ def test_the_whole_accumulated_batch_reads_what_one_batch_of_its_size_reads_and_
 
 
 def test_the_adaptive_cadence_samples_sparsely_far_from_the_edge_and_logs_its_interval_and_gradients(tmp_path):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, lanczos_steps=4)
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, lanczos_steps=4, budget=None)
     fit(tmp_path, [monitor], max_steps=40)
     rows = {int(r["step"]): r for r in read_csv(tmp_path) if r.get(RATIO)}
     steps = sorted(rows)
@@ -128,7 +128,7 @@ def test_the_adaptive_cadence_samples_sparsely_far_from_the_edge_and_logs_its_in
     assert all(abs(total - round(total)) < 1e-3 for total in spent)
     assert all(later - earlier >= 5 for earlier, later in itertools.pairwise([0, *spent]))  # 4 products + g(theta)
     assert round(spent[-1]) == monitor.sampler.gradients
-    fresh = SharpnessMonitor(gpt_loss, every_n_steps=2, lanczos_steps=4)
+    fresh = SharpnessMonitor(gpt_loss, every_n_steps=2, lanczos_steps=4, budget=None)
     fresh.load_state_dict(monitor.state_dict())
     assert fresh.sampler.next_step == monitor.sampler.next_step > steps[-1]
 
@@ -161,7 +161,7 @@ def noisy_data():
 @pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "secant", "difference", "exact_lanczos"])
 def test_training_is_bitwise_the_same_with_the_monitor(tmp_path, estimator):
     runs = {}
-    monitor = SharpnessMonitor(noisy_loss, every_n_steps=2, estimator=estimator, cadence="fixed")
+    monitor = SharpnessMonitor(noisy_loss, every_n_steps=2, estimator=estimator, cadence="fixed", budget=None)
     for name, callbacks in (("plain", []), ("monitored", [monitor])):
         torch.manual_seed(5)
         module = Noisy()
@@ -180,7 +180,7 @@ def _optimizer_tensors(trainer):
 def test_the_connection_monitor_reads_the_same_with_it_listed_before_after_or_absent(tmp_path):
     def read(name, sharpness_first):
         monitor = ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), figures_every_n_samples=None)
-        sharpness = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
+        sharpness = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed", budget=None)
         callbacks = {None: [monitor], True: [sharpness, monitor], False: [monitor, sharpness]}[sharpness_first]
         fit(tmp_path / name, callbacks)
         return {(int(r["step"]), k): v for r in read_csv(tmp_path / name) for k, v in r.items()
@@ -192,7 +192,7 @@ def test_the_connection_monitor_reads_the_same_with_it_listed_before_after_or_ab
 
 @pytest.mark.parametrize("estimator", LANCZOS)
 def test_sampled_once_per_optimizer_step_on_every_micro_batch_under_gradient_accumulation(tmp_path, estimator):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator=estimator, cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator=estimator, cadence="fixed", budget=None)
     direct = Direct(1, products=PRODUCTS[estimator])
     trainer = fit(tmp_path, [monitor, direct], max_steps=4, accumulate_grad_batches=2)
     assert trainer.global_step == 4 and sorted(logged(tmp_path)) == [1, 2, 3]  # none after the last step
@@ -201,7 +201,7 @@ def test_sampled_once_per_optimizer_step_on_every_micro_batch_under_gradient_acc
 
 def test_the_curvature_rule_warns_past_the_edge_of_stability_on_two_samples_in_a_row(tmp_path):
     series = {}
-    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1)
+    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1, budget=None)
     sharpness.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
     alert = DriftAlert(rules=[edge_of_stability_rule()], actions=("log",))  # the curvature alone (opt-in)
     with pytest.warns(
@@ -225,7 +225,7 @@ class AdamGPT(LitGPT):
 @pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "secant"])
 def test_no_default_alert_in_the_first_steps_of_a_healthy_adam_run_sampled_every_step(tmp_path, estimator):
     series = {}
-    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator=estimator, cadence="fixed")
+    sharpness = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator=estimator, cadence="fixed", budget=None)
     sharpness.add_listener(lambda trainer, step, values: series.update({step: values[key_of(estimator)]}))
     alert = DriftAlert(actions=("log",))
     fit(tmp_path, [sharpness, alert], module=AdamGPT(), max_steps=30)
@@ -255,7 +255,7 @@ def flat(tensors):
 def test_secant_is_the_update_times_the_gradient_change_against_the_sgd_edge(tmp_path):
     """Plain SGD, lr 1e-2: ratio = u.(g_s - g_{s-1}) / (u.u / lr) / 2 with u = theta_s - theta_{s-1}."""
     series, recorder = {}, Recorder()
-    monitor = SharpnessMonitor(every_n_steps=2, estimator="secant", cadence="fixed")
+    monitor = SharpnessMonitor(every_n_steps=2, estimator="secant", cadence="fixed", budget=None)
     monitor.add_listener(lambda trainer, step, values: series.update({step: values[UPDATE]}))
     fit(tmp_path, [monitor, recorder], max_steps=7, accumulate_grad_batches=2)
     assert sorted(series) == [2, 4, 6] and sorted(logged(tmp_path, UPDATE)) == [2, 4, 6]
@@ -268,7 +268,7 @@ def test_secant_is_the_update_times_the_gradient_change_against_the_sgd_edge(tmp
 
 def test_difference_is_three_losses_along_the_update_on_the_step_batch(tmp_path):
     series, recorder = {}, Recorder()
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="difference", cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="difference", cadence="fixed", budget=None)
     monitor.add_listener(lambda trainer, step, values: series.update({step: values[UPDATE]}))
     module = LitGPT()
     fit(tmp_path, [monitor, recorder], module=module, max_steps=7)
@@ -309,7 +309,7 @@ def test_first_order_estimators_run_on_a_compiled_model_with_fused_attention_and
                 uncompiled = module.model  # the same parameters: exact Lanczos reads them through the eager model
                 exact.loss_fn = lambda m, b, model=uncompiled: next_token(model, b)
             module.model = torch.compile(module.model, backend=backend)
-            callbacks = [SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed")]
+            callbacks = [SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed", budget=None)]
             if estimator == "finite_difference_lanczos":
                 callbacks.append(exact)
             fit(tmp_path / name, callbacks if name == "monitored" else [], module=module, max_steps=5)
@@ -329,7 +329,7 @@ def next_token(model, batch):
 
 
 def test_it_logs_what_it_costs_and_says_it_at_the_end(tmp_path, caplog):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="exact_lanczos", cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator="exact_lanczos", cadence="fixed", budget=None)
     with caplog.at_level("INFO"):
         fit(tmp_path, [monitor], max_steps=7)
     rows = [r for r in read_csv(tmp_path) if r.get("connmon/overhead/curvature")]
@@ -342,19 +342,22 @@ def test_it_logs_what_it_costs_and_says_it_at_the_end(tmp_path, caplog):
                for r in caplog.records)  # fmt: skip
 
 
-def test_a_budget_thins_the_samples_the_same_way_and_resumes(tmp_path):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="exact_lanczos", budget=0.05, cadence="fixed")
-    with pytest.warns(
-        UserWarning, match=r"SharpnessMonitor: budget 5%: a curvature sample costs .* so its intervals are"
-    ):
-        fit(tmp_path, [monitor], max_steps=30)
-    stride = monitor.sampler.stride
-    assert stride > 1 and monitor.state_dict()["stride"] == stride
+def test_the_budget_is_the_default_and_a_resumed_run_keeps_its_account(tmp_path):
+    """5% of the training's passes by default; a resumed monitor affords the steps the uninterrupted one does."""
+    assert SharpnessMonitor(gpt_loss).sampler.budget == 0.05
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, lanczos_steps=2, budget=0.25, cadence="fixed")
+    with pytest.warns(UserWarning, match=r"budget 25%: a curvature reading \(finite_difference_lanczos\) is priced "
+                      r"at 5 passes .* the next at step 20 \(budget=None: no limit\)"):  # fmt: skip
+        fit(tmp_path, [monitor], max_steps=45)
     steps = sorted(logged(tmp_path))
-    assert steps[0] == 1 and all(s % stride == 0 for s in steps[2:] if s > steps[1] * stride)
-    fresh = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="exact_lanczos", budget=0.05, cadence="fixed")
+    assert steps[0] == 20  # 2 products + g(theta) + 2 retakes priced before the first reading, at 25%
+    assert monitor.sampler.gradients <= 0.25 * 45 + 1e-9
+    fresh = SharpnessMonitor(gpt_loss, every_n_steps=1, lanczos_steps=2, budget=0.25, cadence="fixed")
     fresh.load_state_dict(monitor.state_dict())
-    assert fresh.sampler.stride == stride and fresh.samples == monitor.samples
+    kind = "finite_difference_lanczos"
+    assert [fresh.sampler.affords(s, kind) for s in range(45, 120)] == [
+        monitor.sampler.affords(s, kind) for s in range(45, 120)
+    ]
 
 
 class Adagrad(LitGPT):
@@ -375,7 +378,7 @@ def failing_loss(module, batch):
     ],
 )
 def test_what_it_cannot_measure_turns_it_off_with_one_warning_and_the_run_goes_on(tmp_path, module, loss_fn, why):
-    monitor = SharpnessMonitor(loss_fn, every_n_steps=1)
+    monitor = SharpnessMonitor(loss_fn, every_n_steps=1, budget=None)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         trainer = fit(tmp_path, [monitor], module=module(), max_steps=4)
@@ -387,7 +390,7 @@ def test_what_it_cannot_measure_turns_it_off_with_one_warning_and_the_run_goes_o
 def test_lanczos_on_a_compiled_model_has_no_double_backward_so_it_is_turned_off_and_trains_on(tmp_path):
     module = LitGPT()
     module.model = torch.compile(module.model, backend="aot_eager")
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="exact_lanczos", cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=1, estimator="exact_lanczos", cadence="fixed", budget=None)
     with pytest.warns(UserWarning, match="SharpnessMonitor is off for the rest of this run: RuntimeError"):
         trainer = fit(tmp_path, [monitor], module=module, max_steps=3)
     assert trainer.global_step == 3 and monitor.off is not None
@@ -395,7 +398,7 @@ def test_lanczos_on_a_compiled_model_has_no_double_backward_so_it_is_turned_off_
 
 @pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "secant", "difference", "exact_lanczos"])
 def test_bf16_mixed_precision_measures_a_finite_ratio_in_the_training_autocast(tmp_path, estimator):
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, estimator=estimator, cadence="fixed", budget=None)
     fit(tmp_path, [monitor], max_steps=5, precision="bf16-mixed")
     values = logged(tmp_path, key_of(estimator))
     assert sorted(values) == [2, 4] and all(math.isfinite(v) for v in values.values())
@@ -420,7 +423,7 @@ def test_a_hugging_face_model_held_by_a_lightning_module(tmp_path):
     def hf_loss(module, batch):
         return module.model(input_ids=batch[0], labels=batch[0]).loss
 
-    monitor, direct = SharpnessMonitor(hf_loss, every_n_steps=2, cadence="fixed"), Direct(2, hf_loss)
+    monitor, direct = SharpnessMonitor(hf_loss, every_n_steps=2, cadence="fixed", budget=None), Direct(2, hf_loss)
     exact = Direct(2, hf_loss, products="double_backward")
     fit(tmp_path, [monitor, direct, exact], module=LitHF(), max_steps=5)
     values = logged(tmp_path)
@@ -481,7 +484,7 @@ class TiedGPT(LitGPT):
 
 def test_gradient_differences_read_what_exact_lanczos_reads_with_tied_embeddings(tmp_path):
     """One tensor in two places of the graph: its curvature is read once, as exact Lanczos reads it."""
-    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed")
+    monitor = SharpnessMonitor(gpt_loss, every_n_steps=2, cadence="fixed", budget=None)
     exact = Direct(2, products="double_backward")
     fit(tmp_path, [monitor, exact], module=TiedGPT(), max_steps=6)
     values = logged(tmp_path)

@@ -206,7 +206,7 @@ def test_accelerates_prepared_optimizer_is_read_and_hooked_and_training_is_uncha
             )  # fmt: skip
             monitor = connmon.Monitor(
                 model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer, loss_fn=loss_fn, alerts=alerts,
-                sharpness=SharpnessSampler(every_n_steps=2, cadence="fixed"),
+                sharpness=SharpnessSampler(every_n_steps=2, cadence="fixed", budget=None),
                 log=lambda values, step: logged.update({(step, k): v for k, v in values.items()}),
             )  # fmt: skip
         losses = []
@@ -320,7 +320,10 @@ def test_each_option_is_declared_once_and_every_entry_point_takes_it_by_keyword(
         assert rest.annotation == f"Unpack[{keywords}]", entry_point
     sampler = inspect.signature(SharpnessSampler).parameters
     assert written(SharpnessKeywords.__annotations__) == {n: p.annotation for n, p in sampler.items() if n != "owner"}
-    assert SharpnessMonitor(lambda module, batch: 0, every_n_steps=3, cadence="fixed").sampler.every_n_steps == 3
+    assert (
+        SharpnessMonitor(lambda module, batch: 0, every_n_steps=3, cadence="fixed", budget=None).sampler.every_n_steps
+        == 3
+    )
     with pytest.raises(TypeError, match="ConnectionMonitor got an unexpected keyword argument 'every_n_step'; the"):
         ConnectionMonitor(every_n_step=5)
     with pytest.raises(ValueError, match="spectrum_k must be"):

@@ -40,7 +40,7 @@ def train(
     if watched:
         monitor = connmon.Monitor(
             model, every_n_steps=10**6, diagnostics=("walk",), optimizer=optimizer, loss_fn=loss_fn,
-            sharpness=SharpnessSampler(every_n_steps=2, cadence="fixed"),
+            sharpness=SharpnessSampler(every_n_steps=2, cadence="fixed", budget=None),
             log=lambda values, step: RATIO in values and logged.update({step: values[RATIO]}),
         )  # fmt: skip
     losses = []
@@ -335,13 +335,16 @@ def train_critical(
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     logged: dict[int, float] = {}
     two_looks = estimator == "two looks"  # critical every 2 steps, Lanczos every 4 and after each first look
-    monitor, key = None, ALONG_THE_UPDATE["critical" if two_looks else estimator]
+    budget = estimator == "budget"  # critical after every step the budget affords
+    monitor, key = None, ALONG_THE_UPDATE["critical" if two_looks or budget else estimator]
     if watched:
-        if two_looks:
+        if budget:
+            sampler = SharpnessSampler(every_n_steps=1, cadence="fixed", estimator="critical", budget=0.9)
+        elif two_looks:
             sampler = SharpnessSampler(every_n_steps=4, cadence="fixed", first_look_every_n_steps=2,
-                                       first_look_trigger=0.0)  # fmt: skip
+                                       first_look_trigger=0.0, budget=None)  # fmt: skip
         else:
-            sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", estimator=estimator)  # type: ignore[arg-type]
+            sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", estimator=estimator, budget=None)  # type: ignore[arg-type]
 
         def log(values: dict, step: int) -> None:
             if key in values:
@@ -421,6 +424,24 @@ def test_readings_along_the_update_of_a_sharded_run_are_the_global_batchs_and_tr
     _, expected = train_critical(TinyGPT().double(), whole, watched=True, estimator=estimator)
     for step, ratio in ranks[0]["read"].items():
         assert ratio == pytest.approx(expected[int(step)], rel=1e-6), step
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "tp"])
+def test_a_budget_affords_a_sharded_run_the_steps_it_affords_one_process_on_the_global_batch(tmp_path, layout):
+    """Each reading's passes are their mean over the processes, so every process affords the same steps: those one
+    process affords on the whole batch, the first reading priced before it is taken; training bitwise unchanged."""
+    mp.spawn(critical_worker, args=(free_port(), str(tmp_path), layout, "budget"), nprocs=2)
+    ranks = [json.loads((tmp_path / f"critical{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["watched"] == rank["plain"]
+    read = {int(step): ratio for step, ratio in ranks[0]["read"].items()}
+    whole = batches(0) if layout == "tp" else [torch.cat(pair) for pair in zip(batches(0), batches(1), strict=True)]
+    torch.manual_seed(0)
+    _, expected = train_critical(TinyGPT().double(), whole, watched=True, estimator="budget")
+    assert sorted(read) == sorted(expected) and min(read) == 3  # 7 forwards (7/3 passes) priced at 90%: step 3
+    for step, ratio in read.items():
+        assert ratio == pytest.approx(expected[step], rel=1e-6), step
 
 
 @pytest.mark.distributed

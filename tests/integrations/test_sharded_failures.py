@@ -73,7 +73,7 @@ def train(layout: str, data: list[torch.Tensor], monitor_loss=None, between: int
     if monitor_loss is not None:
         monitor = connmon.Monitor(
             model, every_n_steps=10**6, diagnostics=("walk",), optimizer=optimizer, loss_fn=monitor_loss,
-            sharpness=SharpnessSampler(every_n_steps=2, cadence="fixed", lanczos_steps=LANCZOS),
+            sharpness=SharpnessSampler(every_n_steps=2, cadence="fixed", lanczos_steps=LANCZOS, budget=None),
         )  # fmt: skip
     losses = []
     with warnings.catch_warnings(record=True) as seen, _failing_between(between):

@@ -12,18 +12,19 @@ import torch
 import connmon
 from connmon.alerts import AlertRunner, edge_of_stability_rule
 from connmon.callbacks import SharpnessMonitor
-from connmon.curvature.sampler import SharpnessSampler, keys_of
+from connmon.curvature.sampler import SharpnessSampler, first_reading_price, keys_of
 from tests.callbacks.lightning_models import LitGPT, loader
 
 RATIO = "connmon/sharpness_ratio"
 UPDATE = "connmon/update_sharpness_ratio"
 CRITICAL = "connmon/critical_sharpness_ratio"
+GRADIENTS = "connmon/overhead/curvature_gradients"
 
 
 def lightning_ratios(estimator: str, max_steps: int = 7) -> dict[int, float]:
     series = {}
     monitor = SharpnessMonitor(
-        lambda m, b: next_token_loss(m.model, b), every_n_steps=2, estimator=estimator, cadence="fixed"
+        lambda m, b: next_token_loss(m.model, b), every_n_steps=2, estimator=estimator, cadence="fixed", budget=None
     )
     monitor.add_listener(lambda trainer, step, values: series.update({step: values[keys_of(estimator)[0]]}))
     trainer = L.Trainer(
@@ -51,7 +52,7 @@ def plain_loop(monitor_options: dict, max_steps: int = 7, looks: bool = False) -
 
     def log(values, step):
         if looks:
-            read = {key: values[key] for key in (RATIO, CRITICAL) if key in values}
+            read = {key: values[key] for key in (RATIO, CRITICAL, GRADIENTS) if key in values}
             logged.setdefault(step, {}).update(read)
             return
         for key in (RATIO, UPDATE):
@@ -75,16 +76,61 @@ def plain_loop(monitor_options: dict, max_steps: int = 7, looks: bool = False) -
 
 @pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "exact_lanczos", "secant", "difference"])
 def test_a_plain_loop_logs_what_lightning_logs(estimator):
-    sampler = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed")
+    sampler = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed", budget=None)
     loop, _ = plain_loop({"sharpness": sampler, "loss_fn": next_token_loss})
     assert sorted(loop) == [2, 4, 6]
     assert loop == pytest.approx(lightning_ratios(estimator), rel=1e-9)
 
 
+def test_the_default_budget_holds_lightning_and_a_plain_loop_to_the_same_readings_from_the_first():
+    """Every reading waits until the passes spent plus its price fit the budget: the same steps in both entry points."""
+    options = {"every_n_steps": 1, "cadence": "fixed", "lanczos_steps": 2, "budget": 0.25}
+    loop, _ = plain_loop({"sharpness": SharpnessSampler(**options), "loss_fn": next_token_loss}, 70, looks=True)
+    series: dict[int, float] = {}
+    monitor = SharpnessMonitor(lambda m, b: next_token_loss(m.model, b), **options)
+    monitor.add_listener(lambda trainer, step, values: series.update({step: values[RATIO]}))
+    trainer = L.Trainer(max_steps=70, callbacks=[monitor], logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, accelerator="cpu")  # fmt: skip
+    trainer.fit(LitGPT(), loader())
+    loop = {step: values for step, values in loop.items() if RATIO in values}
+    assert {step: values[RATIO] for step, values in loop.items()} == pytest.approx(series, rel=1e-9)
+    assert len(series) >= 3
+    spent = {step: values[GRADIENTS] * step for step, values in loop.items()}  # passes so far, as logged
+    price, before = first_reading_price("finite_difference_lanczos", 2), 0.0  # replayed from the passes logged
+    for step, total in sorted(spent.items()):
+        assert before + price <= 0.25 * step + 1e-9 < before + price + 0.25  # the first step the budget affords
+        price, before = max(price if before else 0.0, total - before), total
+    assert before <= 0.25 * 70
+
+
+def test_the_hugging_face_trainer_holds_the_readings_to_the_budget_from_the_first(tmp_path):
+    pytest.importorskip("transformers")
+    from connmon.integrations.transformers import ConnectionMonitorCallback
+    from tests.integrations.test_transformers import make_trainer
+
+    trainer = make_trainer(tmp_path, max_steps=45, logging_steps=1000)
+    sharpness = SharpnessSampler(every_n_steps=1, cadence="fixed", lanczos_steps=2, budget=0.25)
+    trainer.add_callback(ConnectionMonitorCallback(trainer, every_n_steps=1000, diagnostics=("walk",),
+                                                   sharpness=sharpness))  # fmt: skip
+    trainer.train()
+    spent = {row["step"]: row[GRADIENTS] * row["step"] for row in trainer.state.log_history if GRADIENTS in row}
+    assert min(spent) == 20 and len(spent) >= 2  # priced at 5 passes before the first, at 25%
+    price, before = first_reading_price("finite_difference_lanczos", 2), 0.0
+    for step, total in sorted(spent.items()):
+        assert before + price <= 0.25 * step + 1e-9 < before + price + 0.25
+        price, before = max(price if before else 0.0, total - before), total
+
+
 def test_two_looks_log_the_same_in_lightning_and_a_plain_loop():
-    options = {"every_n_steps": 4, "cadence": "fixed", "first_look_every_n_steps": 2, "first_look_trigger": 0.0}
+    options = {
+        "every_n_steps": 4,
+        "cadence": "fixed",
+        "first_look_every_n_steps": 2,
+        "first_look_trigger": 0.0,
+        "budget": None,
+    }
     loop, _ = plain_loop({"sharpness": SharpnessSampler(**options), "loss_fn": next_token_loss}, 9, looks=True)
-    loop = {step: values for step, values in loop.items() if values}
+    loop = {step: {k: v for k, v in values.items() if k != GRADIENTS} for step, values in loop.items() if values}
     series: dict[int, dict[str, float]] = {}
     monitor = SharpnessMonitor(lambda m, b: next_token_loss(m.model, b), **options)
     monitor.add_listener(lambda trainer, step, values: series.setdefault(step, {}).update(values))
@@ -99,7 +145,7 @@ def test_two_looks_log_the_same_in_lightning_and_a_plain_loop():
 
 def test_the_plain_loop_trains_bitwise_the_same_and_leaves_no_hook():
     _, plain = plain_loop({})
-    sampler = SharpnessSampler(every_n_steps=1, estimator="secant", cadence="fixed")
+    sampler = SharpnessSampler(every_n_steps=1, estimator="secant", cadence="fixed", budget=None)
     _, monitored = plain_loop({"sharpness": sampler})
     assert all(
         torch.equal(a, b) for a, b in zip(plain.state_dict().values(), monitored.state_dict().values(), strict=True)
@@ -110,17 +156,19 @@ def test_the_plain_loop_trains_bitwise_the_same_and_leaves_no_hook():
 def test_the_plain_loop_alert_rules_see_the_ratio():
     seen = []
     runner = AlertRunner([edge_of_stability_rule(since=0, consecutive=1, bound=0.0)], actions=(), on_alert=seen.append)
-    plain_loop({"sharpness": SharpnessSampler(every_n_steps=2), "alerts": runner, "loss_fn": next_token_loss})
+    plain_loop(
+        {"sharpness": SharpnessSampler(every_n_steps=2, budget=None), "alerts": runner, "loss_fn": next_token_loss}
+    )
     assert [(a.key, a.step) for a in seen] == [(RATIO, 2)]  # the cooldown keeps it to one
 
 
 def test_plain_loop_options_are_checked():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ValueError, match="sharpness needs the optimizer it watches"):
-        connmon.Monitor(sharpness=SharpnessSampler(estimator="secant"))
+        connmon.Monitor(sharpness=SharpnessSampler(estimator="secant", budget=None))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="estimator='difference' reads a loss: pass loss_fn"):
-        connmon.Monitor(optimizer=optimizer, sharpness=SharpnessSampler(estimator="difference"))
+        connmon.Monitor(optimizer=optimizer, sharpness=SharpnessSampler(estimator="difference", budget=None))
     with pytest.raises(ValueError, match=r"sharpness must be a connmon\.curvature\.sampler\.SharpnessSampler"):
         connmon.Monitor(optimizer=optimizer, sharpness="secant")
 
@@ -150,7 +198,7 @@ def test_the_hugging_face_trainer_logs_the_secant_of_its_own_gradients(tmp_path)
                 "lr": optimizer.param_groups[0]["lr"],  # the next step's
             }
 
-    sharpness = SharpnessSampler(every_n_steps=2, estimator="secant", cadence="fixed")
+    sharpness = SharpnessSampler(every_n_steps=2, estimator="secant", cadence="fixed", budget=None)
     callback = ConnectionMonitorCallback(trainer, every_n_steps=1000, sharpness=sharpness)
     trainer.add_callback(callback)
     trainer.add_callback(Recorder())
@@ -204,7 +252,7 @@ def test_the_hugging_face_trainer_reads_a_loss_on_the_sampled_step_batches(tmp_p
                                             seed=2, products=products,
                                             weights=[1.0] * len(losses))  # fmt: skip
 
-    sharpness = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed")
+    sharpness = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed", budget=None)
     callback = ConnectionMonitorCallback(trainer, every_n_steps=2, diagnostics=("walk",), sharpness=sharpness)
     trainer.add_callback(callback)
     trainer.add_callback(Direct())
@@ -238,7 +286,7 @@ def test_the_hugging_face_trainer_reads_the_steps_loss_whatever_its_accumulation
         )  # fmt: skip
         # step 2 is Adam's second step (its preconditioner from two gradients reads 29): the rule tests from step 3
         alerts = AlertRunner([edge_of_stability_rule(consecutive=1, since=3)], actions=("log",))
-        sharpness = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed")
+        sharpness = SharpnessSampler(every_n_steps=2, estimator=estimator, cadence="fixed", budget=None)
         callback = ConnectionMonitorCallback(
             trainer, every_n_steps=1000, diagnostics=("walk",), sharpness=sharpness, alerts=alerts
         )
@@ -274,7 +322,7 @@ def test_a_plain_loop_reads_the_steps_loss_whatever_its_normaliser():
         loss_fn = next_token_loss if layout != "normalised" else lambda m, b: summed_loss(m, b, tokens["step"])
         monitor = connmon.Monitor(
             model, every_n_steps=1000, diagnostics=("walk",), optimizer=optimizer, loss_fn=loss_fn,
-            sharpness=SharpnessSampler(every_n_steps=1, cadence="fixed"),
+            sharpness=SharpnessSampler(every_n_steps=1, cadence="fixed", budget=None),
             log=lambda values, step, logged=logged: RATIO in values and logged.update({step: values[RATIO]}),
         )  # fmt: skip
         batches = iter(loader(batch_size=8))
@@ -308,7 +356,7 @@ def test_past_the_edge_the_sampler_waits_for_the_rules_cooldown_in_every_entry_p
     def rule():
         return edge_of_stability_rule(bound=1e-9, consecutive=2, cooldown=10, since=0)
 
-    sampler = SharpnessSampler(every_n_steps=2, cadence="fixed")
+    sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", budget=None)
     logged, _ = plain_loop(
         {"sharpness": sampler, "loss_fn": next_token_loss, "alerts": AlertRunner([rule()], actions=("log",))},
         max_steps=23,
@@ -319,7 +367,7 @@ def test_past_the_edge_the_sampler_waits_for_the_rules_cooldown_in_every_entry_p
     from connmon.callbacks import DriftAlert
 
     seen = {}
-    monitor = SharpnessMonitor(lambda m, b: next_token_loss(m.model, b), every_n_steps=2, cadence="fixed")
+    monitor = SharpnessMonitor(lambda m, b: next_token_loss(m.model, b), every_n_steps=2, cadence="fixed", budget=None)
     monitor.add_listener(lambda trainer, step, values: seen.update({step: values[RATIO]}))
     trainer = L.Trainer(
         max_steps=23, callbacks=[monitor, DriftAlert(rules=[rule()], actions=("log",))], logger=False,

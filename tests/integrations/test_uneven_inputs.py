@@ -39,7 +39,7 @@ def train(rank: int, counts: tuple[int, int], watched: bool) -> dict:
     if watched:
         monitor = connmon.Monitor(
             model, every_n_steps=4, diagnostics=("walk", "transport"), optimizer=optimizer, loss_fn=loss_fn,
-            sharpness=SharpnessSampler(every_n_steps=4, cadence="fixed"), logit_every_n_steps=2,
+            sharpness=SharpnessSampler(every_n_steps=4, cadence="fixed", budget=None), logit_every_n_steps=2,
             optimizer_every_n_steps=1, log=lambda values, step: logged.append([step, values]),
         )  # fmt: skip
     with warnings.catch_warnings(record=True) as said, model.join():

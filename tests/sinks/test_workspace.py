@@ -38,7 +38,7 @@ def logged_keys(tmp_path_factory) -> set[str]:
             actions=(*connmon.alerts.DEFAULT_ACTIONS, "qk_clip"), qk_clip=connmon.alerts.QKClip(threshold=0.05)
         ),
         optimizer=optimizer,
-        sharpness=SharpnessSampler(every_n_steps=2, lanczos_steps=2),
+        sharpness=SharpnessSampler(every_n_steps=2, lanczos_steps=2, budget=None),
         loss_fn=lambda net, ids: torch.nn.functional.cross_entropy(net(ids).flatten(0, 1), ids.flatten()),
     )
     for step in range(4):
