@@ -221,6 +221,7 @@ print(step_peak, status("VmHWM") - before)
 
 
 def main() -> None:
+    global STEPS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--configs", nargs="*", help="only these configurations (plain is always run)")
@@ -228,7 +229,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help="steps per run (the window: steps 1 to the last)")
     parser.add_argument("--skip-memory", action="store_true", help="leave out the memory table")
     args = parser.parse_args()
-    global STEPS
     STEPS = args.steps
     os.environ.setdefault("WANDB_SILENT", "true")
     warnings.filterwarnings("ignore", category=UserWarning)  # a benchmark's table, not Lightning's advice
