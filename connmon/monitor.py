@@ -30,7 +30,6 @@ from typing_extensions import Unpack
 from connmon._collectives import from_rank_zero, joins_seen, process_count, processes_in_step, watch_joins
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, cost_line, overhead_values
-from connmon._moved import renamed_name
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_callable, check_choice
 from connmon._probe import device_of, read_beside
@@ -277,13 +276,6 @@ class Monitor(CopiesDetached):
     def transport_clip(self) -> Any:
         """The ``"transport_clip"`` action (None: off, or turned off after it raised)."""
         return self.clips.transport_clip if self.clips is not None else None
-
-    def __getattr__(self, name: str) -> Any:
-        """Deprecated: an option read as the monitor's attribute (``monitor.every_n_steps``): read ``options``."""
-        if name in OPTION_NAMES and "options" in self.__dict__:
-            renamed_name(f"Monitor.{name}", f"Monitor.options.{name}", removed_in="0.2.0")
-            return getattr(self.__dict__["options"], name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # the first attention sampler's state, read as the monitor's (a plain loop has one)
 

@@ -12,7 +12,7 @@ ROOT = Path(connmon.__file__).parent
 # every module's floor, lowest first: a module imports only modules of lower floors and of its own group (a package
 # or a module named here); two groups on one floor never import each other
 FLOORS = [
-    ("connmon.keys", "connmon._collectives", "connmon._copying", "connmon._moved", "connmon._optimizer",
+    ("connmon.keys", "connmon._collectives", "connmon._copying", "connmon._optimizer",
      "connmon._options", "connmon._pause", "connmon.demo", "connmon.sample_text", "connmon.sinks.figures",
      "connmon.sinks.wandb"),
     ("connmon._ranks", "connmon._cost", "connmon._linalg"),
@@ -22,7 +22,7 @@ FLOORS = [
     ("connmon.alerts", "connmon.analysis", "connmon.attention_sampler", "connmon.sinks.workspace"),
     ("connmon.monitor",),
     ("connmon.callbacks", "connmon.integrations"),
-    ("connmon", "connmon.loggers", "connmon.sinks"),
+    ("connmon", "connmon.sinks"),
     ("connmon.cli",),
 ]  # fmt: skip
 

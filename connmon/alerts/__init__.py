@@ -88,11 +88,3 @@ __all__ = [
     "stale_second_moment_notice",
     "write_restore_point",
 ]
-
-
-def __getattr__(name: str) -> object:
-    if name != "ACTIONS":
-        raise AttributeError(f"module 'connmon.alerts' has no attribute {name!r}")
-    from connmon.alerts import runner
-
-    return runner.ACTIONS

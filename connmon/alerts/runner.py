@@ -13,7 +13,6 @@ from typing import Any, Literal, TypeVar
 from typing_extensions import TypedDict
 
 from connmon import keys
-from connmon._moved import renamed_name
 from connmon._options import check_callable, check_choice, check_items, check_number
 from connmon._ranks import warn_rank_zero
 from connmon.alerts.action import AlertAction, Alerted
@@ -286,10 +285,3 @@ def _rule_hint(item: object) -> str:
     if isinstance(item, (list, tuple)):
         return " (a list inside the list: unpack it, rules=[*rules, ...])"
     return ""
-
-
-def __getattr__(name: str) -> object:
-    if name != "ACTIONS":
-        raise AttributeError(f"module 'connmon.alerts.runner' has no attribute {name!r}")
-    renamed_name("connmon.alerts.ACTIONS", "DEFAULT_ACTIONS (KNOWN_ACTIONS lists them all)", removed_in="0.2.0")
-    return DEFAULT_ACTIONS

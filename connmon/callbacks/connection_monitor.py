@@ -9,12 +9,11 @@ from lightning.pytorch import LightningModule, Trainer
 from typing_extensions import Unpack
 
 from connmon._copying import CopiesDetached
-from connmon._moved import renamed_name
 from connmon._saved_state import checked_state
 from connmon.attention_sampler import AttentionSampler
 from connmon.callbacks._cost import say_cost
 from connmon.callbacks._run import LightningRun, RunPart, running
-from connmon.sampling import OPTION_NAMES, SamplingKeywords, SamplingOptions, sampling_options
+from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 
 
 class ConnectionMonitor(CopiesDetached, RunPart):
@@ -79,19 +78,6 @@ class ConnectionMonitor(CopiesDetached, RunPart):
     def last_sampled_step(self) -> int:
         """The step of the latest sample (-1 before the first)."""
         return self.sampler.last_sampled_step
-
-    @property
-    def monitor(self) -> AttentionSampler:
-        """Deprecated: the attention sampler, :attr:`sampler`."""
-        renamed_name("ConnectionMonitor.monitor", "ConnectionMonitor.sampler", removed_in="0.2.0")
-        return self.sampler
-
-    def __getattr__(self, name: str) -> Any:
-        """Deprecated: an option read as the callback's attribute (``monitor.every_n_steps``): read ``options``."""
-        if name in OPTION_NAMES and "sampler" in self.__dict__:
-            renamed_name(f"ConnectionMonitor.{name}", f"ConnectionMonitor.options.{name}", removed_in="0.2.0")
-            return getattr(self.__dict__["sampler"].options, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def state_key(self) -> str:

@@ -13,7 +13,6 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from connmon._linalg.lanczos import largest_eigenvalue
-from connmon._moved import renamed_keywords, renamed_name
 from connmon._options import check_int
 from connmon.curvature.geometry import root_step, step_geometry
 from connmon.curvature.lockstep import PeerFailure
@@ -64,14 +63,7 @@ class Sharpness:
     gradient_evaluations: int = 0
     difference_length: float = math.nan
 
-    @property
-    def step(self) -> float:
-        """Deprecated: :attr:`difference_length` (a step is an optimizer step in connmon)."""
-        renamed_name("Sharpness.step", "Sharpness.difference_length", removed_in="0.2.0")
-        return self.difference_length
 
-
-@renamed_keywords("0.2.0", relative_step="relative_length", initial_step="initial_length")  # 0.1.0's names
 def sharpness_ratio(
     loss_fn: Callable[[], Tensor] | Sequence[Callable[[], Tensor]],
     optimizer: torch.optim.Optimizer,

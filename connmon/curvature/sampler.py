@@ -59,7 +59,6 @@ from connmon import keys
 from connmon._collectives import gathered_objects, is_distributed, sum_over_processes
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, check_budget, overhead_values
-from connmon._moved import renamed
 from connmon._optimizer import unwrap_optimizer
 from connmon._options import check_int, check_number
 from connmon._pause import paused
@@ -74,7 +73,6 @@ if TYPE_CHECKING:  # the rules are handed in by the entry points: the curvature 
 
 Estimator = Literal["finite_difference_lanczos", "exact_lanczos", "difference", "secant", "critical"]
 ESTIMATORS: tuple[Estimator, ...] = ("finite_difference_lanczos", "exact_lanczos", "difference", "secant", "critical")
-RENAMED_ESTIMATORS = {"gradient_difference": "finite_difference_lanczos", "lanczos": "exact_lanczos"}  # 0.1.0's names
 Cadence = Literal["adaptive", "fixed"]
 CADENCES: tuple[Cadence, ...] = ("adaptive", "fixed")
 RATIO_KEY = keys.SHARPNESS_RATIO
@@ -186,10 +184,9 @@ class SharpnessSampler(CopiesDetached):
             ``2 every_n_steps``, ...; with ``"adaptive"``, the first sample is at ``every_n_steps`` and each sample
             sets the next one's distance from its ratio (:func:`adaptive_interval`).
         estimator: ``"finite_difference_lanczos"``, ``"exact_lanczos"``, ``"difference"``, ``"secant"`` or
-            ``"critical"`` (see the module docstring; 0.1.0's ``"gradient_difference"`` and ``"lanczos"`` still work,
-            with a warning). ``"critical"`` logs ``connmon/critical_sharpness_ratio``, ``eta / eta_c``: the step
-            the optimizer took over the smallest step along the same update that raises the loss of the batch it
-            trained on (all its micro-batches; the mean over processes), by a line search of 4-7 forwards
+            ``"critical"`` (see the module docstring). ``"critical"`` logs ``connmon/critical_sharpness_ratio``, ``eta /
+            eta_c``: the step the optimizer took over the smallest step along the same update that raises the loss of
+            the batch it trained on (all its micro-batches; the mean over processes), by a line search of 4-7 forwards
             (:meth:`connmon.curvature.UpdateProbe.critical`), read at the next step's start, warm-started from the
             previous reading; and ``connmon/critical_sharpness_eigenvalue``, ``2 / eta_c`` in the first parameter
             group's learning-rate units (Kalra et al.'s critical sharpness).
@@ -259,8 +256,6 @@ class SharpnessSampler(CopiesDetached):
         if first_look_every_n_steps is not None:
             check_int("first_look_every_n_steps", first_look_every_n_steps)
         check_number("first_look_trigger", first_look_trigger, low=0.0)
-        if estimator in RENAMED_ESTIMATORS:
-            estimator = renamed("estimator", estimator, RENAMED_ESTIMATORS[estimator], removed_in="0.2.0")  # type: ignore[assignment]
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got estimator={estimator!r}")
         if cadence not in CADENCES:

@@ -45,7 +45,6 @@ from connmon._linalg import eigvals, spectral_norm
 from connmon._linalg.heads import concat_heads
 from connmon._linalg.krylov import Which, certified, default_tol, krylov_schur
 from connmon._linalg.lanczos import largest_eigenvalue
-from connmon._moved import moved
 from connmon.functional._causal import causal_first, complex_dtype, first_by
 from connmon.functional._checks import as_float, promote, shape
 from connmon.functional.operator import (
@@ -733,9 +732,3 @@ def ov_spectral_radius(w_v: Tensor, w_o: Tensor, *, scale: Tensor | None = None)
     v_cat, o_cat = concat_heads(w_v, w_o)
     core = v_cat @ o_cat if v_cat.shape[-2] < v_cat.shape[-1] else o_cat @ v_cat
     return eigvals(core).abs().amax(dim=-1) * _inverse_scale(w_v, w_o, scale)
-
-
-def __getattr__(name: str) -> object:
-    if name not in ("connection_matvec", "walk_basis"):
-        raise AttributeError(f"module 'connmon.functional.spectrum' has no attribute {name!r}")
-    return moved("connmon.functional.spectrum", name, "connmon.functional.operator", removed_in="0.2.0")

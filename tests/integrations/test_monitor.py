@@ -335,12 +335,10 @@ def test_each_option_is_declared_once_and_every_entry_point_takes_it_by_keyword(
     given = SamplingOptions(every_n_steps=9, diagnostics=("walk",))
     assert ConnectionMonitor(options=given).options is given
     assert connmon.Monitor(options=given, spectrum_k=4).options.every_n_steps == 9  # keywords replace its values
-    with pytest.warns(DeprecationWarning, match="^Monitor.every_n_steps is now Monitor.options.every_n_steps"):
-        assert connmon.Monitor(every_n_steps=7).every_n_steps == 7
-    with pytest.warns(DeprecationWarning, match="ConnectionMonitor.every_n_steps is now ConnectionMonitor.options"):
-        assert callback.every_n_steps == 7
-    with pytest.warns(DeprecationWarning, match="ConnectionMonitor.monitor is now ConnectionMonitor.sampler"):
-        assert callback.monitor is callback.sampler
+    with pytest.raises(AttributeError):  # an option is read from .options, in one place
+        connmon.Monitor(every_n_steps=7).every_n_steps  # noqa: B018
+    with pytest.raises(AttributeError):
+        callback.every_n_steps  # noqa: B018
 
 
 def test_every_sample_logs_what_the_monitor_costs_and_close_says_it():
