@@ -15,7 +15,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Leave the long tests out of the default run, unless ``--all`` or ``-m`` asks for them."""
-    if config.getoption("--all") or config.option.markexpr not in ("", "not timm"):
+    if config.getoption("--all") or config.option.markexpr not in ("", "not timm and not olmo_core"):
         return
     kept, left = [], []
     for item in items:

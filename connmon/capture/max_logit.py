@@ -575,7 +575,8 @@ class _Watch(TorchFunctionMode):
         if self.calls:
             tracker._seen_call[self.index] = True
             layout = tracker._layouts[self.index]
-            if self.find_layout and (layout is None or layout.query is None):
+            clipped = tracker.threshold is not None  # QK-clip acts: the one reader of the query and key rows
+            if clipped and self.find_layout and (layout is None or layout.query is None):
                 warn_once(
                     f"connmon: {tracker.names[self.index]}: its queries or keys are not output rows of one of its "
                     "projections (a norm, a latent or a rotation between them), so QK-clip cannot scale them there",

@@ -134,7 +134,16 @@ def test_families_max_logit_equals_the_capture_and_qk_clip_brings_it_to_the_thre
     layouts = [tracker.layout(index) for index in range(len(layers))]
     if family.name in NO_LAYOUT:
         assert all(layout.query is layout.key is None for layout in layouts)
-        assert all("QK-clip cannot scale" in s for s in said)
+        assert not said  # no clip acts: nothing to say
+        clipping = HeadMaxLogits([layer.module for layer in layers], [layer.name for layer in layers])
+        clipping.threshold = 1e9  # QK-clip's tau: it reads the query and key rows, so it is told why it cannot
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            clipping.watch()
+            model(**batch)
+            clipping.unwatch()
+        said = [str(w.message) for w in caught if "connmon" in str(w.message)]
+        assert len(said) == len(layers) and all("QK-clip cannot scale" in s for s in said)
         return
     assert None not in layouts and not said
     if family.name == "ALBERT":  # its second call reads what the clipped first call wrote: no exact threshold

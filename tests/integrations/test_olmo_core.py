@@ -1,0 +1,129 @@
+"""connmon inside OLMo-core's own Trainer: a tiny OLMo-2 model (SDPA, RoPE, QK-norm), generated tokens, on CPU.
+
+OLMo-core 3.0.0 and transformers >= 5.25 need different ``huggingface_hub`` majors, so these tests carry the
+``olmo_core`` marker: the default run deselects them and ``.ci/run`` runs them in an environment of their own with
+the ``olmo-core`` extra (``python -m pytest -m olmo_core tests/integrations/test_olmo_core.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import connmon
+from connmon.alerts import AlertRunner, logit_bound_rule
+
+pytestmark = pytest.mark.olmo_core
+
+VOCAB, LENGTH, SEQUENCES = 128, 16, 4  # 4 sequences a step, 2 micro-batches of 2
+
+
+class Recorder:
+    """What OLMo-core hands its loggers (console, W&B, Comet) at each step: the metrics as they would be logged."""
+
+    def __new__(cls):
+        from olmo_core.train.callbacks import Callback
+
+        class _Recorder(Callback):
+            def __init__(self) -> None:
+                self.rows: dict[int, dict[str, float]] = {}
+
+            def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+                self.rows.setdefault(step, {}).update({k: float(v) for k, v in metrics.items()})
+
+        return _Recorder()
+
+
+def build_trainer(tmp_path, callbacks: dict, steps: int = 5):
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.train_module import TransformerTrainModuleConfig
+
+    tokens = np.random.default_rng(0).integers(1, VOCAB, size=64 * LENGTH * SEQUENCES, dtype=np.uint16)
+    tokens.tofile(tmp_path / "tokens.npy")
+    tokenizer = TokenizerConfig(vocab_size=VOCAB, eos_token_id=0, pad_token_id=0)
+    dataset = NumpyFSLDatasetConfig(paths=[str(tmp_path / "tokens.npy")], sequence_length=LENGTH,
+                                    tokenizer=tokenizer, work_dir=str(tmp_path / "dataset")).build()  # fmt: skip
+    loader = NumpyDataLoaderConfig(global_batch_size=SEQUENCES * LENGTH, seed=0, num_workers=0,
+                                   work_dir=str(tmp_path / "loader")).build(dataset)  # fmt: skip
+    torch.manual_seed(0)
+    model = TransformerConfig.olmo2_1M(vocab_size=VOCAB).build(init_device="cpu")
+    config = TransformerTrainModuleConfig(rank_microbatch_size=2 * LENGTH, max_sequence_length=LENGTH,
+                                          optim=AdamWConfig(lr=1e-2))  # fmt: skip
+    module = config.build(model, device=torch.device("cpu"))  # initializes the weights
+    initial = copy.deepcopy(module.model)
+    trainer = TrainerConfig(save_folder=str(tmp_path / "save"), max_duration=Duration.steps(steps),
+                            metrics_collect_interval=1, save_overwrite=True).build(module, loader)  # fmt: skip
+    for name, callback in callbacks.items():
+        trainer.add_callback(name, callback)
+    return trainer, initial
+
+
+def first_batch(tmp_path) -> dict:
+    """The first batch OLMo-core's loader hands the trainer (a fresh trainer over the same files and seed)."""
+    trainer, _ = build_trainer(tmp_path, {})
+    trainer.data_loader.reshuffle(1)  # what the trainer does for its first epoch
+    return next(iter(trainer.data_loader))
+
+
+def test_the_callback_logs_what_connmon_reads_of_the_same_forward_and_training_is_bitwise_unchanged(tmp_path):
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    (tmp_path / "plain").mkdir()
+    plain, _ = build_trainer(tmp_path / "plain", {})
+    plain.fit()
+    (tmp_path / "watched").mkdir()
+    recorder = Recorder()
+    callback = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk", "transport"), optimizer_every_n_steps=1)
+    watched, initial = build_trainer(tmp_path / "watched", {"connmon": callback, "recorder": recorder})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        watched.fit()
+    assert [str(w.message) for w in caught if "connmon" in str(w.message)] == []  # no layer skipped, nothing said
+    for a, b in zip(plain.train_module.model.parameters(), watched.train_module.model.parameters(), strict=True):
+        assert torch.equal(a, b)  # bitwise, with the capture armed on steps 1, 3 and 5
+    sampled = sorted(step for step, row in recorder.rows.items() if "connmon/attention_entropy/all" in row)
+    assert sampled == [1, 3, 5]  # the states after 0, 2 and 4 optimizer steps, at OLMo-core's step numbers
+    assert all(f"connmon/max_logit_bound/L{layer:02d}" in recorder.rows[5] for layer in range(4))
+    assert all(key in recorder.rows[3] for key in ("connmon/update_rms", "connmon/stale_second_moment"))  # its AdamW
+    # the same forward (the first micro-batch of step 1, the initial weights) read by a plain connmon.Monitor
+    (tmp_path / "reference").mkdir()
+    batch = first_batch(tmp_path / "reference")
+    logged: dict[str, float] = {}
+    reference = connmon.Monitor(initial, every_n_steps=2, diagnostics=("walk", "transport"),
+                                log=lambda values, step: logged.update(values))  # fmt: skip
+    with reference.step(0):
+        initial(batch["input_ids"][:2])
+    reference.close()
+    keys = [key for key in logged if key.startswith(("connmon/attention_entropy", "connmon/head_isometry_gap"))]
+    assert len(keys) >= 8
+    for key in keys:
+        assert recorder.rows[1][key] == pytest.approx(logged[key], rel=1e-5), key
+
+
+def test_an_alert_at_the_stop_level_cancels_the_run_on_its_step(tmp_path):
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    alerts = AlertRunner([logit_bound_rule(bound=0.0, level="ERROR")], actions=("log", "stop"))
+    callback = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",), alerts=alerts)
+    trainer, _ = build_trainer(tmp_path, {"connmon": callback}, steps=8)
+    with pytest.warns(UserWarning, match="logit"):
+        trainer.fit()
+    assert trainer.is_canceled and trainer.global_step == 1  # the sample of step 0 alerted; no second step ran
+
+
+def test_the_monitors_state_round_trips_through_the_callback(tmp_path):
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    callback = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",))
+    trainer, _ = build_trainer(tmp_path, {"connmon": callback}, steps=3)
+    trainer.fit()
+    fresh = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",))
+    fresh.load_state_dict(callback.state_dict())
+    assert repr(fresh.state_dict()) == repr(callback.state_dict()) and callback.monitor.samples == 2
