@@ -8,6 +8,8 @@ the ``olmo-core`` extra (``python -m pytest -m olmo_core tests/integrations/test
 from __future__ import annotations
 
 import copy
+import json
+import os
 import warnings
 
 import numpy as np
@@ -38,12 +40,12 @@ class Recorder:
         return _Recorder()
 
 
-def build_trainer(tmp_path, callbacks: dict, steps: int = 5):
+def build_trainer(tmp_path, callbacks: dict, steps: int = 5, data_parallel: bool = False):
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.nn.transformer import TransformerConfig
     from olmo_core.optim import AdamWConfig
     from olmo_core.train import Duration, TrainerConfig
-    from olmo_core.train.train_module import TransformerTrainModuleConfig
+    from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
 
     tokens = np.random.default_rng(0).integers(1, VOCAB, size=64 * LENGTH * SEQUENCES, dtype=np.uint16)
     tokens.tofile(tmp_path / "tokens.npy")
@@ -54,10 +56,11 @@ def build_trainer(tmp_path, callbacks: dict, steps: int = 5):
                                    work_dir=str(tmp_path / "loader")).build(dataset)  # fmt: skip
     torch.manual_seed(0)
     model = TransformerConfig.olmo2_1M(vocab_size=VOCAB).build(init_device="cpu")
+    sharded = TransformerDataParallelConfig(name="fsdp") if data_parallel else None  # FSDP2 over the processes
     config = TransformerTrainModuleConfig(rank_microbatch_size=2 * LENGTH, max_sequence_length=LENGTH,
-                                          optim=AdamWConfig(lr=1e-2))  # fmt: skip
+                                          optim=AdamWConfig(lr=1e-2), dp_config=sharded)  # fmt: skip
     module = config.build(model, device=torch.device("cpu"))  # initializes the weights
-    initial = copy.deepcopy(module.model)
+    initial = None if data_parallel else copy.deepcopy(module.model)  # FSDP2 modules do not deepcopy
     trainer = TrainerConfig(save_folder=str(tmp_path / "save"), max_duration=Duration.steps(steps),
                             metrics_collect_interval=1, save_overwrite=True).build(module, loader)  # fmt: skip
     for name, callback in callbacks.items():
@@ -127,3 +130,56 @@ def test_the_monitors_state_round_trips_through_the_callback(tmp_path):
     fresh = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",))
     fresh.load_state_dict(callback.state_dict())
     assert repr(fresh.state_dict()) == repr(callback.state_dict()) and callback.monitor.samples == 2
+
+
+def fsdp_worker(rank: int, port: int, out: str, watched: bool) -> None:
+    """One arm on one process (OLMo-core builds its world mesh once per process): its weights and logged rows."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+    from tests.gloo import leave
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")  # fmt: skip
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        recorder = Recorder()
+        callbacks = {"recorder": recorder}
+        if watched:
+            callbacks["connmon"] = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",))
+        folder = Path(out) / f"{watched}"
+        folder.mkdir(exist_ok=True)
+        trainer, _ = build_trainer(folder, callbacks, steps=3, data_parallel=True)
+        trainer.fit()
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.train_module.model.parameters()]
+        torch.save([w.detach().clone() for w in local], Path(out) / f"weights{rank}-{watched}.pt")
+        rows = {step: {k: v for k, v in row.items() if k.startswith("connmon/")} for step, row in recorder.rows.items()}
+        (Path(out) / f"rows{rank}-{watched}.json").write_text(json.dumps(rows))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave()
+
+
+@pytest.mark.distributed
+def test_two_processes_with_olmo_cores_fsdp_train_bitwise_and_log_the_same_synced_sample(tmp_path):
+    """OLMo-core's FSDP over 2 gloo processes (its data loader splits the global batch): training bitwise as without
+    connmon on every process (each its own shards), the samples of steps 0 and 2 synced across them (each process
+    records its own first micro-batch), every layer read."""
+    from tests.gloo import free_port, spawn
+
+    for watched in (False, True):
+        spawn(fsdp_worker, args=(free_port(), str(tmp_path), watched), nprocs=2, timeout=300)
+    for rank in range(2):
+        plain, monitored = (torch.load(tmp_path / f"weights{rank}-{w}.pt") for w in (False, True))
+        assert all(torch.equal(a, b) for a, b in zip(plain, monitored, strict=True))
+    rows = [json.loads((tmp_path / f"rows{rank}-True.json").read_text()) for rank in range(2)]
+    sampled = {step: row for step, row in rows[0].items() if "connmon/attention_entropy/all" in row}
+    assert sorted(sampled) == ["1", "3"]
+    assert all(f"connmon/attention_entropy/L{layer:02d}" in sampled["1"] for layer in range(4))
+    for step, row in sampled.items():
+        for key, value in row.items():
+            if key.startswith("connmon/attention_entropy"):
+                assert rows[1][step][key] == pytest.approx(value, rel=1e-6), (step, key)
