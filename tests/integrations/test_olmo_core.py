@@ -183,3 +183,16 @@ def test_two_processes_with_olmo_cores_fsdp_train_bitwise_and_log_the_same_synce
         for key, value in row.items():
             if key.startswith("connmon/attention_entropy"):
                 assert rows[1][step][key] == pytest.approx(value, rel=1e-6), (step, key)
+
+
+def test_the_docs_page_runs_as_pasted(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parents[2] / "docs" / "olmo_core.md").read_text()
+    (code,) = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(compile(code, "docs/olmo_core.md", "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert trainer.global_step == 6 and trainer.callbacks["connmon"].monitor.samples == 3
