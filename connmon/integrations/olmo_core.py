@@ -8,14 +8,17 @@ Needs the ``olmo-core`` extra: ``pip install "torch-connmon[olmo-core]"`` (``ai2
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from olmo_core.data.utils import get_labels, split_batch
 from olmo_core.train.callbacks import Callback
 from typing_extensions import Unpack
 
 from connmon._ranks import warn_rank_zero
 from connmon.alerts.runner import AlertRunner
+from connmon.curvature.sampler import SharpnessSampler
 from connmon.monitor import Monitor
 from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 
@@ -36,13 +39,18 @@ class ConnectionMonitorCallback(Callback):
     ``Attention`` modules on its SDPA backend (GQA, RoPE, QK-norm) are read exactly; the flash, ring and Transformer
     Engine backends call kernels connmon does not see, so their layers are skipped with one warning that says why.
     With ``alerts`` an alert at the runner's ``stop_level`` cancels the run (``trainer.cancel_run``, on every process
-    at once). The monitor's state rides in OLMo-core's checkpoints (:meth:`state_dict`).
+    at once). With ``sharpness`` the curvature is read on the loss the step trains on, as OLMo-core's
+    ``TransformerTrainModule`` forms it (every micro-batch's summed cross-entropy and z-loss over the step's token
+    count, label masking included: :func:`step_losses`), kept at ``pre_step`` and read at ``pre_optim_step``. The
+    monitor's state rides in OLMo-core's checkpoints (:meth:`state_dict`).
 
-    Not yet: the curvature sampler (``sharpness``) and the ``"checkpoint"`` action (restore points) here.
+    Not yet: the ``"checkpoint"`` action (restore points) here.
 
     Args:
         options: the sampling options (:class:`~connmon.sampling.SamplingOptions`); ``probe`` is not read here.
         alerts: the alert rules and actions (:class:`connmon.alerts.AlertRunner`), or None.
+        sharpness: the curvature sampler (:class:`connmon.curvature.sampler.SharpnessSampler`), or None; it needs a
+            ``TransformerTrainModule`` (its ``model_forward`` gives the step's loss).
         **sampling: the sampling options by keyword (``every_n_steps=100``, ...).
 
     Examples:
@@ -59,11 +67,14 @@ class ConnectionMonitorCallback(Callback):
         *,
         options: SamplingOptions | None = None,
         alerts: AlertRunner | None = None,
+        sharpness: SharpnessSampler | None = None,
         **sampling: Unpack[SamplingKeywords],
     ) -> None:
         options = sampling_options(options, "ConnectionMonitorCallback", **sampling)
         self.monitor = Monitor(options=options, owner=OWNER, log=self._log, log_on_every_rank=True)
-        self.monitor.use(alerts=alerts)
+        self.monitor.use(alerts=alerts, sharpness=sharpness)
+        if sharpness is not None:
+            sharpness.owner = f"{OWNER} (sharpness)"
         self._model: torch.nn.Module | None = None
         self._hooks: list[Any] = []
         self._forwards = 0  # forwards of the step under way (its micro-batches)
@@ -87,6 +98,10 @@ class ConnectionMonitorCallback(Callback):
         """Before the step's micro-batches: each forward is watched (the first recorded on a sampled step)."""
         if self._model is None:
             return
+        sharpness = self.monitor.sharpness
+        if sharpness is not None and sharpness.reads_forward(self._taken()):  # before the hooks: not recorded
+            for loss in step_losses(self.trainer.train_module, batch):
+                self.monitor.read_forward(self._taken(), loss, self._model, 1.0)  # each already over the step's tokens
         self._forwards = 0
         self._hooks = [
             self._model.register_forward_pre_hook(self._forward_starts),
@@ -142,4 +157,48 @@ class ConnectionMonitorCallback(Callback):
             self.monitor.load_state_dict(state_dict["monitor"])
 
 
-__all__ = ["ConnectionMonitorCallback"]
+def step_losses(module: Any, batch: dict[str, Any]) -> list[Callable[[], torch.Tensor]]:
+    """The losses of a step's micro-batches as OLMo-core's ``TransformerTrainModule.train_batch`` forms them.
+
+    Each is the micro-batch's summed cross-entropy (and z-loss, with ``z_loss_multiplier``) over the step's count of
+    tokens in the loss (labels from ``get_labels``: masks applied, masked instances counted as OLMo-core counts them),
+    so their sum is the loss the step trains on; each is a closure that runs ``module.model_forward`` when called.
+
+    Args:
+        module: a ``TransformerTrainModule`` (its ``model_forward``, ``rank_microbatch_size``, ``label_ignore_index``
+            and ``z_loss_multiplier``).
+        batch: the step's batch on this process, as ``pre_step`` gets it.
+
+    Examples:
+        >>> import torch
+        >>> from connmon.integrations.olmo_core import step_losses
+        >>> class Module:  # what step_losses reads of a TransformerTrainModule
+        ...     rank_microbatch_size, label_ignore_index, z_loss_multiplier = 8, -100, None
+        ...     def model_forward(self, input_ids, labels, loss_div_factor, **kwargs):
+        ...         return None, labels.ne(-100).sum() / loss_div_factor, None, None
+        >>> losses = step_losses(Module(), {"input_ids": torch.ones(4, 4, dtype=torch.long)})
+        >>> len(losses), float(sum(loss() for loss in losses))  # 2 micro-batches; their sum is the step's loss
+        (2, 1.0)
+    """
+    ignore = module.label_ignore_index
+    labels = batch["labels"] if "labels" in batch else get_labels(batch, label_ignore_index=ignore)
+    tokens = (labels != ignore).sum()
+    masked = batch.get("instance_mask")
+    if masked is not None:  # masked instances count as tokens of zero loss (OLMo-core's train_batch)
+        tokens = tokens + (~masked).sum() * labels.shape[1]
+    losses: list[Callable[[], torch.Tensor]] = []
+    for micro in split_batch({**batch, "labels": labels}, module.rank_microbatch_size // labels.shape[1]):
+        kwargs = dict(micro)
+        input_ids, micro_labels = kwargs.pop("input_ids"), kwargs.pop("labels")
+
+        def loss(input_ids: Any = input_ids, labels: Any = micro_labels, kwargs: dict = kwargs) -> torch.Tensor:
+            return module.model_forward(
+                input_ids, labels=labels, ignore_index=ignore, loss_reduction="sum",
+                z_loss_multiplier=module.z_loss_multiplier, loss_div_factor=tokens, return_logits=False, **kwargs,
+            )[1]  # fmt: skip
+
+        losses.append(loss)
+    return losses
+
+
+__all__ = ["ConnectionMonitorCallback", "step_losses"]

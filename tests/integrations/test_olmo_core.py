@@ -40,7 +40,7 @@ class Recorder:
         return _Recorder()
 
 
-def build_trainer(tmp_path, callbacks: dict, steps: int = 5, data_parallel: bool = False):
+def build_trainer(tmp_path, callbacks: dict, steps: int = 5, data_parallel: bool = False, z_loss: float | None = None):
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.nn.transformer import TransformerConfig
     from olmo_core.optim import AdamWConfig
@@ -58,7 +58,8 @@ def build_trainer(tmp_path, callbacks: dict, steps: int = 5, data_parallel: bool
     model = TransformerConfig.olmo2_1M(vocab_size=VOCAB).build(init_device="cpu")
     sharded = TransformerDataParallelConfig(name="fsdp") if data_parallel else None  # FSDP2 over the processes
     config = TransformerTrainModuleConfig(rank_microbatch_size=2 * LENGTH, max_sequence_length=LENGTH,
-                                          optim=AdamWConfig(lr=1e-2), dp_config=sharded)  # fmt: skip
+                                          optim=AdamWConfig(lr=1e-2), dp_config=sharded,
+                                          z_loss_multiplier=z_loss)  # fmt: skip
     module = config.build(model, device=torch.device("cpu"))  # initializes the weights
     initial = None if data_parallel else copy.deepcopy(module.model)  # FSDP2 modules do not deepcopy
     trainer = TrainerConfig(save_folder=str(tmp_path / "save"), max_duration=Duration.steps(steps),
@@ -196,3 +197,60 @@ def test_the_docs_page_runs_as_pasted(tmp_path, monkeypatch):
     exec(compile(code, "docs/olmo_core.md", "exec"), namespace)
     trainer = namespace["trainer"]
     assert trainer.global_step == 6 and trainer.callbacks["connmon"].monitor.samples == 3
+
+
+def test_the_curvature_reads_the_loss_the_step_trains_on_z_loss_and_every_micro_batch_included(tmp_path):
+    """The Lanczos ratio logged at a sampled step is :func:`connmon.curvature.sharpness_ratio` of the step's loss
+    written here from OLMo-core's definition (cross-entropy and z-loss summed over tokens, over the step's token
+    count, both micro-batches), read at the same point (after the backward); that loss is what OLMo-core logs."""
+    from olmo_core.train.callbacks import Callback
+
+    from connmon.curvature import sharpness_ratio
+    from connmon.curvature.sampler import SharpnessSampler
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    class Direct(Callback):
+        priority = 1  # before connmon's at pre_optim_step: both read the gradients the step left
+
+        def __init__(self) -> None:
+            self.losses: list = []
+            self.reading = None
+
+        def pre_step(self, batch):
+            if self.trainer.global_step == 3:  # the step after 2 optimizer steps
+                ids = batch["input_ids"].clone()
+                labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+                tokens = (labels != -100).sum()
+                model = self.trainer.train_module.model
+
+                def loss(rows: slice):
+                    logits = model(ids[rows]).float()
+                    ce = torch.nn.functional.cross_entropy(
+                        logits.flatten(0, 1), labels[rows].flatten(), reduction="sum"
+                    )
+                    z = 1e-3 * logits.logsumexp(-1).pow(2)[labels[rows] != -100].sum()
+                    return (ce + z) / tokens
+
+                self.losses = [lambda: loss(slice(0, 2)), lambda: loss(slice(2, 4))]
+
+        def pre_optim_step(self):
+            if self.losses:
+                optimizer = self.trainer.train_module.optim
+                self.reading = sharpness_ratio(self.losses, optimizer, steps=8, model=self.trainer.train_module.model,
+                                               seed=2, weights=[1.0, 1.0])  # fmt: skip
+                self.at_start = float(sum(loss() for loss in self.losses))
+                self.losses = []
+
+    recorder, direct = Recorder(), Direct()
+    sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", budget=None)
+    callback = ConnectionMonitorCallback(every_n_steps=1000, diagnostics=("walk",), sharpness=sampler)
+    trainer, _ = build_trainer(tmp_path, {"connmon": callback, "direct": direct, "recorder": recorder}, steps=4,
+                               z_loss=1e-3)  # fmt: skip
+    trainer.fit()
+    ratios = {
+        step: row["connmon/sharpness_ratio"] for step, row in recorder.rows.items() if "connmon/sharpness_ratio" in row
+    }
+    assert sorted(ratios) == [3] and direct.reading is not None
+    assert ratios[3] == pytest.approx(direct.reading.ratio, rel=1e-4)
+    logged = recorder.rows[3]["train/CE loss"] + recorder.rows[3]["train/Z loss"]
+    assert direct.at_start == pytest.approx(logged, rel=1e-4)  # the loss written here is the one OLMo-core trained on
