@@ -8,6 +8,8 @@ Needs the ``olmo-core`` extra: ``pip install "torch-connmon[olmo-core]"`` (``ai2
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -16,7 +18,7 @@ from olmo_core.data.utils import get_labels, split_batch
 from olmo_core.train.callbacks import Callback
 from typing_extensions import Unpack
 
-from connmon._ranks import warn_rank_zero
+from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.monitor import Monitor
@@ -44,7 +46,10 @@ class ConnectionMonitorCallback(Callback):
     count, label masking included: :func:`step_losses`), kept at ``pre_step`` and read at ``pre_optim_step``. The
     monitor's state rides in OLMo-core's checkpoints (:meth:`state_dict`).
 
-    Not yet: the ``"checkpoint"`` action (restore points) here.
+    With the ``"checkpoint"`` action a restore point is OLMo-core's own checkpoint of the step that follows the alert
+    (``trainer.save_checkpoint()`` in ``save_folder/step<N>``: the model, the optimizer, the data loader and every
+    callback's state, this one's included), rotated by ``RestorePoints.keep`` (local folders) and resumed as OLMo-core
+    resumes any checkpoint (``load_path``, or the latest in ``save_folder``).
 
     Args:
         options: the sampling options (:class:`~connmon.sampling.SamplingOptions`); ``probe`` is not read here.
@@ -133,6 +138,11 @@ class ConnectionMonitorCallback(Callback):
             return
         step = self._taken()
         outcome = self.monitor.step_end(step)
+        points = self.monitor.alerts.restore_points if self.monitor.alerts is not None else None
+        if points is not None and outcome.restore_point is not None:  # the state after this step's optimizer step
+            trainer = self.trainer
+            path = os.path.join(trainer.save_folder, trainer.checkpointer.checkpoint_dirname(trainer.global_step))
+            points.save_due(trainer.global_step, path, lambda _: trainer.save_checkpoint(), _remove, owner=OWNER)
         if outcome.stop is not None and not self.trainer.is_canceled and self.monitor.alerts is not None:
             self.monitor.alerts.say_stop(OWNER, outcome.stop)
             self.trainer.cancel_run(f"connmon: an alert at step {outcome.stop} asked to stop", no_sync=True)
@@ -155,6 +165,12 @@ class ConnectionMonitorCallback(Callback):
         """Restore what :meth:`state_dict` saved."""
         if state_dict.get("monitor") is not None:
             self.monitor.load_state_dict(state_dict["monitor"])
+
+
+def _remove(path: str) -> None:
+    """An older restore point beyond ``keep``: a local folder, removed by rank zero (a URL is left as it is)."""
+    if is_rank_zero() and os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def step_losses(module: Any, batch: dict[str, Any]) -> list[Callable[[], torch.Tensor]]:

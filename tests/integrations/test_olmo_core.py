@@ -40,7 +40,9 @@ class Recorder:
         return _Recorder()
 
 
-def build_trainer(tmp_path, callbacks: dict, steps: int = 5, data_parallel: bool = False, z_loss: float | None = None):
+def build_trainer(
+    tmp_path, callbacks: dict, steps: int = 5, data_parallel: bool = False, z_loss: float | None = None, load=None
+):
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.nn.transformer import TransformerConfig
     from olmo_core.optim import AdamWConfig
@@ -63,7 +65,8 @@ def build_trainer(tmp_path, callbacks: dict, steps: int = 5, data_parallel: bool
     module = config.build(model, device=torch.device("cpu"))  # initializes the weights
     initial = None if data_parallel else copy.deepcopy(module.model)  # FSDP2 modules do not deepcopy
     trainer = TrainerConfig(save_folder=str(tmp_path / "save"), max_duration=Duration.steps(steps),
-                            metrics_collect_interval=1, save_overwrite=True).build(module, loader)  # fmt: skip
+                            metrics_collect_interval=1, save_overwrite=True, load_path=load)  # fmt: skip
+    trainer = trainer.build(module, loader)
     for name, callback in callbacks.items():
         trainer.add_callback(name, callback)
     return trainer, initial
@@ -254,3 +257,34 @@ def test_the_curvature_reads_the_loss_the_step_trains_on_z_loss_and_every_micro_
     assert ratios[3] == pytest.approx(direct.reading.ratio, rel=1e-4)
     logged = recorder.rows[3]["train/CE loss"] + recorder.rows[3]["train/Z loss"]
     assert direct.at_start == pytest.approx(logged, rel=1e-4)  # the loss written here is the one OLMo-core trained on
+
+
+def test_a_restore_point_is_olmo_cores_own_checkpoint_and_resumes_as_the_uninterrupted_run(tmp_path):
+    """An alert with the "checkpoint" action at the sample of step 0 saves OLMo-core's checkpoint after step 1 (the
+    model, the optimizer, the data loader, connmon's state); a run loaded from it trains and logs bitwise as the
+    uninterrupted one."""
+    from pathlib import Path
+
+    from connmon.alerts import RestorePoints
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    def monitored(folder: Path, load=None):
+        folder.mkdir()
+        alerts = AlertRunner([logit_bound_rule(bound=0.0, level="WARN", cooldown=1000)], actions=("log", "checkpoint"),
+                             restore_points=RestorePoints(level="WARN"))  # fmt: skip
+        recorder = Recorder()
+        callback = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",), alerts=alerts)
+        trainer, _ = build_trainer(folder, {"connmon": callback, "recorder": recorder}, steps=5, load=load)
+        with pytest.warns(UserWarning):
+            trainer.fit()
+        return trainer, recorder, callback
+
+    whole, whole_rows, whole_callback = monitored(tmp_path / "whole")
+    point = tmp_path / "whole" / "save" / "step1"
+    assert whole_callback.monitor.alerts.restore_points.paths == [str(point)] and point.is_dir()
+    resumed, resumed_rows, _ = monitored(tmp_path / "resumed", load=str(point))
+    for a, b in zip(whole.train_module.model.parameters(), resumed.train_module.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for step in (3, 5):  # the samples after the restore point, as the uninterrupted run logged them
+        keys = [k for k in whole_rows.rows[step] if k.startswith("connmon/attention_entropy")]
+        assert keys and all(resumed_rows.rows[step][k] == whole_rows.rows[step][k] for k in keys)
