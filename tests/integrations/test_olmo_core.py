@@ -41,7 +41,13 @@ class Recorder:
 
 
 def build_trainer(
-    tmp_path, callbacks: dict, steps: int = 5, data_parallel: bool = False, z_loss: float | None = None, load=None
+    tmp_path,
+    callbacks: dict,
+    steps: int = 5,
+    data_parallel: bool = False,
+    z_loss: float | None = None,
+    load=None,
+    qk_norm: bool = True,
 ):
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.nn.transformer import TransformerConfig
@@ -57,7 +63,12 @@ def build_trainer(
     loader = NumpyDataLoaderConfig(global_batch_size=SEQUENCES * LENGTH, seed=0, num_workers=0,
                                    work_dir=str(tmp_path / "loader")).build(dataset)  # fmt: skip
     torch.manual_seed(0)
-    model = TransformerConfig.olmo2_1M(vocab_size=VOCAB).build(init_device="cpu")
+    if qk_norm:  # OLMo-2: QK-norm
+        model = TransformerConfig.olmo2_1M(vocab_size=VOCAB).build(init_device="cpu")
+    else:
+        model = TransformerConfig.llama_like(d_model=32, vocab_size=VOCAB, n_layers=2, n_heads=4).build(
+            init_device="cpu"
+        )
     sharded = TransformerDataParallelConfig(name="fsdp") if data_parallel else None  # FSDP2 over the processes
     config = TransformerTrainModuleConfig(rank_microbatch_size=2 * LENGTH, max_sequence_length=LENGTH,
                                           optim=AdamWConfig(lr=1e-2), dp_config=sharded,
@@ -288,3 +299,24 @@ def test_a_restore_point_is_olmo_cores_own_checkpoint_and_resumes_as_the_uninter
     for step in (3, 5):  # the samples after the restore point, as the uninterrupted run logged them
         keys = [k for k in whole_rows.rows[step] if k.startswith("connmon/attention_entropy")]
         assert keys and all(resumed_rows.rows[step][k] == whole_rows.rows[step][k] for k in keys)
+
+
+def test_qk_clip_scales_the_heads_above_its_threshold_after_each_optim_step(tmp_path):
+    """A model without QK-norm (OLMo-core's llama-like, RoPE): heads past tau are clipped in the optimizer's post-hook
+    (the training then differs from a run without the clip) and the clips are logged."""
+    from connmon.alerts import QKClip
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    clip, recorder = QKClip(threshold=1e-3), Recorder()  # OLMo-core initializes small: logits of about 1e-2
+    alerts = AlertRunner([], actions=("qk_clip",), qk_clip=clip)
+    callback = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",), alerts=alerts)
+    trainer, _ = build_trainer(tmp_path, {"connmon": callback, "recorder": recorder}, steps=3, qk_norm=False)
+    with pytest.warns(UserWarning, match="QK-clip at step"):
+        trainer.fit()
+    assert clip.clipped > 0 and "connmon/qk_clips/L00" in recorder.rows[3]
+    (tmp_path / "plain").mkdir()
+    plain, _ = build_trainer(tmp_path / "plain", {}, steps=3, qk_norm=False)
+    plain.fit()
+    clipped = dict(trainer.train_module.model.named_parameters())
+    unclipped = dict(plain.train_module.model.named_parameters())
+    assert any(not torch.equal(clipped[n], unclipped[n]) for n in clipped if ".w_q." in n)  # the clip acted
