@@ -24,8 +24,6 @@ def test_lightning_cli_configures_the_monitor():
     options = monitor.options
     assert (options.every_n_steps, options.diagnostics, options.layers) == (7, ("walk", "drift"), "blocks\\.1\\.")
     assert options.figures_every_n_samples is None
-    with pytest.warns(DeprecationWarning, match="ConnectionMonitor.every_n_steps is now ConnectionMonitor.options"):
-        assert monitor.every_n_steps == 7
 
 
 def test_lightning_cli_rejects_an_unknown_diagnostic():

@@ -135,7 +135,7 @@ def test_resume_continues_cadence_and_time_drift(tmp_path):
     t.fit(LitGPT(), loader())
     assert monitor.samples == 1  # probe mode: after optimizer step 2
     state = t.checkpoint_callback.best_model_path or str(next((tmp_path / "ckpt").glob("*.ckpt")))
-    resumed = ConnectionMonitor(every_n_steps=2, diagnostics=("drift",), probe=monitor.probe)
+    resumed = ConnectionMonitor(every_n_steps=2, diagnostics=("drift",), probe=monitor.options.probe)
     t2 = trainer(tmp_path / "resumed", resumed, max_steps=5)
     t2.fit(LitGPT(), loader(), ckpt_path=state)
     assert resumed.samples == 2  # 2 before the checkpoint (restored), 4 after
@@ -223,7 +223,7 @@ def test_every_option_is_checked_in_init(option, value, message):
 
 
 def test_a_single_diagnostic_group_may_be_named_as_a_string():
-    assert ConnectionMonitor(diagnostics="walk").diagnostics == ("walk",)
+    assert ConnectionMonitor(diagnostics="walk").options.diagnostics == ("walk",)
 
 
 class StepSpy(L.Callback):
