@@ -28,7 +28,7 @@ def sampler() -> object:
         from connmon.curvature.sampler import SharpnessSampler
     except ImportError:  # before the curvature package
         from connmon.integrations.sharpness import SharpnessSampler
-    return SharpnessSampler(every_n_steps=1, cadence="fixed")
+    return SharpnessSampler(every_n_steps=1, cadence="fixed", budget=None)
 
 
 class Files:
