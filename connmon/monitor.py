@@ -51,6 +51,20 @@ Listener = Callable[[int, dict[str, float]], None]
 RuleValues = Mapping[str, float] | Callable[[], Mapping[str, float]] | None  # a callable is read only when rules run
 
 
+class RestorePointWriter(NamedTuple):
+    """Where and how an entry point's trainer saves a restore point now (:meth:`Monitor.carry_out`).
+
+    ``write(path)`` saves it (the trainer's own checkpoint), ``remove(path)`` removes one beyond ``keep`` (None: the
+    trainer rotates its own), ``saves`` the verb of the line that says where ("saved", or "saves" for one the
+    trainer writes at the end of the step).
+    """
+
+    path: str
+    write: Callable[[str], Any]
+    remove: Callable[[str], Any] | None = None
+    saves: str = "saved"
+
+
 class StepOutcome(NamedTuple):
     """What a step's end asks of the entry point: the values logged, a stop, a restore point to save.
 
@@ -485,6 +499,45 @@ class Monitor(CopiesDetached):
             "ended by forward_end(); step_end() follows the step's last forward (docs/integrations.md). Every hook "
             "connmon added is removed and the samples not finished are dropped"
         )
+
+    def carry_out(
+        self,
+        outcome: StepOutcome,
+        step: int,
+        *,
+        owner: str,
+        stop: Callable[[], bool],
+        restore_point: Callable[[], RestorePointWriter | None] | None = None,
+    ) -> None:
+        """Carry out a step's outcome the entry point's way, the same in every entry point: its restore point, its stop.
+
+        ``step`` is the optimizer steps the trainer has taken (the restore point is of that state). ``restore_point()``
+        says where and how the trainer saves one now (None: not now, and the request waits); ``stop()`` asks the
+        trainer to stop, returning False when it was stopping already (then nothing is said). Every process calls it
+        with the same outcome.
+
+        Examples:
+            >>> import warnings
+            >>> import connmon
+            >>> from connmon.alerts import AlertRunner
+            >>> from connmon.monitor import StepOutcome
+            >>> monitor, stopped = connmon.Monitor(alerts=AlertRunner([])), []
+            >>> with warnings.catch_warnings(record=True) as said:
+            ...     monitor.carry_out(StepOutcome({}, stop=7, restore_point=None), 8, owner="my loop",
+            ...                       stop=lambda: stopped.append(8) or True)
+            >>> stopped, str(said[0].message)
+            ([8], 'my loop stops the run at step 7 (an alert at level >= ERROR)')
+        """
+        alerts = self.alerts
+        if alerts is None:
+            return
+        points = alerts.restore_points
+        if points is not None and outcome.restore_point is not None and restore_point is not None:
+            writer = restore_point()
+            if writer is not None:
+                points.save_due(step, writer.path, writer.write, writer.remove, owner=owner, saves=writer.saves)
+        if outcome.stop is not None and stop():
+            alerts.say_stop(owner, outcome.stop)
 
     def model_updated(self, steps_taken: int, model: nn.Module, rule_values: RuleValues = None) -> StepOutcome:
         """The model after ``steps_taken`` optimizer steps: a sampler with a ``probe`` due then records it now."""

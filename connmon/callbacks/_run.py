@@ -24,7 +24,7 @@ from torch import Tensor
 from connmon.alerts.runner import AlertRunner
 from connmon.attention_sampler import AttentionSampler
 from connmon.curvature.sampler import SharpnessSampler
-from connmon.monitor import Monitor, StepOutcome
+from connmon.monitor import Monitor, RestorePointWriter, StepOutcome
 from connmon.sinks.wandb import find_sink
 
 _RUNS: weakref.WeakKeyDictionary[Trainer, LightningRun] = weakref.WeakKeyDictionary()
@@ -203,17 +203,22 @@ class LightningRun:
 
     def _carry_out(self, trainer: Trainer, outcome: StepOutcome) -> None:
         """A stop becomes ``trainer.should_stop``; a restore point due is saved once the optimizer stepped."""
-        if outcome.stop is not None and not trainer.should_stop and self.alerts is not None:
-            trainer.should_stop = True
-            self.alerts.say_stop("DriftAlert", outcome.stop)
-        points = self.alerts.restore_points if self.alerts is not None else None
-        if points is None or outcome.restore_point is None or trainer.global_step == self._step_at_batch_start:
-            return  # nothing asked, or inside a step (its first micro-batches): after the optimizer steps
-        if trainer.sanity_checking or trainer.state.fn != "fit":
-            return
-        step = trainer.global_step
-        path = trainer.strategy.broadcast(points.path(step, root=self._restore_root))  # rank zero's name everywhere
-        points.save_due(step, path, trainer.save_checkpoint, trainer.strategy.remove_checkpoint, owner="DriftAlert")
+        assert self.monitor is not None
+
+        def stop() -> bool:
+            stopping, trainer.should_stop = trainer.should_stop, True
+            return not stopping
+
+        def restore_point() -> RestorePointWriter | None:
+            points = self.alerts.restore_points if self.alerts is not None else None
+            if points is None or trainer.global_step == self._step_at_batch_start:
+                return None  # inside a step (its first micro-batches): after the optimizer steps
+            if trainer.sanity_checking or trainer.state.fn != "fit":
+                return None
+            path = trainer.strategy.broadcast(points.path(trainer.global_step, root=self._restore_root))  # rank 0's
+            return RestorePointWriter(path, trainer.save_checkpoint, trainer.strategy.remove_checkpoint)
+
+        self.monitor.carry_out(outcome, trainer.global_step, owner="DriftAlert", stop=stop, restore_point=restore_point)
 
 
 class RunPart(Callback, abc.ABC):

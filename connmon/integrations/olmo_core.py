@@ -21,7 +21,7 @@ from typing_extensions import Unpack
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.curvature.sampler import SharpnessSampler
-from connmon.monitor import Monitor
+from connmon.monitor import Monitor, RestorePointWriter
 from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 
 _LOG = logging.getLogger(__name__)
@@ -138,14 +138,19 @@ class ConnectionMonitorCallback(Callback):
             return
         step = self._taken()
         outcome = self.monitor.step_end(step)
-        points = self.monitor.alerts.restore_points if self.monitor.alerts is not None else None
-        if points is not None and outcome.restore_point is not None:  # the state after this step's optimizer step
-            trainer = self.trainer
+        trainer = self.trainer
+
+        def stop() -> bool:
+            if trainer.is_canceled:
+                return False
+            trainer.cancel_run(f"connmon: an alert at step {outcome.stop} asked to stop", no_sync=True)
+            return True
+
+        def restore_point() -> RestorePointWriter:  # the state after this step's optimizer step
             path = os.path.join(trainer.save_folder, trainer.checkpointer.checkpoint_dirname(trainer.global_step))
-            points.save_due(trainer.global_step, path, lambda _: trainer.save_checkpoint(), _remove, owner=OWNER)
-        if outcome.stop is not None and not self.trainer.is_canceled and self.monitor.alerts is not None:
-            self.monitor.alerts.say_stop(OWNER, outcome.stop)
-            self.trainer.cancel_run(f"connmon: an alert at step {outcome.stop} asked to stop", no_sync=True)
+            return RestorePointWriter(path, lambda _: trainer.save_checkpoint(), _remove)
+
+        self.monitor.carry_out(outcome, trainer.global_step, owner=OWNER, stop=stop, restore_point=restore_point)
 
     def post_train(self) -> None:
         """Remove every hook; say what connmon cost."""

@@ -22,7 +22,7 @@ from connmon._options import check_callable
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
 from connmon.curvature.sampler import SharpnessSampler
-from connmon.monitor import DIAGNOSTICS, Monitor
+from connmon.monitor import DIAGNOSTICS, Monitor, RestorePointWriter
 from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 from connmon.sinks.wandb import find_sink
 
@@ -212,20 +212,17 @@ class ConnectionMonitorCallback(TrainerCallback):
         model = kwargs.get("model")
         if model is not None:  # a probe: the model after global_step steps
             outcome = self.monitor.model_updated(state.global_step, model, lambda: _latest_logged(state))
-        points = self.monitor.alerts.restore_points if self.monitor.alerts is not None else None
-        if (
-            points is not None and outcome.restore_point is not None
-        ):  # "checkpoint": the Trainer saves at this step's end
-            points.save_due(
-                state.global_step,
-                str(_checkpoint_folder(args, state.global_step)),
-                lambda path: setattr(control, "should_save", True),
-                owner="ConnectionMonitorCallback: the Trainer",
-                saves="saves",
-            )  # fmt: skip (the Trainer rotates its checkpoints itself, by save_total_limit)
-        if outcome.stop is not None and not control.should_training_stop and self.monitor.alerts is not None:
-            control.should_training_stop = True
-            self.monitor.alerts.say_stop("ConnectionMonitorCallback", state.global_step)
+
+        def stop() -> bool:
+            stopping, control.should_training_stop = control.should_training_stop, True
+            return not stopping
+
+        def restore_point() -> RestorePointWriter:  # the Trainer saves at this step's end, rotated by save_total_limit
+            folder = str(_checkpoint_folder(args, state.global_step))
+            return RestorePointWriter(folder, lambda path: setattr(control, "should_save", True), saves="saves")
+
+        self.monitor.carry_out(outcome, state.global_step, owner="ConnectionMonitorCallback", stop=stop,
+                               restore_point=restore_point)  # fmt: skip
         return control
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
