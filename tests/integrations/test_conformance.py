@@ -1,0 +1,123 @@
+"""One contract: the same model, data and options through every entry point log the same rows and act alike.
+
+Each entry point is one fixture entry in ``ENTRY_POINTS``: a function that trains LitGPT's model (SGD, unshuffled
+batches) for ``STEPS`` steps under connmon with the given options and returns what it did: the connmon rows it
+logged, keyed by the optimizer steps taken before the sampled forward; the alerts; the step the run stopped at; the
+final weights. A new integration passes the suite by adding its function. The Hugging Face ``Trainer`` is not here:
+it samples the forward of its 1-based step ``k * every_n_steps`` (the state after ``k * every_n_steps - 1`` steps, so
+that its rows sit beside its own loss rows), one step later than these; OLMo-core's callback, which keeps this
+convention, lives in an environment of its own (``test_olmo_core.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import Logger
+
+import connmon
+from connmon.alerts import AlertRunner, logit_bound_rule
+from connmon.callbacks import ConnectionMonitor, DriftAlert
+from tests.callbacks.lightning_models import LitGPT, loader
+
+STEPS = 7
+OPTIONS: dict[str, Any] = {"every_n_steps": 2, "diagnostics": ("walk", "transport"), "figures_every_n_samples": None}
+
+
+def rules(error: bool) -> list:
+    """A WARN rule that fires at every other sample (its cooldown), and with ``error`` an ERROR one at the first."""
+    warn = logit_bound_rule(bound=0.0, level="WARN", cooldown=3)
+    return [warn, logit_bound_rule(bound=1e-9, level="ERROR")] if error else [warn]
+
+
+def connmon_rows(rows: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
+    return {step: {k: v for k, v in row.items() if k.startswith("connmon/") and "overhead" not in k}
+            for step, row in rows.items()}  # fmt: skip
+
+
+def plain_loop(stop_at_error: bool) -> dict[str, Any]:
+    module = LitGPT()
+    model = module.model
+    optimizer = torch.optim.SGD(model.parameters(), lr=module.lr)
+    rows: dict[int, dict[str, float]] = {}
+    alerts: list = []
+    runner = AlertRunner(rules(stop_at_error), on_alert=alerts.append, actions=("log", "stop"))
+    monitor = connmon.Monitor(model, optimizer=optimizer, alerts=runner,
+                              log=lambda values, step: rows.setdefault(step, {}).update(values), **OPTIONS)  # fmt: skip
+    stopped = None
+    batches = itertools.cycle(loader())
+    for step in range(STEPS):
+        idx, target = next(batches)
+        with monitor.step(step):
+            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if monitor.should_stop:
+            stopped = step + 1  # the optimizer steps taken when the run ended
+            break
+    monitor.close()
+    return {"rows": connmon_rows(rows), "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
+            "weights": [p.detach().clone() for p in model.parameters()]}  # fmt: skip
+
+
+class Rows(Logger):
+    """A Lightning logger that keeps every logged row by its step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: dict[int, dict[str, float]] = {}
+
+    name, version = "rows", "0"
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.setdefault(int(step or 0), {}).update(metrics)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def lightning(stop_at_error: bool) -> dict[str, Any]:
+    module = LitGPT()
+    alerts: list = []
+    alert = DriftAlert(rules(stop_at_error), actions=("log", "stop"), on_alert=alerts.append)
+    logger = Rows()
+    trainer = L.Trainer(max_steps=STEPS, callbacks=[ConnectionMonitor(**OPTIONS), alert], logger=logger,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        accelerator="cpu", log_every_n_steps=1)  # fmt: skip
+    trainer.fit(module, loader())
+    stopped = trainer.global_step if trainer.global_step < STEPS else None
+    return {"rows": connmon_rows(logger.rows), "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
+            "weights": [p.detach().clone() for p in module.model.parameters()]}  # fmt: skip
+
+
+ENTRY_POINTS: dict[str, Callable[[bool], dict[str, Any]]] = {"plain loop": plain_loop, "Lightning": lightning}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[tuple[str, bool], dict[str, Any]]:
+    return {(name, stop): run(stop) for name, run in ENTRY_POINTS.items() for stop in (False, True)}
+
+
+@pytest.mark.parametrize("entry_point", [name for name in ENTRY_POINTS if name != "plain loop"])
+def test_every_entry_point_logs_the_plain_loops_rows_alerts_and_weights(runs, entry_point):
+    reference, run = runs[("plain loop", False)], runs[(entry_point, False)]
+    assert sorted(run["rows"]) == sorted(reference["rows"]) == [0, 2, 4, 6]  # the states after 0, 2, 4, 6 steps
+    for step, row in reference["rows"].items():
+        assert sorted(run["rows"][step]) == sorted(row), step
+        assert run["rows"][step] == pytest.approx(row, rel=1e-6, nan_ok=True), step
+    assert run["alerts"] == reference["alerts"] and reference["alerts"]  # the WARN rule, at the same samples
+    assert all(torch.equal(a, b) for a, b in zip(run["weights"], reference["weights"], strict=True))
+    assert run["stopped"] is reference["stopped"] is None
+
+
+@pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
+def test_every_entry_point_stops_after_the_step_whose_sample_raised_an_error_alert(runs, entry_point):
+    run = runs[(entry_point, True)]
+    assert run["stopped"] == 1  # the ERROR rule's first sample is step 0's: the run ends after that step
+    assert runs[("plain loop", True)]["alerts"] == run["alerts"]
