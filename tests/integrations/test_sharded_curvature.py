@@ -426,19 +426,25 @@ def test_readings_along_the_update_of_a_sharded_run_are_the_global_batchs_and_tr
         assert ratio == pytest.approx(expected[int(step)], rel=1e-6), step
 
 
+def sharded_and_whole(tmp_path, layout: str, estimator: str) -> tuple[dict[int, float], dict[int, float]]:
+    """Rank zero's readings of a 2-process run (training held bitwise on each rank) and one process's on the whole
+    batch (TP: the one batch both processes read)."""
+    mp.spawn(critical_worker, args=(free_port(), str(tmp_path), layout, estimator), nprocs=2)
+    ranks = [json.loads((tmp_path / f"critical{r}.json").read_text()) for r in range(2)]
+    for rank in ranks:
+        assert rank["watched"] == rank["plain"]
+    whole = batches(0) if layout == "tp" else [torch.cat(pair) for pair in zip(batches(0), batches(1), strict=True)]
+    torch.manual_seed(0)
+    _, expected = train_critical(TinyGPT().double(), whole, watched=True, estimator=estimator)
+    return {int(step): ratio for step, ratio in ranks[0]["read"].items()}, expected
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("layout", ["ddp", "fsdp2", "tp"])
 def test_a_budget_affords_a_sharded_run_the_steps_it_affords_one_process_on_the_global_batch(tmp_path, layout):
     """Each reading's passes are their mean over the processes, so every process affords the same steps: those one
     process affords on the whole batch, the first reading priced before it is taken; training bitwise unchanged."""
-    mp.spawn(critical_worker, args=(free_port(), str(tmp_path), layout, "budget"), nprocs=2)
-    ranks = [json.loads((tmp_path / f"critical{r}.json").read_text()) for r in range(2)]
-    for rank in ranks:
-        assert rank["watched"] == rank["plain"]
-    read = {int(step): ratio for step, ratio in ranks[0]["read"].items()}
-    whole = batches(0) if layout == "tp" else [torch.cat(pair) for pair in zip(batches(0), batches(1), strict=True)]
-    torch.manual_seed(0)
-    _, expected = train_critical(TinyGPT().double(), whole, watched=True, estimator="budget")
+    read, expected = sharded_and_whole(tmp_path, layout, "budget")
     assert sorted(read) == sorted(expected) and min(read) == 3  # 7 forwards (7/3 passes) priced at 90%: step 3
     for step, ratio in read.items():
         assert ratio == pytest.approx(expected[step], rel=1e-6), step
@@ -449,14 +455,7 @@ def test_a_budget_affords_a_sharded_run_the_steps_it_affords_one_process_on_the_
 def test_two_looks_of_a_sharded_run_read_the_first_look_of_the_global_batch_and_train_bitwise(tmp_path, layout):
     """Critical sharpness (the first look) as one process reads the whole batch; the Lanczos second look at the
     same steps as one process's (the step after each first look, once per 4 steps); training bitwise unchanged."""
-    mp.spawn(critical_worker, args=(free_port(), str(tmp_path), layout, "two looks"), nprocs=2)
-    ranks = [json.loads((tmp_path / f"critical{r}.json").read_text()) for r in range(2)]
-    for rank in ranks:
-        assert rank["watched"] == rank["plain"]
-    read = {int(step): ratio for step, ratio in ranks[0]["read"].items()}
-    whole = batches(0) if layout == "tp" else [torch.cat(pair) for pair in zip(batches(0), batches(1), strict=True)]
-    torch.manual_seed(0)
-    _, expected = train_critical(TinyGPT().double(), whole, watched=True, estimator="two looks")
+    read, expected = sharded_and_whole(tmp_path, layout, "two looks")
     assert sorted(read) == sorted(expected) == [-3, 2, 4]  # STEPS = 6: first looks at 2 and 4, a second at 3
     for step in (s for s in read if s > 0):
         assert read[step] == pytest.approx(expected[step], rel=1e-6), step
