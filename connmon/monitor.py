@@ -17,8 +17,6 @@ translate their trainer's events into it.
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -35,7 +33,7 @@ from connmon._options import check_callable, check_choice
 from connmon._probe import device_of, read_beside
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon._saved_state import checked_state
-from connmon.alerts.restore import write_restore_point
+from connmon.alerts.restore import remove_restore_point, write_restore_point
 from connmon.alerts.runner import AlertRunner
 from connmon.alerts.step_clips import StepClips
 from connmon.attention_sampler import AttentionSampler
@@ -620,7 +618,7 @@ class Monitor(CopiesDetached):
                     path, step, model=self._model, optimizer=self._optimizer, connmon_state=self.state_dict()
                 )
 
-        return points.save_due(step, from_rank_zero(points.path(step)), write, _remove, owner=self.owner)
+        return points.save_due(step, from_rank_zero(points.path(step)), write, remove_restore_point, owner=self.owner)
 
     # --- the model and the optimizers -------------------------------------------------------------------------------
 
@@ -1060,13 +1058,3 @@ def _compiled_part(model: nn.Module, sampler: AttentionSampler) -> nn.Module | N
         if isinstance(original, nn.Module) and any(id(inner) in layers for inner in original.modules()):
             return module
     return None
-
-
-def _remove(path: str) -> None:
-    """Rank zero removes a restore point (a file, or a folder that a ``save`` hook wrote)."""
-    if not is_rank_zero():
-        return
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        os.remove(path)

@@ -12,9 +12,11 @@ optimizer's state.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -23,7 +25,7 @@ from torch import nn
 
 from connmon._collectives import from_rank_zero
 from connmon._options import check_callable, check_choice, check_number
-from connmon._ranks import warn_rank_zero
+from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.action import AlertAction, Alerted
 from connmon.alerts.rules import LEVELS, Alert, Level
 
@@ -214,6 +216,25 @@ class RestorePoints(AlertAction):
 def sharded(model: nn.Module | None) -> bool:
     """Whether ``model`` has a parameter sharded across processes (a ``DTensor``: FSDP2, tensor parallelism)."""
     return model is not None and any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def remove_restore_point(path: str) -> None:
+    """Rank zero removes a restore point beyond ``keep``: a file, or a folder (a ``save`` hook's, a trainer's own).
+
+    Examples:
+        >>> import os, tempfile
+        >>> from connmon.alerts.restore import remove_restore_point
+        >>> folder = tempfile.mkdtemp()
+        >>> remove_restore_point(folder)
+        >>> os.path.exists(folder)
+        False
+    """
+    if not is_rank_zero():
+        return
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.remove(path)
 
 
 def write_restore_point(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +17,8 @@ from olmo_core.data.utils import get_labels, split_batch
 from olmo_core.train.callbacks import Callback
 from typing_extensions import Unpack
 
-from connmon._ranks import is_rank_zero, warn_rank_zero
+from connmon._ranks import warn_rank_zero
+from connmon.alerts.restore import remove_restore_point
 from connmon.alerts.runner import AlertRunner
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.monitor import Monitor, RestorePointWriter
@@ -148,7 +148,7 @@ class ConnectionMonitorCallback(Callback):
 
         def restore_point() -> RestorePointWriter:  # the state after this step's optimizer step
             path = os.path.join(trainer.save_folder, trainer.checkpointer.checkpoint_dirname(trainer.global_step))
-            return RestorePointWriter(path, lambda _: trainer.save_checkpoint(), _remove)
+            return RestorePointWriter(path, lambda _: trainer.save_checkpoint(), remove_restore_point)
 
         self.monitor.carry_out(outcome, trainer.global_step, owner=OWNER, stop=stop, restore_point=restore_point)
 
@@ -170,12 +170,6 @@ class ConnectionMonitorCallback(Callback):
         """Restore what :meth:`state_dict` saved."""
         if state_dict.get("monitor") is not None:
             self.monitor.load_state_dict(state_dict["monitor"])
-
-
-def _remove(path: str) -> None:
-    """An older restore point beyond ``keep``: a local folder, removed by rank zero (a URL is left as it is)."""
-    if is_rank_zero() and os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def step_losses(module: Any, batch: dict[str, Any]) -> list[Callable[[], torch.Tensor]]:
