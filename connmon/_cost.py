@@ -25,8 +25,7 @@ import contextlib
 import math
 import time
 import weakref
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -179,39 +178,27 @@ def overhead_values(clock: CostClock, steps_trained: int | None = None) -> dict[
     return {key: value for key, value in values.items() if math.isfinite(value)}
 
 
-def summary(clock: CostClock, owner: str) -> str:
-    """One line for the end of a run: what the monitor cost, in percent of training time.
-
-    Examples:
-        >>> from connmon._cost import CostClock, summary
-        >>> summary(CostClock("attention"), "ConnectionMonitor")
-        'ConnectionMonitor cost nothing measurable (no sample was taken)'
-    """
-    if clock.sections == 0 or not math.isfinite(clock.fraction):
-        return f"{owner} cost nothing measurable (no sample was taken)"
-    return (
-        f"{owner} cost {100 * clock.fraction:.2f}% of training time ({clock.spent:.2f} s in connmon against "
-        f"{clock.training:.1f} s of training)"
-    )
-
-
-def cost_line(owner: str, clock: CostClock, sharpness: Any = None) -> str:
-    """What an entry point says its monitors cost at the end of a run, in one line (every entry point says this).
+def cost_line(owner: str, clocks: Sequence[CostClock]) -> str:
+    """What an entry point's monitors cost over a run, in one line (every entry point says it at the run's end).
 
     Args:
         owner: the entry point.
-        clock: its attention monitor's clock.
-        sharpness: its curvature sampler (anything with a ``.clock``), or None.
+        clocks: the clocks of its parts (attention, curvature); those that timed nothing are left out.
 
     Examples:
         >>> from connmon._cost import CostClock, cost_line
-        >>> cost_line("connmon.Monitor", CostClock("attention"))
+        >>> cost_line("connmon.Monitor", [CostClock("attention")])
         'connmon.Monitor cost nothing measurable (no sample was taken)'
     """
-    line = summary(clock, owner)
-    if sharpness is not None:
-        line += "; " + summary(sharpness.clock, "its curvature samples")
-    return line
+    timed = [clock for clock in clocks if clock.sections and math.isfinite(clock.fraction)]
+    if not timed:
+        return f"{owner} cost nothing measurable (no sample was taken)"
+    parts = ", ".join(f"{clock.part} {100 * clock.fraction:.2f}%" for clock in timed)
+    spent = sum(clock.spent for clock in timed)
+    return (
+        f"{owner} cost {100 * sum(clock.fraction for clock in timed):.2f}% of training time ({parts}; {spent:.2f} s "
+        f"in connmon against {max(clock.training for clock in timed):.1f} s of training)"
+    )
 
 
 def check_budget(budget: object) -> None:

@@ -359,7 +359,8 @@ def _report(args: argparse.Namespace) -> int:
     for name, figure in figures.items():
         figure.savefig(out / f"{name}.png", dpi=110)
     logged = _logged_figures(args.run_dir, out)
-    steps = sorted({step for steps, _ in series.values() for step in steps})
+    # the samples' steps, not the cost row a run's end logs
+    steps = sorted({step for key, (steps, _) in series.items() if "overhead" not in key for step in steps})
     spectra = (
         "The connection spectra below are the latest figure the run itself logged to W&B."
         if "logged_spectra" in logged

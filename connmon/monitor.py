@@ -17,6 +17,7 @@ translate their trainer's events into it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
@@ -43,6 +44,7 @@ from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingKeyw
 
 __all__ = ["DIAGNOSTICS", "SAMPLING_OPTIONS", "Diagnostic", "LogFn", "Monitor", "SamplingOptions", "StepOutcome"]
 
+_LOG = logging.getLogger(__name__)
 LogFn = Callable[..., Any]  # called as log(values, step=step)
 SAMPLING_OPTIONS = OPTION_NAMES  # the sampling options every entry point takes with the same names and defaults
 Listener = Callable[[int, dict[str, float]], None]
@@ -235,6 +237,7 @@ class Monitor(CopiesDetached):
         self._pre_hook: Any = None
         self._post_hooks: list[Any] = []  # after each optimizer step: the clip actions, the optimizer's state
         self._logits_after_step = False  # those hooks can read each step's max logits (and clip): an optimizer known
+        self._said_cost = False  # close() said what the run cost
         self._uneven_from: int | None = None  # the first step only some processes took (uneven inputs under Join)
         self._said_join: set[str] = set()  # what uneven inputs turned off, said once each
         every = options.optimizer_every_n_steps
@@ -633,7 +636,7 @@ class Monitor(CopiesDetached):
         """
         self._drop()
         self._model = model
-        self._begun = None
+        self._begun, self._said_cost = None, False
         watch_joins()
         found = [sampler.attach(model) for sampler in self.attention_samplers]
         optimizer = optimizer if optimizer is not None else self._optimizer
@@ -683,8 +686,13 @@ class Monitor(CopiesDetached):
                 handle.remove()
         self._pre_hook, self._post_hooks, self._logits_after_step = None, [], False
 
-    def close(self) -> None:
-        """Remove every hook (the capture's, the max logits', the optimizer's) and stop the cost clocks (run over)."""
+    def close(self, steps_taken: int | None = None) -> None:
+        """The run is over: every hook removed (the capture's, the max logits', the optimizer's), what it cost said.
+
+        The cost clocks stop and :meth:`cost_summary` is said at INFO level on rank zero (``logging`` logger
+        ``connmon.monitor``), once per :meth:`attach`; with ``steps_taken`` (the optimizer steps the run took) the
+        final ``connmon/overhead...`` values are logged once more at that step. Every entry point ends a run here.
+        """
         self._drop()
         self.unwatch_logits()
         if self.qk_clip is not None and not self._reads_after_step():  # no optimizer's hook: the last clip is now
@@ -697,6 +705,20 @@ class Monitor(CopiesDetached):
             self.alerts.detach()
         for sampler in self.attention_samplers:
             sampler.close()
+        if self._said_cost:
+            return
+        self._said_cost = True
+        clocks = self._clocks()
+        timed = [clock for clock in clocks if clock.sections]
+        if steps_taken is not None and timed:
+            self._emit(steps_taken, {k: v for clock in timed for k, v in overhead_values(clock).items()})
+        if is_rank_zero():
+            _LOG.info("connmon: %s", cost_line(self.owner, clocks))
+
+    def _clocks(self) -> list[CostClock]:
+        """Every part's cost clock: the attention samplers' (or the monitor's own), the curvature sampler's."""
+        clocks = [sampler.clock for sampler in self.attention_samplers] or [self._clock]
+        return clocks + ([self.sharpness.clock] if self.sharpness is not None else [])
 
     def cost_summary(self) -> str:
         """What the monitor (and its ``sharpness``) cost so far, in one line.
@@ -706,7 +728,7 @@ class Monitor(CopiesDetached):
             >>> connmon.Monitor(every_n_steps=10).cost_summary()
             'connmon.Monitor cost nothing measurable (no sample was taken)'
         """
-        return cost_line(self.owner, self.clock, self.sharpness)
+        return cost_line(self.owner, self._clocks())
 
     # --- the step's boundaries: max logits, clips, the optimizer's state, the curvature -----------------------------
 

@@ -201,5 +201,5 @@ def test_the_hugging_face_snippet_runs_as_pasted_and_reaches_wandb_under_train(t
     wandb.finish()
     logged = [record["history"]["item"] for record in read_run(run_dir) if record.get("type") == "history"]
     steps = [row["train/global_step"] for row in logged if "train/connmon/attention_entropy/L00" in row]
-    assert steps == [100, 200]
+    assert steps == [1, 101]  # the forwards after 0 and 100 steps, in the rows of their losses
     assert "connmon" not in out.getvalue()  # the rows reach W&B, not the console

@@ -171,6 +171,12 @@ class LightningRun:
             outcome = self.monitor.model_updated(trainer.global_step, pl_module, self.rule_values)
         self._carry_out(trainer, outcome)
 
+    def finish(self, caller: Callback, trainer: Trainer) -> None:
+        """Training is over (``on_train_end``, loggers still open): what the run cost, logged and said once."""
+        if self.drives(caller):
+            assert self.monitor is not None
+            self.monitor.close(trainer.global_step)
+
     def end(self, failed: bool = False) -> None:
         """The fit is over (``teardown``) or ``failed`` (``on_exception``): every hook goes, a failed sample too."""
         if self._ended:
@@ -262,6 +268,12 @@ class RunPart(Callback, abc.ABC):
     ) -> None:
         """A micro-batch ended (the run's :meth:`LightningRun.batch_ended`)."""
         run_of(trainer).batch_ended(self, trainer, pl_module)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Training is over: the run logs and says what connmon cost (:meth:`LightningRun.finish`)."""
+        run = running(trainer)
+        if run is not None:
+            run.finish(self, trainer)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove every hook and forget a partial sample if the run fails."""

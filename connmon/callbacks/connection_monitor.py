@@ -11,7 +11,6 @@ from typing_extensions import Unpack
 from connmon._copying import CopiesDetached
 from connmon._saved_state import checked_state
 from connmon.attention_sampler import AttentionSampler
-from connmon.callbacks._cost import say_cost
 from connmon.callbacks._run import LightningRun, RunPart, running
 from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 
@@ -41,7 +40,7 @@ class ConnectionMonitor(CopiesDetached, RunPart):
 
     Every sample also logs what the monitor costs: ``connmon/overhead/attention`` (its time, synchronized on
     accelerators, over the training time) and ``connmon/overhead`` (every connmon monitor of the run); the end of
-    the fit says it in one line (and in the W&B run's summary).
+    training logs them once more and says them in one line (:meth:`connmon.Monitor.close`).
 
     Raises:
         TypeError: for a keyword that is not a sampling option (the message names them).
@@ -101,10 +100,6 @@ class ConnectionMonitor(CopiesDetached, RunPart):
         self._trainer = trainer
         run.add_attention(self, self.sampler, self._notify, self._saved_run)
         self._saved_run = None
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Say what the monitor cost (console, and the W&B run's summary)."""
-        say_cost(trainer, self.sampler.clock, "ConnectionMonitor")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Remove every hook at the end of the run."""

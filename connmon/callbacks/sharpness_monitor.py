@@ -11,7 +11,6 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from connmon._options import check_callable
-from connmon.callbacks._cost import say_cost
 from connmon.callbacks._run import LightningRun, RunPart
 from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessKeywords, SharpnessSampler
 
@@ -47,9 +46,9 @@ class SharpnessMonitor(RunPart):
     (``budget=None``: no limit). Every sample logs the interval it chose (``connmon/curvature_interval``), what the
     readings cost in passes of a step's batch per training step (``connmon/overhead/curvature_gradients``) and in time
     (``connmon/overhead/curvature``, synchronized on accelerators, and ``connmon/overhead`` for every connmon monitor
-    of the run); the end of the fit says it in one line. Under DDP and FSDP2 the reading is of the global batch the
-    step trains on (the processes' gradients averaged in every product, as the strategy averages the training's),
-    the same on every process.
+    of the run); the end of training logs them once more and says them in one line. Under DDP and FSDP2 the reading
+    is of the global batch the step trains on (the processes' gradients averaged in every product, as the strategy
+    averages the training's), the same on every process.
 
     Nothing of the training run changes: parameters, gradients, optimizer state, random streams and buffers are
     bitwise as they were. Every estimator but ``"exact_lanczos"`` also runs under FSDP2
@@ -143,10 +142,6 @@ class SharpnessMonitor(RunPart):
         if not plain and not (fsdp2 and self.sampler.estimator != "exact_lanczos"):
             supported = "single-device, DDP, and ModelParallelStrategy (FSDP2) with every estimator but 'lanczos'"
             self.sampler.turn_off(f"the {type(strategy).__name__} shards or wraps the parameters; {supported}")
-
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Say what the monitor cost (console, and the W&B run's summary)."""
-        say_cost(trainer, self.sampler.clock, "SharpnessMonitor")
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """Remove the optimizer hook if the run fails."""

@@ -7,7 +7,6 @@ Needs the ``olmo-core`` extra: ``pip install "torch-connmon[olmo-core]"`` (``ai2
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +23,6 @@ from connmon.curvature.sampler import SharpnessSampler
 from connmon.monitor import Monitor, RestorePointWriter
 from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 
-_LOG = logging.getLogger(__name__)
 OWNER = "olmo_core ConnectionMonitorCallback"
 
 
@@ -155,7 +153,6 @@ class ConnectionMonitorCallback(Callback):
     def post_train(self) -> None:
         """Remove every hook; say what connmon cost."""
         self._unhook()
-        _LOG.info("connmon: %s", self.monitor.cost_summary())
         self.monitor.close()
 
     def _log(self, values: dict[str, float], step: int) -> None:

@@ -6,7 +6,6 @@ Needs the ``transformers`` extra: ``pip install "torch-connmon[transformers]"``.
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from typing_extensions import Unpack
 
-from connmon._cost import overhead_values
 from connmon._options import check_callable
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.alerts.runner import AlertRunner
@@ -25,8 +23,6 @@ from connmon.curvature.sampler import SharpnessSampler
 from connmon.monitor import DIAGNOSTICS, Monitor, RestorePointWriter
 from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 from connmon.sinks.wandb import find_sink
-
-_LOG = logging.getLogger(__name__)
 
 STATE_FILE = "connmon_monitor.pt"  # written into each checkpoint-<step> folder
 STEP_KEY = "train/global_step"  # the step metric the Trainer's W&B integration defines
@@ -37,9 +33,9 @@ class ConnectionMonitorCallback(TrainerCallback):
     """Reads every self-attention layer as a connection walk every ``every_n_steps`` optimizer steps of a ``Trainer``.
 
     The same sampler as Lightning's :class:`connmon.callbacks.ConnectionMonitor` (:class:`connmon.Monitor`, the same
-    options and metrics): on optimizer steps ``every_n_steps``, ``2 * every_n_steps``, ... (the Trainer's own step
-    count, so with ``logging_steps`` equal to ``every_n_steps`` the values sit beside the loss) the capture is armed
-    for the first micro-batch's forward, and the synced values are logged through ``trainer.log``, so every
+    options and metrics): the forward after 0, ``every_n_steps``, ``2 * every_n_steps``, ... optimizer steps (its
+    first micro-batch) is recorded, as in every entry point, and the synced values are logged through ``trainer.log``
+    in the row of that forward's loss (the Trainer counts it as step ``k + 1`` after ``k`` steps), so every
     ``report_to`` backend receives ``connmon/<metric>/L<ll>`` and ``/all`` (W&B shows them as ``train/connmon/...``)
     and ``trainer.state.log_history`` keeps them. With W&B in ``report_to`` the histograms and figures go to the
     same run. With ``alerts`` the rules run on every sample (on connmon's keys and on the Trainer's latest logged
@@ -120,7 +116,8 @@ class ConnectionMonitorCallback(TrainerCallback):
         self._curvature_step: int | None = None  # the step whose forwards the batch hook keeps
         if sharpness is not None:
             sharpness.owner = "ConnectionMonitorCallback (sharpness)"
-        self._step = 0  # the optimizer step under way, in the Trainer's count
+        self._step = 0  # the optimizer steps taken before the step under way (the Trainer's row of it is one more)
+        self._unlogged: dict[str, float] = {}  # values whose row the Trainer has not reached yet
         self._guard: Any = None  # the model's forward hook that disarms and ends the max logits' reading
 
     @property
@@ -158,11 +155,14 @@ class ConnectionMonitorCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None, **kwargs: Any
     ) -> None:
         """Arm the capture for the first micro-batch of a sampled optimizer step; keep the curvature's batches."""
+        self._step = state.global_step
+        if model is None:
+            return
+        self.monitor.model_updated(self._step, model, lambda: _latest_logged(state))  # a probe, before the hooks below
         sharpness = self.monitor.sharpness
-        if model is not None and sharpness is not None and sharpness.reads_forward(state.global_step):
+        if sharpness is not None and sharpness.reads_forward(self._step):
             self._batch_hook = model.register_forward_pre_hook(self._read_curvature, with_kwargs=True, prepend=True)
-            self._curvature_step = state.global_step
-        self._step = state.global_step + 1  # the optimizer step this forward belongs to, in the Trainer's count
+            self._curvature_step = self._step
         self._forward_starts(model, first=True)
 
     def on_pre_optimizer_step(
@@ -209,9 +209,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         self._forward_done()
         self._drop_batch_hook()
         outcome = self.monitor.step_end(self._step, lambda: _latest_logged(state))
-        model = kwargs.get("model")
-        if model is not None:  # a probe: the model after global_step steps
-            outcome = self.monitor.model_updated(state.global_step, model, lambda: _latest_logged(state))
+        self._log_unlogged()
 
         def stop() -> bool:
             stopping, control.should_training_stop = control.should_training_stop, True
@@ -237,12 +235,8 @@ class ConnectionMonitorCallback(TrainerCallback):
         """Remove every hook; log and say what connmon cost."""
         self._forward_done()
         self._drop_batch_hook()
-        sharpness = self.monitor.sharpness
-        clocks = [self.monitor.clock] + ([sharpness.clock] if sharpness is not None else [])
-        if any(clock.sections for clock in clocks):
-            self._log({k: v for clock in clocks for k, v in overhead_values(clock).items()}, state.global_step)
-        _LOG.info("connmon: %s", self.monitor.cost_summary())
-        self.monitor.close()
+        self.monitor.close(state.global_step)
+        self._log_unlogged()
 
     def _forward_starts(self, model: Any, first: bool) -> None:
         """The model's next forward (one micro-batch): recorded on a sampled step's first, its max logits read.
@@ -274,7 +268,20 @@ class ConnectionMonitorCallback(TrainerCallback):
         self._curvature_step = None
 
     def _log(self, values: dict[str, float], step: int) -> None:
+        """The values of the forward after ``step`` steps, logged in the Trainer's row of that forward's loss.
+
+        The Trainer counts that forward's step as ``step + 1`` and logs at its current count, so values read before
+        its optimizer step (the curvature, a probe) wait for the step's end.
+        """
+        self._unlogged.update(values)
+        if step < self.trainer.state.global_step:
+            self._log_unlogged()
+
+    def _log_unlogged(self) -> None:
         """``trainer.log`` (every reporter, ``log_history``), without the console printers' copy of the row."""
+        values, self._unlogged = self._unlogged, {}
+        if not values:
+            return
         control = self.trainer.control
         due = control.should_log  # Trainer.log clears it, which would cancel the loss row of this step
         handler = self.trainer.callback_handler
@@ -351,7 +358,7 @@ def _wandb_sink(args: TrainingArguments) -> Any:
         return None
     import wandb
 
-    return find_sink(wandb.run, step_key=STEP_KEY, prefix=PREFIX)
+    return find_sink(wandb.run, step_key=STEP_KEY, prefix=PREFIX, row_offset=1)
 
 
 __all__ = ["DIAGNOSTICS", "ConnectionMonitorCallback"]

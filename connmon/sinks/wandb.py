@@ -24,6 +24,8 @@ class WandbSink:
             Trainer: ``train/global_step``): it is defined for ``<prefix>connmon/*`` and logged in every row.
             None: rows are logged with ``run.log(..., step=step)`` (a plain loop logging with ``step=`` itself).
         prefix: prepended to every key (the Hugging Face Trainer writes ``train/<key>``).
+        row_offset: the trainer's row of a step's values is ``step + row_offset``, ``step`` the optimizer steps taken
+            before the forward they read (the Hugging Face Trainer logs that forward's loss one row later: 1).
 
     Examples:
         >>> import wandb
@@ -34,10 +36,11 @@ class WandbSink:
         >>> run.finish()  # else the next WandbLogger would reuse this run
     """
 
-    def __init__(self, run: Any, step_key: str | None = STEP, prefix: str = "") -> None:
+    def __init__(self, run: Any, step_key: str | None = STEP, prefix: str = "", row_offset: int = 0) -> None:
         self.source = run
         self.step_key = step_key
         self.prefix = prefix
+        self.row_offset = row_offset
         self._warned = False
         self._defined = False
 
@@ -51,6 +54,7 @@ class WandbSink:
 
     def _log(self, step: int, payload: Mapping[str, Any]) -> None:
         row = {f"{self.prefix}{key}": value for key, value in payload.items()}
+        step += self.row_offset
         if self.step_key is None:
             self._run().log(row, step=step)
         else:
@@ -94,7 +98,7 @@ class WandbSink:
         self._guard("an alert", send)
 
 
-def find_sink(source: Any, step_key: str | None = STEP, prefix: str = "") -> WandbSink | None:
+def find_sink(source: Any, step_key: str | None = STEP, prefix: str = "", row_offset: int = 0) -> WandbSink | None:
     """The W&B sink of an entry point, or None: every entry point finds its run here.
 
     Args:
@@ -102,6 +106,7 @@ def find_sink(source: Any, step_key: str | None = STEP, prefix: str = "") -> Wan
             logger does), or a ``wandb`` run, or None.
         step_key: as :class:`WandbSink`'s.
         prefix: as :class:`WandbSink`'s.
+        row_offset: as :class:`WandbSink`'s.
 
     Examples:
         >>> from lightning.pytorch.loggers import CSVLogger
@@ -113,7 +118,7 @@ def find_sink(source: Any, step_key: str | None = STEP, prefix: str = "") -> Wan
         from lightning.pytorch.loggers import WandbLogger
 
         source = next((logger for logger in source if isinstance(logger, WandbLogger)), None)
-    return None if source is None else WandbSink(source, step_key=step_key, prefix=prefix)
+    return None if source is None else WandbSink(source, step_key=step_key, prefix=prefix, row_offset=row_offset)
 
 
 def _numbers(values: Tensor | list[float]) -> list[float]:

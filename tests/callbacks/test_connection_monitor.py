@@ -30,6 +30,11 @@ def read_csv(tmp_path):
     return [{k: v for k, v in row.items() if v != ""} for row in rows]
 
 
+def sample_rows(tmp_path):
+    """The rows of connmon's samples: the run's end logs one more, of what connmon cost (``connmon/overhead...``)."""
+    return [row for row in read_csv(tmp_path) if any(k.startswith("connmon/") and "overhead" not in k for k in row)]
+
+
 class HookSpy(L.Callback):
     """Counts forward hooks on the attention modules at the start of every batch (before the monitor arms)."""
 
@@ -49,7 +54,7 @@ def test_logs_every_metric_per_layer_at_sampled_steps_and_arms_only_then(tmp_pat
         enable_model_summary=False, enable_checkpointing=False, accelerator="cpu", devices=1,
     )  # fmt: skip
     t.fit(model, loader())
-    rows = [row for row in read_csv(tmp_path) if any(k.startswith("connmon/") for k in row)]
+    rows = sample_rows(tmp_path)
     assert [int(row["step"]) for row in rows] == [0, 2, 4]
     keys = set().union(*rows)
     for metric in ("attention_entropy", "ov_isometry_gap", "connection_spectral_radius", "depth_drift"):
@@ -278,7 +283,7 @@ def test_validate_keeps_training_state_and_a_reused_monitor_starts_afresh(tmp_pa
     assert after["drift"] is not None and after["drift"].keys() == before["drift"].keys()
     t2 = trainer(tmp_path / "again", monitor, max_steps=2)
     t2.fit(LitGPT(), loader())
-    rows = [row for row in read_csv(tmp_path / "again") if any(k.startswith("connmon/") for k in row)]
+    rows = sample_rows(tmp_path / "again")
     assert [int(row["step"]) for row in rows] == [2]  # probe mode samples after step 2; step 0 is not skipped...
     assert monitor.samples == 1  # ...and the count restarted
     assert "connmon/time_drift/all" not in rows[0]  # no comparison with the previous run's sample
@@ -291,7 +296,7 @@ def test_a_non_finite_layer_is_logged_as_nan_and_poisons_the_mean(tmp_path):
     monitor = ConnectionMonitor(every_n_steps=1, diagnostics=("walk",))
     with pytest.warns(UserWarning, match=r"non-finite attention, input or output in model\.blocks\.1\.attn"):
         trainer(tmp_path, monitor, max_steps=1).fit(model, loader())
-    (row,) = [row for row in read_csv(tmp_path) if any(k.startswith("connmon/") for k in row)]
+    (row,) = sample_rows(tmp_path)
     assert row["connmon/attention_entropy/L01"] == "nan" and row["connmon/attention_entropy/all"] == "nan"
     assert float(row["connmon/attention_entropy/L00"]) > 0
 
@@ -335,14 +340,16 @@ def test_each_sample_logs_the_monitor_cost_beside_the_sharpness_monitor_and_the_
     curvature = {
         int(r["step"]): float(r["connmon/overhead/curvature"]) for r in rows if "connmon/overhead/curvature" in r
     }
-    # step 0's sample has no training time to compare with yet: its cost is logged from step 2 on
-    assert sorted(attention) == [2, 4, 6] and sorted(curvature) == [3, 6]
+    # step 0's sample has no training time to compare with yet: its cost is logged from step 2 on, and once more at
+    # the fit's end (step 7)
+    assert sorted(attention) == [2, 4, 6, 7] and sorted(curvature) == [3, 6, 7]
     assert "connmon/attention_entropy/L00" in next(r for r in rows if r["step"] == "0")
     total = {int(r["step"]): float(r["connmon/overhead"]) for r in rows if "connmon/overhead" in r}
-    assert total[6] > 0 and sorted(total) == [2, 3, 4, 6]
+    assert total[6] > 0 and sorted(total) == [2, 3, 4, 6, 7]
+    assert total[7] == pytest.approx(attention[7] + curvature[7], rel=0.05)  # one base: the shares add up
     assert all(0 < value < 100 for value in (*attention.values(), *curvature.values()))
-    said = [r.getMessage() for r in caplog.records if "% of training time" in r.getMessage()]
-    assert any("ConnectionMonitor cost" in m for m in said) and any("SharpnessMonitor cost" in m for m in said)
+    (said,) = [r.getMessage() for r in caplog.records if "% of training time" in r.getMessage()]  # one line
+    assert said.startswith("connmon: ConnectionMonitor cost ") and "attention " in said and "curvature " in said
     a, c = monitor.sampler.clock, sharpness.sampler.clock  # one base: each excludes both monitors' time
     apart = abs(a._started - c._started) + abs(a._stopped - c._stopped)  # the two clocks' hooks, microseconds apart
     assert abs(a.training - c.training) <= apart + 1e-9 and c.spent > 10 * apart

@@ -333,11 +333,11 @@ def test_it_logs_what_it_costs_and_says_it_at_the_end(tmp_path, caplog):
     with caplog.at_level("INFO"):
         fit(tmp_path, [monitor], max_steps=7)
     rows = [r for r in read_csv(tmp_path) if r.get("connmon/overhead/curvature")]
-    assert [int(r["step"]) for r in rows] == [2, 4, 6]
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 7]  # every sample, and the fit's end
     fractions = [float(r["connmon/overhead/curvature"]) for r in rows]
     assert all(f > 0.1 for f in fractions)  # Lanczos costs many steps of this tiny model
     assert [float(r["connmon/overhead"]) for r in rows] == pytest.approx(fractions, rel=0.05)  # the only monitor
-    assert monitor.sampler.clock.fraction == pytest.approx(fractions[-1], rel=0.5)
+    assert monitor.sampler.clock.fraction == pytest.approx(fractions[-1])  # the end's row: the stopped clock's
     assert any("SharpnessMonitor cost" in r.getMessage() and "% of training time" in r.getMessage()
                for r in caplog.records)  # fmt: skip
 

@@ -2,16 +2,17 @@
 
 Each entry point is one fixture entry in ``ENTRY_POINTS``: a function that trains LitGPT's model (SGD, unshuffled
 batches) for ``STEPS`` steps under connmon with the given options and returns what it did: the connmon rows it
-logged, keyed by the optimizer steps taken before the sampled forward; the alerts; the step the run stopped at; the
-final weights. A new integration passes the suite by adding its function. The Hugging Face ``Trainer`` is not here:
-it samples the forward of its 1-based step ``k * every_n_steps`` (the state after ``k * every_n_steps - 1`` steps, so
-that its rows sit beside its own loss rows), one step later than these; OLMo-core's callback, which keeps this
-convention, lives in an environment of its own (``test_olmo_core.py``).
+logged, keyed by the optimizer steps taken before the sampled forward (every entry point samples the forwards after
+0, 2, 4, 6 steps; the Hugging Face ``Trainer`` logs the forward after ``s`` steps in its row ``s + 1``, beside that
+forward's loss); the alerts; the step the run stopped at; the final weights. A new integration passes the suite by
+adding its function. OLMo-core's callback lives in an environment of its own (``test_olmo_core.py`` holds it to a
+plain loop the same way).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -36,11 +37,13 @@ def rules(error: bool) -> list:
 
 
 def connmon_rows(rows: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
-    return {step: {k: v for k, v in row.items() if k.startswith("connmon/") and "overhead" not in k}
-            for step, row in rows.items()}  # fmt: skip
+    """connmon's readings by step (not what it cost: a timing, and the run's end logs it once more)."""
+    readings = {step: {k: v for k, v in row.items() if k.startswith("connmon/") and "overhead" not in k}
+                for step, row in rows.items()}  # fmt: skip
+    return {step: row for step, row in readings.items() if row}
 
 
-def plain_loop(stop_at_error: bool) -> dict[str, Any]:
+def plain_loop(stop_at_error: bool, tmp_path: Any) -> dict[str, Any]:
     module = LitGPT()
     model = module.model
     optimizer = torch.optim.SGD(model.parameters(), lr=module.lr)
@@ -82,7 +85,7 @@ class Rows(Logger):
         pass
 
 
-def lightning(stop_at_error: bool) -> dict[str, Any]:
+def lightning(stop_at_error: bool, tmp_path: Any) -> dict[str, Any]:
     module = LitGPT()
     alerts: list = []
     alert = DriftAlert(rules(stop_at_error), actions=("log", "stop"), on_alert=alerts.append)
@@ -96,12 +99,82 @@ def lightning(stop_at_error: bool) -> dict[str, Any]:
             "weights": [p.detach().clone() for p in module.model.parameters()]}  # fmt: skip
 
 
-ENTRY_POINTS: dict[str, Callable[[bool], dict[str, Any]]] = {"plain loop": plain_loop, "Lightning": lightning}
+class NextToken(torch.nn.Module):
+    """LitGPT's model as a Hugging Face ``Trainer`` holds one: a forward of the inputs dict that returns the loss."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": torch.nn.functional.cross_entropy(self.model(idx).flatten(0, 1), target.flatten())}
+
+
+class Batches(torch.utils.data.IterableDataset):
+    """The plain loop's sequences in its order (the Trainer shuffles a map-style dataset)."""
+
+    def __iter__(self) -> Any:
+        for idx, target in loader().dataset:
+            yield {"idx": idx, "target": target}
+
+
+def hugging_face(stop_at_error: bool, tmp_path: Any) -> dict[str, Any]:
+    transformers = pytest.importorskip("transformers")
+    from connmon.integrations.transformers import ConnectionMonitorCallback
+
+    module = LitGPT()
+    model = NextToken(module.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=module.lr)
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4,
+                                          max_grad_norm=0.0, report_to=[], use_cpu=True, save_strategy="no",
+                                          disable_tqdm=True, logging_steps=1)  # fmt: skip
+    constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Batches(), optimizers=(optimizer, constant))
+    alerts: list = []
+    runner = AlertRunner(rules(stop_at_error), on_alert=alerts.append, actions=("log", "stop"))
+    trainer.add_callback(ConnectionMonitorCallback(trainer, alerts=runner, **OPTIONS))
+    trainer.train()
+    rows: dict[int, dict[str, float]] = {}
+    for row in trainer.state.log_history:  # its row s + 1: the forward after s steps
+        rows.setdefault(int(row["step"]) - 1, {}).update(row)
+    stopped = trainer.state.global_step if trainer.state.global_step < STEPS else None
+    return {"rows": connmon_rows(rows),
+            "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
+            "weights": [p.detach().clone() for p in module.model.parameters()]}  # fmt: skip
+
+
+ENTRY_POINTS: dict[str, Callable[..., dict[str, Any]]] = {
+    "plain loop": plain_loop, "Lightning": lightning, "Hugging Face Trainer": hugging_face,
+}  # fmt: skip
+
+
+class Said(logging.Handler):
+    """What connmon says at INFO level during a run."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def said_by(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    said, logger = Said(), logging.getLogger("connmon.monitor")
+    level, disabled = logger.level, logger.disabled  # a library's logging.config may have disabled it
+    logger.level, logger.disabled = logging.INFO, False
+    logger.addHandler(said)
+    try:
+        return {**run(*args), "said": said.lines}
+    finally:
+        logger.removeHandler(said)
+        logger.level, logger.disabled = level, disabled
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[tuple[str, bool], dict[str, Any]]:
-    return {(name, stop): run(stop) for name, run in ENTRY_POINTS.items() for stop in (False, True)}
+def runs(tmp_path_factory) -> dict[tuple[str, bool], dict[str, Any]]:
+    return {(name, stop): said_by(run, stop, tmp_path_factory.mktemp("run")) for name, run in ENTRY_POINTS.items()
+            for stop in (False, True)}  # fmt: skip
 
 
 @pytest.mark.parametrize("entry_point", [name for name in ENTRY_POINTS if name != "plain loop"])
@@ -121,3 +194,10 @@ def test_every_entry_point_stops_after_the_step_whose_sample_raised_an_error_ale
     run = runs[(entry_point, True)]
     assert run["stopped"] == 1  # the ERROR rule's first sample is step 0's: the run ends after that step
     assert runs[("plain loop", True)]["alerts"] == run["alerts"]
+
+
+@pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
+def test_every_entry_point_says_what_connmon_cost_once_at_the_runs_end(runs, entry_point):
+    for stop in (False, True):
+        (line,) = [line for line in runs[(entry_point, stop)]["said"] if " cost " in line]
+        assert line.startswith("connmon: ") and "% of training time (attention " in line, line

@@ -113,7 +113,9 @@ def test_the_hugging_face_trainer_holds_the_readings_to_the_budget_from_the_firs
     trainer.add_callback(ConnectionMonitorCallback(trainer, every_n_steps=1000, diagnostics=("walk",),
                                                    sharpness=sharpness))  # fmt: skip
     trainer.train()
-    spent = {row["step"]: row[GRADIENTS] * row["step"] for row in trainer.state.log_history if GRADIENTS in row}
+    # the Trainer logs the reading of the forward after s steps in its row s + 1
+    spent = {row["step"] - 1: row[GRADIENTS] * (row["step"] - 1) for row in trainer.state.log_history
+             if GRADIENTS in row}  # fmt: skip
     assert min(spent) == 20 and len(spent) >= 2  # priced at 5 passes before the first, at 25%
     price, before = first_reading_price("finite_difference_lanczos", 2), 0.0
     for step, total in sorted(spent.items()):
@@ -203,7 +205,7 @@ def test_the_hugging_face_trainer_logs_the_secant_of_its_own_gradients(tmp_path)
     trainer.add_callback(callback)
     trainer.add_callback(Recorder())
     trainer.train()
-    logged = {row["step"]: row for row in trainer.state.log_history if UPDATE in row}
+    logged = {row["step"] - 1: row for row in trainer.state.log_history if UPDATE in row}  # the Trainer's row: s + 1
     assert sorted(logged) == [2, 4]  # step 6 is the last: no step follows it
     for s, row in logged.items():
         u = seen[s]["theta"] - seen[s - 1]["theta"]
@@ -258,13 +260,14 @@ def test_the_hugging_face_trainer_reads_a_loss_on_the_sampled_step_batches(tmp_p
     trainer.add_callback(Direct())
     trainer.train()
     key = keys_of(estimator)[0]
-    logged = {row["step"]: row[key] for row in trainer.state.log_history if key in row}
+    logged = {row["step"] - 1: row[key] for row in trainer.state.log_history if key in row}  # the Trainer's row: s + 1
     assert sorted(logged) == [2, 4] and all(math.isfinite(v) for v in logged.values())
     if estimator != "difference":
         assert len(inputs_of_step) == accumulation
         assert logged[2] == pytest.approx(direct[2].ratio, rel=1e-6)
     attention = [row for row in trainer.state.log_history if "connmon/attention_entropy/L00" in row]
-    assert [row["step"] for row in attention] == [2, 4]  # the capture recorded the training forward, not the reading
+    # the capture recorded the training forwards (after 0, 2, 4 steps), not the readings
+    assert [row["step"] - 1 for row in attention] == [0, 2, 4]
 
 
 @pytest.mark.parametrize("estimator", ["finite_difference_lanczos", "exact_lanczos"])
@@ -293,7 +296,7 @@ def test_the_hugging_face_trainer_reads_the_steps_loss_whatever_its_accumulation
         trainer.add_callback(callback)
         with pytest.warns(UserWarning, match="past the edge of stability"):
             trainer.train()
-        readings[accumulation] = {row["step"]: row[RATIO] for row in trainer.state.log_history if RATIO in row}
+        readings[accumulation] = {row["step"] - 1: row[RATIO] for row in trainer.state.log_history if RATIO in row}
         alerted[accumulation] = alerts.total
     assert sorted(readings[1]) == [2, 4]
     for accumulation in (2, 4):
