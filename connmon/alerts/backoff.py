@@ -120,11 +120,17 @@ class LearningRateBackoff(CopiesDetached, AlertAction):
             )
 
     def fire(self, step: int) -> bool:
-        """Back off at ``step`` unless within the cooldown of the last back-off; whether it did."""
+        """Back off at ``step`` unless within the cooldown of the last back-off; whether it did.
+
+        An optimizer inside its step (an alert raised in its closure, as Lightning runs the forward and backward)
+        takes the new scale at once: torch's optimizers read their rates after the closure.
+        """
         if self.last_step is not None and step - self.last_step < self.cooldown:
             return False
         self.scale *= self.factor
         self.last_step = step
+        for saved in self._saved.values():
+            self._apply(saved)
         return True
 
     def state_dict(self) -> dict[str, Any]:
@@ -138,11 +144,14 @@ class LearningRateBackoff(CopiesDetached, AlertAction):
 
     def _scale(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._restore(optimizer, args, kwargs)  # a step that raised left its post-hook unrun
-        if self.scale == 1.0:
-            return
-        saved = self._saved[id(optimizer)] = [(group, group["lr"]) for group in optimizer.param_groups]
-        for group, lr in saved:
-            group["lr"] = lr * self.scale
+        self._saved[id(optimizer)] = [(group, group["lr"]) for group in optimizer.param_groups]
+        self._apply(self._saved[id(optimizer)])
+
+    def _apply(self, saved: list[tuple[dict, Any]]) -> None:
+        """Each group's own rate times the scale (a scale of 1 leaves the groups untouched)."""
+        if self.scale != 1.0:
+            for group, lr in saved:
+                group["lr"] = lr * self.scale
 
     def _restore(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         for group, lr in self._saved.pop(id(optimizer), ()):

@@ -152,24 +152,26 @@ class LightningRun:
         self.monitor.step_start(step, pl_module, first=self._first_micro_batch)
 
     def before_optimizer_step(self, caller: Callback, trainer: Trainer) -> None:
-        """After the backward, before the step: the curvature's Lanczos and secant readings."""
+        """After the backward, before the step: the step's sample ends, then the curvature's readings."""
         if self.drives(caller):
             assert self.monitor is not None
+            self.monitor.forward_end()
+            self.monitor.step_end(trainer.global_step, self.rule_values)
             with trainer.precision_plugin.train_step_context():
                 self.monitor.before_optimizer_step(trainer.global_step)
 
     def batch_ended(self, caller: Callback, trainer: Trainer, pl_module: LightningModule) -> None:
-        """A micro-batch ended: its sample logged; once the optimizer stepped, a probe, a stop, a restore point."""
+        """A micro-batch ended; once the optimizer stepped: a probe, a stop, a restore point."""
         if not self.drives(caller):
             return
         assert self.monitor is not None
         stepped = trainer.global_step != self._step_at_batch_start  # Lightning's own count: the optimizer stepped
         self._first_micro_batch = stepped
         self.monitor.forward_end()
-        outcome = self.monitor.step_end(self._step_at_batch_start, self.rule_values)
-        if stepped:
-            outcome = self.monitor.model_updated(trainer.global_step, pl_module, self.rule_values)
-        self._carry_out(trainer, outcome)
+        if not stepped:
+            return
+        self.monitor.step_end(self._step_at_batch_start, self.rule_values)  # an optimizer that gave no pre-step event
+        self._carry_out(trainer, self.monitor.model_updated(trainer.global_step, pl_module, self.rule_values))
 
     def finish(self, caller: Callback, trainer: Trainer) -> None:
         """Training is over (``on_train_end``, loggers still open): what the run cost, logged and said once."""

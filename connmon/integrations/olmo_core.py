@@ -31,11 +31,12 @@ class ConnectionMonitorCallback(Callback):
 
     The same sampler as Lightning's :class:`connmon.callbacks.ConnectionMonitor` (:class:`connmon.Monitor`, the same
     options and metrics), driven by OLMo-core's callback events: ``pre_step`` arms the capture for the step's first
-    micro-batch (its forward is recorded; every micro-batch's max logits are read), ``pre_optim_step`` runs the
-    monitor's before-the-step work after the backward, ``post_train_batch`` (after ``optim_step``) logs the sample,
-    runs the rules and the clips. The values go through ``trainer.record_metric`` as ``connmon/<metric>/L<ll>`` and
-    ``/all``, so OLMo-core's console, W&B and Comet callbacks show them, at the step OLMo-core numbers (its first
-    batch is step 1; a sample of the state after ``k`` optimizer steps is recorded at step ``k + 1``). OLMo-core's
+    micro-batch (its forward is recorded; every micro-batch's max logits are read), ``pre_optim_step`` (after the
+    backward) ends the step's sample (logged, ruled on) and reads the curvature, the clips act right after
+    ``optim_step`` (the optimizer's post-hook), ``post_train_batch`` carries out a stop or a restore point. The
+    values go through ``trainer.record_metric`` as ``connmon/<metric>/L<ll>`` and ``/all``, so OLMo-core's console,
+    W&B and Comet callbacks show them, at the step OLMo-core numbers (its first batch is step 1; a sample of the
+    state after ``k`` optimizer steps is recorded at step ``k + 1``). OLMo-core's
     ``Attention`` modules on its SDPA backend (GQA, RoPE, QK-norm) are read exactly; the flash, ring and Transformer
     Engine backends call kernels connmon does not see, so their layers are skipped with one warning that says why.
     With ``alerts`` an alert at the runner's ``stop_level`` cancels the run (``trainer.cancel_run``, on every process
@@ -124,9 +125,10 @@ class ConnectionMonitorCallback(Callback):
         self._hooks = []
 
     def pre_optim_step(self) -> None:
-        """After the backward of every micro-batch, before ``optim_step``."""
+        """After the backward of every micro-batch, before ``optim_step``: the step's sample ends, the curvature."""
         self._unhook()
         if self._model is not None:
+            self.monitor.step_end(self._taken())
             self.monitor.before_optimizer_step(self._taken())
 
     def post_train_batch(self) -> None:
@@ -134,8 +136,7 @@ class ConnectionMonitorCallback(Callback):
         self._unhook()  # a step OLMo-core skipped has no pre_optim_step
         if self._model is None:
             return
-        step = self._taken()
-        outcome = self.monitor.step_end(step)
+        outcome = self.monitor.step_end(self._taken())  # ended at pre_optim_step unless OLMo-core skipped it
         trainer = self.trainer
 
         def stop() -> bool:

@@ -168,7 +168,9 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_pre_optimizer_step(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """After the backward (and clipping), before the step: the Lanczos and secant samples, the copy for one."""
+        """After the backward (and clipping), before the step: the step's sample ends, then the curvature's readings."""
+        self._forward_done()
+        self.monitor.step_end(self._step, lambda: _latest_logged(state))
         if self.monitor.sharpness is not None:
             self._drop_batch_hook()
             self._reading = True
@@ -205,10 +207,10 @@ class ConnectionMonitorCallback(TrainerCallback):
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> TrainerControl:
-        """Log the sample of this optimizer step and act on its alerts."""
+        """The step is over: its values logged in its row, its outcome (stop, restore point) carried out."""
         self._forward_done()
         self._drop_batch_hook()
-        outcome = self.monitor.step_end(self._step, lambda: _latest_logged(state))
+        outcome = self.monitor.step_end(self._step, lambda: _latest_logged(state))  # ended before its optimizer step
         self._log_unlogged()
 
         def stop() -> bool:

@@ -75,6 +75,35 @@ def test_a_run_on_which_no_back_off_fired_is_bitwise_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(plain, watched, strict=True))
 
 
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, torch.optim.AdamW])
+def test_a_back_off_fired_inside_the_optimizers_closure_scales_that_step(optimizer_class):
+    """Lightning runs the forward (where a sample's alert fires) in the closure, after the step's pre-hooks."""
+
+    def run(fire_in_closure: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        x, y = torch.randn(16, 4), torch.randn(16, 1)
+        optimizer = optimizer_class(model.parameters(), lr=0.1)
+        backoff = LearningRateBackoff(factor=0.5)
+        backoff.attach([optimizer])
+
+        def closure():
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            if fire_in_closure:
+                backoff.fire(0)
+            return loss
+
+        if not fire_in_closure:
+            backoff.fire(0)
+        optimizer.step(closure)
+        return [p.detach().clone() for p in model.parameters()], optimizer.param_groups[0]["lr"]
+
+    (inside, lr_inside), (before, lr_before) = run(True), run(False)
+    assert all(torch.equal(a, b) for a, b in zip(inside, before, strict=True)) and lr_inside == lr_before == 0.1
+
+
 def test_cooldown_state_and_bad_options():
     backoff = LearningRateBackoff(factor=0.25, cooldown=50)
     assert [backoff.fire(s) for s in (10, 40, 60, 100, 110)] == [True, False, True, False, True]

@@ -237,8 +237,9 @@ class ScheduledGPT(LitGPT):
 
 
 def test_a_back_off_under_lightnings_scheduler_trains_as_the_halved_schedule_and_is_logged(tmp_path):
-    """The edge rule fires at step 0's sample (after its optimizer step): from step 1 on the rate is half the
-    schedule's; the scheduler's own values are untouched; a run where no back-off fired is bitwise a plain one."""
+    """The edge rule fires at step 0's sample (before its optimizer step, inside Lightning's closure): from step 0 on
+    the rate is half the schedule's; the scheduler's own values are untouched; a run where no back-off fired is
+    bitwise a plain one."""
     from connmon.alerts import LearningRateBackoff
 
     edge = Rule("past the edge of stability", LOGIT, Threshold(-1.0), cooldown=0)
@@ -250,7 +251,7 @@ def test_a_back_off_under_lightnings_scheduler_trains_as_the_halved_schedule_and
     rows = read_csv(tmp_path / "backed")
     scales = {int(r["step"]): float(r["connmon/lr_scale"]) for r in rows if r.get("connmon/lr_scale")}
     assert scales == {s: 0.5 for s in range(6)}
-    reference = ScheduledGPT(halve_from=1)
+    reference = ScheduledGPT(halve_from=0)
     fit(tmp_path / "reference", [], module=reference)
     for a, b in zip(backed.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)

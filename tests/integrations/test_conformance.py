@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -22,18 +24,33 @@ import torch
 from lightning.pytorch.loggers import Logger
 
 import connmon
-from connmon.alerts import AlertRunner, logit_bound_rule
+from connmon.alerts import AlertRunner, LearningRateBackoff, QKClip, RestorePoints, logit_bound_rule
 from connmon.callbacks import ConnectionMonitor, DriftAlert
 from tests.callbacks.lightning_models import LitGPT, loader
 
 STEPS = 7
+CLIP_AT = 0.5  # below the model's max logits from its first step: QK-clip acts on every step
 OPTIONS: dict[str, Any] = {"every_n_steps": 2, "diagnostics": ("walk", "transport"), "figures_every_n_samples": None}
 
 
-def rules(error: bool) -> list:
-    """A WARN rule that fires at every other sample (its cooldown), and with ``error`` an ERROR one at the first."""
+CASES = ("watch", "stop", "act")
+
+
+def runner_for(case: str, alerts: list, tmp_path: Any) -> AlertRunner:
+    """The rules and actions of a case, each alert appended to ``alerts``.
+
+    Every case has a WARN rule that fires at every other sample (its cooldown); ``"stop"`` adds an ERROR one that
+    fires at the first and stops the run; in ``"act"`` the WARN rule backs the learning rate off and saves restore
+    points, and QK-clip acts every step.
+    """
     warn = logit_bound_rule(bound=0.0, level="WARN", cooldown=3)
-    return [warn, logit_bound_rule(bound=1e-9, level="ERROR")] if error else [warn]
+    if case == "act":
+        points = RestorePoints(level="WARN", dirpath=str(tmp_path / "restore_points"))
+        backoff = LearningRateBackoff(factor=0.5, cooldown=3, rules=(warn.name,))
+        return AlertRunner([warn], on_alert=alerts.append, actions=("log", "backoff", "checkpoint", "qk_clip"),
+                           qk_clip=QKClip(threshold=CLIP_AT), restore_points=points, backoff=backoff)  # fmt: skip
+    rules = [warn, logit_bound_rule(bound=1e-9, level="ERROR")] if case == "stop" else [warn]
+    return AlertRunner(rules, on_alert=alerts.append, actions=("log", "stop"))
 
 
 def connmon_rows(rows: dict[int, dict[str, float]]) -> dict[int, dict[str, float]]:
@@ -43,13 +60,13 @@ def connmon_rows(rows: dict[int, dict[str, float]]) -> dict[int, dict[str, float
     return {step: row for step, row in readings.items() if row}
 
 
-def plain_loop(stop_at_error: bool, tmp_path: Any) -> dict[str, Any]:
+def plain_loop(case: str, tmp_path: Any) -> dict[str, Any]:
     module = LitGPT()
     model = module.model
     optimizer = torch.optim.SGD(model.parameters(), lr=module.lr)
     rows: dict[int, dict[str, float]] = {}
     alerts: list = []
-    runner = AlertRunner(rules(stop_at_error), on_alert=alerts.append, actions=("log", "stop"))
+    runner = runner_for(case, alerts, tmp_path)
     monitor = connmon.Monitor(model, optimizer=optimizer, alerts=runner,
                               log=lambda values, step: rows.setdefault(step, {}).update(values), **OPTIONS)  # fmt: skip
     stopped = None
@@ -85,10 +102,10 @@ class Rows(Logger):
         pass
 
 
-def lightning(stop_at_error: bool, tmp_path: Any) -> dict[str, Any]:
+def lightning(case: str, tmp_path: Any) -> dict[str, Any]:
     module = LitGPT()
     alerts: list = []
-    alert = DriftAlert(rules(stop_at_error), actions=("log", "stop"), on_alert=alerts.append)
+    alert = DriftAlert(runner=runner_for(case, alerts, tmp_path))
     logger = Rows()
     trainer = L.Trainer(max_steps=STEPS, callbacks=[ConnectionMonitor(**OPTIONS), alert], logger=logger,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -118,7 +135,7 @@ class Batches(torch.utils.data.IterableDataset):
             yield {"idx": idx, "target": target}
 
 
-def hugging_face(stop_at_error: bool, tmp_path: Any) -> dict[str, Any]:
+def hugging_face(case: str, tmp_path: Any) -> dict[str, Any]:
     transformers = pytest.importorskip("transformers")
     from connmon.integrations.transformers import ConnectionMonitorCallback
 
@@ -131,8 +148,7 @@ def hugging_face(stop_at_error: bool, tmp_path: Any) -> dict[str, Any]:
     constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Batches(), optimizers=(optimizer, constant))
     alerts: list = []
-    runner = AlertRunner(rules(stop_at_error), on_alert=alerts.append, actions=("log", "stop"))
-    trainer.add_callback(ConnectionMonitorCallback(trainer, alerts=runner, **OPTIONS))
+    trainer.add_callback(ConnectionMonitorCallback(trainer, alerts=runner_for(case, alerts, tmp_path), **OPTIONS))
     trainer.train()
     rows: dict[int, dict[str, float]] = {}
     for row in trainer.state.log_history:  # its row s + 1: the forward after s steps
@@ -160,26 +176,31 @@ class Said(logging.Handler):
 
 
 def said_by(run: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``run(*args)``, with the restore points it said it saved (their steps) and what connmon said at INFO level."""
     said, logger = Said(), logging.getLogger("connmon.monitor")
-    level, disabled = logger.level, logger.disabled  # a library's logging.config may have disabled it
-    logger.level, logger.disabled = logging.INFO, False
+    level = logger.level
+    logger.setLevel(logging.INFO)  # setLevel, not the attribute: the logger caches what its level let through
     logger.addHandler(said)
     try:
-        return {**run(*args), "said": said.lines}
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            done = run(*args)
     finally:
         logger.removeHandler(said)
-        logger.level, logger.disabled = level, disabled
+        logger.setLevel(level)
+    points = [re.search(r"a restore point after step (\d+)", str(w.message)) for w in warned]
+    return {**done, "said": said.lines, "restore_points": [int(point[1]) for point in points if point]}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[tuple[str, bool], dict[str, Any]]:
-    return {(name, stop): said_by(run, stop, tmp_path_factory.mktemp("run")) for name, run in ENTRY_POINTS.items()
-            for stop in (False, True)}  # fmt: skip
+def runs(tmp_path_factory) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(name, case): said_by(run, case, tmp_path_factory.mktemp("run")) for name, run in ENTRY_POINTS.items()
+            for case in CASES}  # fmt: skip
 
 
 @pytest.mark.parametrize("entry_point", [name for name in ENTRY_POINTS if name != "plain loop"])
 def test_every_entry_point_logs_the_plain_loops_rows_alerts_and_weights(runs, entry_point):
-    reference, run = runs[("plain loop", False)], runs[(entry_point, False)]
+    reference, run = runs[("plain loop", "watch")], runs[(entry_point, "watch")]
     assert sorted(run["rows"]) == sorted(reference["rows"]) == [0, 2, 4, 6]  # the states after 0, 2, 4, 6 steps
     for step, row in reference["rows"].items():
         assert sorted(run["rows"][step]) == sorted(row), step
@@ -191,13 +212,30 @@ def test_every_entry_point_logs_the_plain_loops_rows_alerts_and_weights(runs, en
 
 @pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
 def test_every_entry_point_stops_after_the_step_whose_sample_raised_an_error_alert(runs, entry_point):
-    run = runs[(entry_point, True)]
+    run = runs[(entry_point, "stop")]
     assert run["stopped"] == 1  # the ERROR rule's first sample is step 0's: the run ends after that step
-    assert runs[("plain loop", True)]["alerts"] == run["alerts"]
+    assert runs[("plain loop", "stop")]["alerts"] == run["alerts"]
 
 
 @pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
 def test_every_entry_point_says_what_connmon_cost_once_at_the_runs_end(runs, entry_point):
-    for stop in (False, True):
-        (line,) = [line for line in runs[(entry_point, stop)]["said"] if " cost " in line]
+    for case in CASES:
+        (line,) = [line for line in runs[(entry_point, case)]["said"] if " cost " in line]
         assert line.startswith("connmon: ") and "% of training time (attention " in line, line
+
+
+@pytest.mark.parametrize("entry_point", [name for name in ENTRY_POINTS if name != "plain loop"])
+def test_every_entry_point_backs_off_clips_and_saves_restore_points_as_the_plain_loop_does(runs, entry_point):
+    """Each step's sample ends before its optimizer step everywhere: the back-off scales that step's update, and a
+    row holds what QK-clip did (and each step's max logits) in the steps before it."""
+    reference, run = runs[("plain loop", "act")], runs[(entry_point, "act")]
+    clipped = [k for row in reference["rows"].values() for k in row if k.startswith("connmon/qk_clip")]
+    assert clipped and reference["rows"][0]["connmon/lr_scale"] == 0.5
+    assert sorted(run["rows"]) == sorted(reference["rows"])
+    for step, row in reference["rows"].items():
+        assert run["rows"][step] == pytest.approx(row, rel=1e-6, nan_ok=True), step
+    assert all(torch.equal(a, b) for a, b in zip(run["weights"], reference["weights"], strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(run["weights"], runs[(entry_point, "watch")]["weights"],
+                                                     strict=True))  # fmt: skip  # the clips acted
+    # the WARN rule fires at the samples after 0 and 4 steps: each restore point is the state after the next step
+    assert run["restore_points"] == reference["restore_points"] == [1, 5]

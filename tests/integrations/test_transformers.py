@@ -183,9 +183,10 @@ def test_report_to_wandb_gets_the_keys_histograms_and_figures(tmp_path, monkeypa
     assert "train/connmon/spectrum_modulus_hist/L01._type" in keys
     assert "train/connmon/figures/spectra._type" in keys
     assert "train/loss" in keys
-    states = [row["train/connmon/update_rms"] for row in scalars]  # the optimizer's state, read after every step
-    assert len(states) == 3 and all(0 < value < 10 for value in states)
-    assert all(0 <= row["train/connmon/stale_second_moment"] <= 1 for row in scalars)
+    # the optimizer's state, read after every step: each sample logs the steps before it (none before the first)
+    states = [row["train/connmon/update_rms"] for row in scalars[1:]]
+    assert "train/connmon/update_rms" not in scalars[0] and all(0 < value < 10 for value in states)
+    assert all(0 <= row["train/connmon/stale_second_moment"] <= 1 for row in scalars[1:])
     from connmon.cli import main
 
     out = tmp_path / "report"  # connmon report reads the Trainer's train/connmon/... keys at train/global_step
@@ -237,14 +238,16 @@ def test_rules_see_the_trainers_own_logged_loss(tmp_path):
 def test_the_backoff_action_scales_the_trainers_rate_under_its_scheduler_and_logs_it(tmp_path):
     edge = Rule("past the edge of stability", "connmon/max_attention_logit/L*", Threshold(-1.0), cooldown=0)
     alerts = AlertRunner([edge], actions=("backoff",))
-    plain = make_trainer(tmp_path / "plain")
+    plain = make_trainer(tmp_path / "plain", logging_steps=1)
     plain.train()
-    backed = make_trainer(tmp_path / "backed", monitor={"every_n_steps": 2, "diagnostics": ("walk",), "alerts": alerts})
+    backed = make_trainer(tmp_path / "backed", monitor={"every_n_steps": 2, "diagnostics": ("walk",), "alerts": alerts},
+                          logging_steps=1)  # fmt: skip
     backed.train()
     scales = {row["step"]: row["connmon/lr_scale"] for row in backed.state.log_history if "connmon/lr_scale" in row}
     assert scales == {1: 0.5, 3: 0.5, 5: 0.5}  # each sample's alert, in the row of the forward it read
     assert backed.lr_scheduler.get_last_lr() == plain.lr_scheduler.get_last_lr()  # the linear schedule untouched
-    assert losses(backed)[2] == losses(plain)[2] and losses(backed)[4] != losses(plain)[4]
+    # the first sample's alert comes before the first optimizer step, which it scales: the first loss alone is equal
+    assert losses(backed)[1] == losses(plain)[1] and losses(backed)[2] != losses(plain)[2]
     assert not backed.optimizer.optimizer._optimizer_step_pre_hooks
 
 
