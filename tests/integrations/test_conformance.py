@@ -4,8 +4,10 @@ Each entry point is one fixture entry in ``ENTRY_POINTS``: a function that train
 batches) for ``STEPS`` steps under connmon with the given options and returns what it did: the connmon rows it
 logged, keyed by the optimizer steps taken before the sampled forward (every entry point samples the forwards after
 0, 2, 4, 6 steps; the Hugging Face ``Trainer`` logs the forward after ``s`` steps in its row ``s + 1``, beside that
-forward's loss); the alerts; the step the run stopped at; the final weights. A new integration passes the suite by
-adding its function. OLMo-core's callback lives in an environment of its own (``test_olmo_core.py`` holds it to a
+forward's loss); the alerts; the step the run stopped at; the final weights. Each runs every case of ``CASES``:
+rules that only warn, an ERROR that stops the run, actions (back-off, QK-clip every step, restore points), and a run
+interrupted after ``RESUME_AT`` steps and resumed from the entry point's own checkpoint. A new integration passes the
+suite by adding its function. OLMo-core's callback lives in an environment of its own (``test_olmo_core.py`` holds it to a
 plain loop the same way).
 """
 
@@ -26,14 +28,16 @@ from lightning.pytorch.loggers import Logger
 import connmon
 from connmon.alerts import AlertRunner, LearningRateBackoff, QKClip, RestorePoints, logit_bound_rule
 from connmon.callbacks import ConnectionMonitor, DriftAlert
-from tests.callbacks.lightning_models import LitGPT, loader
+from tests.callbacks.lightning_models import LitGPT, corpus
 
 STEPS = 7
 CLIP_AT = 0.5  # below the model's max logits from its first step: QK-clip acts on every step
-OPTIONS: dict[str, Any] = {"every_n_steps": 2, "diagnostics": ("walk", "transport"), "figures_every_n_samples": None}
+OPTIONS: dict[str, Any] = {"every_n_steps": 2, "diagnostics": ("walk", "transport", "drift"),
+                           "figures_every_n_samples": None}  # fmt: skip
 
 
-CASES = ("watch", "stop", "act")
+CASES = ("watch", "stop", "act", "resume")
+RESUME_AT = 4
 
 
 def runner_for(case: str, alerts: list, tmp_path: Any) -> AlertRunner:
@@ -61,29 +65,48 @@ def connmon_rows(rows: dict[int, dict[str, float]]) -> dict[int, dict[str, float
 
 
 def plain_loop(case: str, tmp_path: Any) -> dict[str, Any]:
-    module = LitGPT()
-    model = module.model
-    optimizer = torch.optim.SGD(model.parameters(), lr=module.lr)
     rows: dict[int, dict[str, float]] = {}
     alerts: list = []
-    runner = runner_for(case, alerts, tmp_path)
-    monitor = connmon.Monitor(model, optimizer=optimizer, alerts=runner,
-                              log=lambda values, step: rows.setdefault(step, {}).update(values), **OPTIONS)  # fmt: skip
-    stopped = None
-    batches = itertools.cycle(loader())
-    for step in range(STEPS):
-        idx, target = next(batches)
-        with monitor.step(step):
-            loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        if monitor.should_stop:
-            stopped = step + 1  # the optimizer steps taken when the run ended
-            break
-    monitor.close()
-    return {"rows": connmon_rows(rows), "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
-            "weights": [p.detach().clone() for p in model.parameters()]}  # fmt: skip
+    done: dict[str, Any] = {"stopped": None}
+
+    def train(first: int, last: int, saved: dict[str, Any] | None = None) -> dict[str, Any]:
+        module = LitGPT()
+        model = module.model
+        optimizer = torch.optim.SGD(model.parameters(), lr=module.lr)
+        monitor = connmon.Monitor(model, optimizer=optimizer, alerts=runner_for(case, alerts, tmp_path),
+                                  log=lambda values, step: rows.setdefault(step, {}).update(values),
+                                  **OPTIONS)  # fmt: skip
+        if saved is not None:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
+            monitor.load_state_dict(saved["connmon"])
+        batches = itertools.islice(itertools.cycle(loader()), first, None)
+        for step in range(first, last):
+            idx, target = next(batches)
+            with monitor.step(step):
+                loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), target.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if monitor.should_stop:
+                done["stopped"] = step + 1  # the optimizer steps taken when the run ended
+                break
+        saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "connmon": monitor.state_dict()}
+        monitor.close()
+        done["weights"] = [p.detach().clone() for p in model.parameters()]
+        return saved
+
+    if case == "resume":
+        train(RESUME_AT, STEPS, torch.load(save(train(0, RESUME_AT), tmp_path), weights_only=True))
+    else:
+        train(0, STEPS)
+    return {"rows": connmon_rows(rows), "alerts": [(a.rule, a.step) for a in alerts], **done}
+
+
+def save(state: dict[str, Any], tmp_path: Any) -> str:
+    path = str(tmp_path / "checkpoint.pt")
+    torch.save(state, path)
+    return path
 
 
 class Rows(Logger):
@@ -103,17 +126,26 @@ class Rows(Logger):
 
 
 def lightning(case: str, tmp_path: Any) -> dict[str, Any]:
-    module = LitGPT()
     alerts: list = []
-    alert = DriftAlert(runner=runner_for(case, alerts, tmp_path))
     logger = Rows()
-    trainer = L.Trainer(max_steps=STEPS, callbacks=[ConnectionMonitor(**OPTIONS), alert], logger=logger,
-                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                        accelerator="cpu", log_every_n_steps=1)  # fmt: skip
-    trainer.fit(module, loader())
+
+    def fit(max_steps: int, path: str | None = None) -> L.Trainer:
+        module = LitGPT()
+        callbacks = [ConnectionMonitor(**OPTIONS), DriftAlert(runner=runner_for(case, alerts, tmp_path))]
+        trainer = L.Trainer(max_steps=max_steps, callbacks=callbacks, logger=logger, enable_progress_bar=False,
+                            enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
+                            log_every_n_steps=1)  # fmt: skip
+        trainer.fit(module, loader(), ckpt_path=path)
+        return trainer
+
+    if case == "resume":
+        fit(RESUME_AT).save_checkpoint(tmp_path / "resume.ckpt")
+        trainer = fit(STEPS, str(tmp_path / "resume.ckpt"))
+    else:
+        trainer = fit(STEPS)
     stopped = trainer.global_step if trainer.global_step < STEPS else None
     return {"rows": connmon_rows(logger.rows), "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
-            "weights": [p.detach().clone() for p in module.model.parameters()]}  # fmt: skip
+            "weights": [p.detach().clone() for p in trainer.lightning_module.model.parameters()]}  # fmt: skip
 
 
 class NextToken(torch.nn.Module):
@@ -125,6 +157,11 @@ class NextToken(torch.nn.Module):
 
     def forward(self, idx: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"loss": torch.nn.functional.cross_entropy(self.model(idx).flatten(0, 1), target.flatten())}
+
+
+def loader() -> torch.utils.data.DataLoader:
+    """The training data: one batch of 4 sequences, every step (so each trainer's data position resumes alike)."""
+    return torch.utils.data.DataLoader(corpus(n=4), batch_size=4, shuffle=False)
 
 
 class Batches(torch.utils.data.IterableDataset):
@@ -139,24 +176,35 @@ def hugging_face(case: str, tmp_path: Any) -> dict[str, Any]:
     transformers = pytest.importorskip("transformers")
     from connmon.integrations.transformers import ConnectionMonitorCallback
 
-    module = LitGPT()
-    model = NextToken(module.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=module.lr)
-    args = transformers.TrainingArguments(str(tmp_path), max_steps=STEPS, per_device_train_batch_size=4,
-                                          max_grad_norm=0.0, report_to=[], use_cpu=True, save_strategy="no",
-                                          disable_tqdm=True, logging_steps=1)  # fmt: skip
-    constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=Batches(), optimizers=(optimizer, constant))
     alerts: list = []
-    trainer.add_callback(ConnectionMonitorCallback(trainer, alerts=runner_for(case, alerts, tmp_path), **OPTIONS))
-    trainer.train()
     rows: dict[int, dict[str, float]] = {}
-    for row in trainer.state.log_history:  # its row s + 1: the forward after s steps
-        rows.setdefault(int(row["step"]) - 1, {}).update(row)
+
+    def train(max_steps: int, path: str | None = None) -> Any:
+        module = LitGPT()
+        model = NextToken(module.model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=module.lr)
+        saves = {"save_strategy": "steps", "save_steps": RESUME_AT} if max_steps == RESUME_AT else {}
+        args = transformers.TrainingArguments(str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4,
+                                              max_grad_norm=0.0, report_to=[], use_cpu=True, disable_tqdm=True,
+                                              logging_steps=1, **{"save_strategy": "no", **saves})  # fmt: skip
+        constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Batches(),
+                                       optimizers=(optimizer, constant))  # fmt: skip
+        runner = runner_for(case, alerts, tmp_path)
+        trainer.add_callback(ConnectionMonitorCallback(trainer, alerts=runner, **OPTIONS))
+        trainer.train(resume_from_checkpoint=path)
+        for row in trainer.state.log_history:  # its row s + 1: the forward after s steps
+            rows.setdefault(int(row["step"]) - 1, {}).update(row)
+        return trainer
+
+    if case == "resume":
+        train(RESUME_AT)
+        trainer = train(STEPS, str(tmp_path / f"checkpoint-{RESUME_AT}"))
+    else:
+        trainer = train(STEPS)
     stopped = trainer.state.global_step if trainer.state.global_step < STEPS else None
-    return {"rows": connmon_rows(rows),
-            "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
-            "weights": [p.detach().clone() for p in module.model.parameters()]}  # fmt: skip
+    return {"rows": connmon_rows(rows), "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
+            "weights": [p.detach().clone() for p in trainer.model.model.parameters()]}  # fmt: skip
 
 
 ENTRY_POINTS: dict[str, Callable[..., dict[str, Any]]] = {
@@ -220,8 +268,9 @@ def test_every_entry_point_stops_after_the_step_whose_sample_raised_an_error_ale
 @pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
 def test_every_entry_point_says_what_connmon_cost_once_at_the_runs_end(runs, entry_point):
     for case in CASES:
-        (line,) = [line for line in runs[(entry_point, case)]["said"] if " cost " in line]
-        assert line.startswith("connmon: ") and "% of training time (attention " in line, line
+        lines = [line for line in runs[(entry_point, case)]["said"] if " cost " in line]
+        assert len(lines) == (2 if case == "resume" else 1), lines  # once a run: the resumed case trains twice
+        assert all(line.startswith("connmon: ") and "% of training time (attention " in line for line in lines)
 
 
 @pytest.mark.parametrize("entry_point", [name for name in ENTRY_POINTS if name != "plain loop"])
@@ -239,3 +288,14 @@ def test_every_entry_point_backs_off_clips_and_saves_restore_points_as_the_plain
                                                      strict=True))  # fmt: skip  # the clips acted
     # the WARN rule fires at the samples after 0 and 4 steps: each restore point is the state after the next step
     assert run["restore_points"] == reference["restore_points"] == [1, 5]
+
+
+@pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
+def test_every_entry_point_resumed_from_its_checkpoint_logs_and_trains_as_the_uninterrupted_run(runs, entry_point):
+    whole, resumed = runs[(entry_point, "watch")], runs[(entry_point, "resume")]
+    assert sorted(resumed["rows"]) == sorted(whole["rows"]) == [0, 2, 4, 6]
+    assert "connmon/time_drift/L00" in resumed["rows"][4]  # against the sample saved with the checkpoint
+    for step, row in whole["rows"].items():
+        assert resumed["rows"][step] == pytest.approx(row, rel=1e-6, nan_ok=True), step
+    assert resumed["alerts"] == whole["alerts"]  # the rule's cooldown resumed too: at 0 and 4, not again at 4's
+    assert all(torch.equal(a, b) for a, b in zip(resumed["weights"], whole["weights"], strict=True))
