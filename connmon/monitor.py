@@ -20,7 +20,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ _LOG = logging.getLogger(__name__)
 LogFn = Callable[..., Any]  # called as log(values, step=step)
 SAMPLING_OPTIONS = OPTION_NAMES  # the sampling options every entry point takes with the same names and defaults
 Listener = Callable[[int, dict[str, float]], None]
+ListenedTo = Literal["attention", "curvature"]
 RuleValues = Mapping[str, float] | Callable[[], Mapping[str, float]] | None  # a callable is read only when rules run
 
 
@@ -958,7 +959,7 @@ class Monitor(CopiesDetached):
     def add_listener(
         self,
         listener: Listener,
-        of: Literal["attention", "curvature"] = "attention",
+        of: ListenedTo = "attention",
         sampler: AttentionSampler | None = None,
     ) -> None:
         """Call ``listener(step, values)`` on every process after each sample ``of`` attention or curvature is logged.
@@ -967,7 +968,7 @@ class Monitor(CopiesDetached):
         the previous sample (``connmon/head_max_logit/L<ll>H<hh>``, for the alert rules; not logged). ``sampler``:
         only that attention sampler's samples (None: every one's).
         """
-        check_choice("of", of, ("attention", "curvature"))
+        check_choice("of", of, get_args(ListenedTo))
         self._listeners[of].append((listener, sampler))
 
     # --- the checkpoint -----------------------------------------------------------------------------------------------

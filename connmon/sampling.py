@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal, TypedDict, get_args
 
 from typing_extensions import Unpack
 
@@ -20,7 +20,7 @@ from connmon._cost import check_budget
 from connmon._options import check_int
 
 Diagnostic = Literal["walk", "transport", "spectrum", "drift"]
-DIAGNOSTICS: tuple[Diagnostic, ...] = ("walk", "transport", "spectrum", "drift")
+DIAGNOSTICS: tuple[Diagnostic, ...] = get_args(Diagnostic)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

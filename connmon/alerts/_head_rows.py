@@ -9,21 +9,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from torch import Tensor
 
 from connmon._collectives import local as local_tensor
-from connmon.alerts.action import AlertAction
 
 
 @dataclass
-class HeadClipCount(AlertAction):
-    """What both clip actions keep: how many head clips so far, and the latest step's (saved in a checkpoint).
+class HeadClipCount:
+    """A step action (a clip): it acts after every optimizer step, not in answer to an alert.
 
-    They act every step, not in answer to an alert (:class:`connmon.alerts.step_clips.StepClips` drives them), so
-    their :meth:`answer` does nothing.
+    :class:`connmon.alerts.step_clips.StepClips` drives it; it keeps how many head clips so far and the latest step's,
+    and the count in a checkpoint (under ``state_key`` in :meth:`connmon.alerts.AlertRunner.state_dict`).
     """
+
+    name: ClassVar[str]  # as in AlertRunner's actions
+    state_key: ClassVar[str]
 
     clipped: int = field(default=0, kw_only=True)
     last: list[tuple] = field(default_factory=list, kw_only=True)

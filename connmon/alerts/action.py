@@ -1,10 +1,9 @@
-"""AlertAction: the one interface every action of the alert runner implements.
+"""AlertAction: the one interface every action that answers alerts implements.
 
 An action answers a sample's alerts (:meth:`AlertAction.answer`: a warning, a W&B alert, a stop, a learning-rate
-back-off, a restore point) or acts every step on its own (the clips, driven by
-:class:`connmon.alerts.step_clips.StepClips`, whose ``answer`` does nothing); either way it keeps its state in a
-checkpoint through :meth:`AlertAction.state_dict`. :class:`connmon.alerts.AlertRunner` holds one per name in its
-``actions`` and calls each in one order.
+back-off, a restore point) and keeps its state in a checkpoint through :meth:`AlertAction.state_dict`.
+:class:`connmon.alerts.AlertRunner` holds one per name in its ``actions`` and calls each in one order. The clips act
+after every optimizer step instead, not on alerts: they are step actions (:mod:`connmon.alerts.step_clips`).
 """
 
 from __future__ import annotations

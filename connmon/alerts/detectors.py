@@ -20,14 +20,14 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from connmon._options import check_choice, check_int, check_number
 
 __all__ = ["CUSUM", "Detection", "Detector", "Direction", "EWMAZScore", "Growth", "NonFinite", "Surge", "Threshold"]
 
 Direction = Literal["rise", "fall", "both"]
-_DIRECTIONS = ("rise", "fall", "both")
+_DIRECTIONS: tuple[Direction, ...] = get_args(Direction)
 
 
 @dataclass(frozen=True)

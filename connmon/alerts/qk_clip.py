@@ -62,7 +62,7 @@ class QKClip(HeadClipCount):
     """
 
     name: ClassVar[str] = "qk_clip"
-    state_key: ClassVar[str | None] = "qk_clip"
+    state_key: ClassVar[str] = "qk_clip"
     threshold: float = 100.0
 
     def __post_init__(self) -> None:

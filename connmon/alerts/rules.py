@@ -17,7 +17,7 @@ import fnmatch
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from connmon import keys
 from connmon._options import check_choice, check_items, check_number
@@ -41,9 +41,9 @@ __all__ = [
 ]
 
 Level = Literal["INFO", "WARN", "ERROR"]
-LEVELS: tuple[Level, ...] = ("INFO", "WARN", "ERROR")
+LEVELS: tuple[Level, ...] = get_args(Level)
 Kind = Literal["warning", "notice"]
-KINDS: tuple[Kind, ...] = ("warning", "notice")
+KINDS: tuple[Kind, ...] = get_args(Kind)
 
 
 @dataclass(frozen=True)

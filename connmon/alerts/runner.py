@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 from typing_extensions import TypedDict
 
 from connmon import keys
 from connmon._options import check_callable, check_choice, check_items, check_number
 from connmon._ranks import warn_rank_zero
+from connmon.alerts._head_rows import HeadClipCount
 from connmon.alerts.action import AlertAction, Alerted
 from connmon.alerts.backoff import LearningRateBackoff
 from connmon.alerts.log_alerts import LogAlerts
@@ -28,8 +29,9 @@ from connmon.alerts.wandb_alerts import WandbAlerts
 Action = Literal["log", "wandb", "stop", "backoff", "checkpoint", "qk_clip", "transport_clip"]
 DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "wandb", "stop")  # the others are opt-in
 _A = TypeVar("_A", bound=AlertAction)
-KNOWN_ACTIONS: tuple[Action, ...] = (*DEFAULT_ACTIONS, "backoff", "checkpoint", "qk_clip", "transport_clip")
-ANSWER_ORDER: tuple[Action, ...] = ("log", "wandb", "backoff", "checkpoint", "stop", "qk_clip", "transport_clip")
+KNOWN_ACTIONS: tuple[Action, ...] = get_args(Action)
+ANSWER_ORDER: tuple[Action, ...] = ("log", "wandb", "backoff", "checkpoint", "stop")  # the alert actions
+STEP_ACTIONS: tuple[Action, ...] = ("qk_clip", "transport_clip")  # act after every optimizer step, not on alerts
 
 
 class AlertOptions(TypedDict, total=False):
@@ -68,8 +70,10 @@ class AlertRunner:
     the entry points read the logits and apply it); ``"transport_clip"`` (opt-in, an experiment), a step-by-step
     action too: each head's transport ``O_h V_h`` is held within ``transport_clip.factor`` of a scaled isometry
     (:class:`connmon.alerts.TransportClip`). ``on_alert(alert)`` is called on every process; an exception
-    there is reported, never raised. Every action is one :class:`connmon.alerts.action.AlertAction` in its own
-    module (:attr:`parts`, answered in the order log, W&B, ``on_alert``, back-off, restore point, stop).
+    there is reported, never raised. Every action that answers alerts is one
+    :class:`connmon.alerts.action.AlertAction` in its own module (:attr:`parts`, answered in the order log, W&B,
+    ``on_alert``, back-off, restore point, stop); the clips are step actions (:attr:`step_actions`), driven after
+    every optimizer step by :class:`connmon.alerts.step_clips.StepClips`.
 
     Args:
         rules: the rules; None for :func:`connmon.alerts.default_rules`.
@@ -154,14 +158,14 @@ class AlertRunner:
             "stop": lambda: StopRun(stop_level),
             "backoff": lambda: backoff or LearningRateBackoff(),
             "checkpoint": lambda: restore_points or RestorePoints(),
-            "qk_clip": lambda: qk_clip or QKClip(),
-            "transport_clip": lambda: transport_clip or TransportClip(),
         }
         self.parts: dict[str, AlertAction] = {name: made[name]() for name in ANSWER_ORDER if name in self.actions}
         self.backoff = self._part("backoff", LearningRateBackoff)
         self.restore_points = self._part("checkpoint", RestorePoints)
-        self.qk_clip = self._part("qk_clip", QKClip)
-        self.transport_clip = self._part("transport_clip", TransportClip)
+        self.qk_clip = (qk_clip or QKClip()) if "qk_clip" in self.actions else None
+        self.transport_clip = (transport_clip or TransportClip()) if "transport_clip" in self.actions else None
+        clips: list[HeadClipCount | None] = [self.qk_clip, self.transport_clip]
+        self.step_actions: dict[str, HeadClipCount] = {clip.name: clip for clip in clips if clip is not None}
 
     def _part(self, name: str, kind: type[_A]) -> _A | None:
         part = self.parts.get(name)
@@ -263,18 +267,22 @@ class AlertRunner:
     def state_dict(self) -> dict[str, Any]:
         """The rules' state, the alert count, and each action's (the back-off's scale, the restore points kept, ...)."""
         state = {"rules": self.rules.state_dict(), "total": self.total}
-        for part in self.parts.values():
-            if part.state_key is not None:
-                state[part.state_key] = part.state_dict()
+        for key, part in self._saved_parts():
+            state[key] = part.state_dict()
         return state
+
+    def _saved_parts(self) -> list[tuple[str, AlertAction | HeadClipCount]]:
+        """Every action with a state to save, by its key: the alert actions', then the step actions'."""
+        parts: list[AlertAction | HeadClipCount] = [*self.parts.values(), *self.step_actions.values()]
+        return [(part.state_key, part) for part in parts if part.state_key is not None]
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.rules.load_state_dict(state_dict.get("rules", {}))
         self.total = state_dict.get("total", 0)
-        for part in self.parts.values():
-            if part.state_key is not None and state_dict.get(part.state_key) is not None:
-                part.load_state_dict(state_dict[part.state_key])
+        for key, part in self._saved_parts():
+            if state_dict.get(key) is not None:
+                part.load_state_dict(state_dict[key])
 
 
 def _rule_hint(item: object) -> str:

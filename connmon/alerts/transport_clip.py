@@ -121,7 +121,7 @@ class TransportClip(HeadClipCount):
     """
 
     name: ClassVar[str] = "transport_clip"
-    state_key: ClassVar[str | None] = "transport_clip"
+    state_key: ClassVar[str] = "transport_clip"
     factor: float = 2.0
     every_n_steps: int = 1
 

@@ -33,7 +33,7 @@ import functools
 import math
 import operator
 from collections.abc import Callable, Iterator, Sequence
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -42,7 +42,7 @@ from connmon.curvature.lockstep import settle
 from connmon.curvature.shards import Shards, local
 
 Products = Literal["gradient_difference", "double_backward"]
-PRODUCTS: tuple[Products, ...] = ("gradient_difference", "double_backward")
+PRODUCTS: tuple[Products, ...] = get_args(Products)
 
 # The difference length: the gradient changes by GRADIENT_CHANGE times its norm, by the parameters' dtype (the
 # forwards run in it: autocast is off for them). benchmarks/README.md, bench_sharpness.py --step-size: the ratio

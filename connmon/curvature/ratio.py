@@ -6,7 +6,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -31,7 +31,7 @@ from connmon.curvature.shards import Shards
 Storage = Literal["device", "cpu"]
 
 
-STORAGES: tuple[Storage, ...] = ("device", "cpu")
+STORAGES: tuple[Storage, ...] = get_args(Storage)
 
 
 NOISE_CHECK_FROM = 0.5  # gradient differences: a ratio from which a reading is checked at a larger step

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, get_args
 
 import torch
 from torch import Tensor, nn
@@ -72,9 +72,9 @@ if TYPE_CHECKING:  # the rules are handed in by the entry points: the curvature 
     from connmon.alerts.rules import RuleSet
 
 Estimator = Literal["finite_difference_lanczos", "exact_lanczos", "difference", "secant", "critical"]
-ESTIMATORS: tuple[Estimator, ...] = ("finite_difference_lanczos", "exact_lanczos", "difference", "secant", "critical")
+ESTIMATORS: tuple[Estimator, ...] = get_args(Estimator)
 Cadence = Literal["adaptive", "fixed"]
-CADENCES: tuple[Cadence, ...] = ("adaptive", "fixed")
+CADENCES: tuple[Cadence, ...] = get_args(Cadence)
 RATIO_KEY = keys.SHARPNESS_RATIO
 EIGENVALUE_KEY = keys.SHARPNESS_EIGENVALUE
 UPDATE_RATIO_KEY = keys.UPDATE_SHARPNESS_RATIO

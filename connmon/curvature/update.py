@@ -6,7 +6,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -20,7 +20,7 @@ from connmon.curvature.ratio import scalar_at, training_state_kept
 Reading = Literal["difference", "secant"]
 
 
-READINGS: tuple[Reading, ...] = ("difference", "secant")
+READINGS: tuple[Reading, ...] = get_args(Reading)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Literal, NamedTuple, overload
+from typing import Any, Literal, NamedTuple, get_args, overload
 
 import numpy as np
 import torch
@@ -328,8 +328,8 @@ def connection_spectrum(
     attn, w_v, w_o, (heads, n, _, d) = checked_layer(attn, w_v, w_o)
     if which not in ("LM", "LR"):
         raise ValueError(f"which must be 'LM' (largest modulus) or 'LR' (largest real part), got which={which!r}")
-    if method not in ("auto", "dense", "kron", "causal", "krylov"):
-        raise ValueError(f"method must be one of 'auto', 'dense', 'kron', 'causal', 'krylov', got method={method!r}")
+    if method not in get_args(Method):
+        raise ValueError(f"method must be one of {', '.join(map(repr, get_args(Method)))}, got method={method!r}")
     size = (n - 1) * d if deflate else n * d
     if not 1 <= k <= size:
         part = "(n-1)*d" if deflate else "n*d"

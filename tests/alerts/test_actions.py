@@ -10,17 +10,22 @@ from typing_extensions import get_type_hints
 
 from connmon.alerts import KNOWN_ACTIONS, Alert, AlertRunner, LearningRateBackoff, RestorePoints, Rule, Threshold
 from connmon.alerts.action import AlertAction
-from connmon.alerts.runner import ANSWER_ORDER, AlertOptions
+from connmon.alerts.runner import ANSWER_ORDER, STEP_ACTIONS, AlertOptions
 from connmon.callbacks import DriftAlert
 
 
-def test_every_action_is_one_alert_action_named_as_in_actions_each_in_its_own_module():
+def test_every_action_is_one_alert_action_or_one_step_action_named_as_in_actions_each_in_its_own_module():
     runner = AlertRunner([], actions=KNOWN_ACTIONS)
-    assert list(runner.parts) == list(ANSWER_ORDER) and set(ANSWER_ORDER) == set(KNOWN_ACTIONS)
+    assert list(runner.parts) == list(ANSWER_ORDER) and list(runner.step_actions) == list(STEP_ACTIONS)
+    assert set(ANSWER_ORDER) | set(STEP_ACTIONS) == set(KNOWN_ACTIONS) and not set(ANSWER_ORDER) & set(STEP_ACTIONS)
     modules = set()
-    for name, part in runner.parts.items():
+    for name, part in runner.parts.items():  # each answers alerts
         assert isinstance(part, AlertAction) and part.name == name
         modules.add(type(part).__module__)
+    for name, clip in runner.step_actions.items():  # each acts after every optimizer step, and answers no alert
+        assert not isinstance(clip, AlertAction) and clip.name == name and not hasattr(clip, "answer")
+        modules.add(type(clip).__module__)
+    assert runner.qk_clip is runner.step_actions["qk_clip"]
     assert len(modules) == len(KNOWN_ACTIONS)  # one module each
     assert set(runner.state_dict()) == {"rules", "total", "backoff", "restore_points", "qk_clip", "transport_clip"}
 

@@ -7,8 +7,8 @@ logged, keyed by the optimizer steps taken before the sampled forward (every ent
 forward's loss); the alerts; the step the run stopped at; the final weights. Each runs every case of ``CASES``:
 rules that only warn, an ERROR that stops the run, actions (back-off, QK-clip every step, restore points), and a run
 interrupted after ``RESUME_AT`` steps and resumed from the entry point's own checkpoint. A new integration passes the
-suite by adding its function. OLMo-core's callback lives in an environment of its own (``test_olmo_core.py`` holds it to a
-plain loop the same way).
+suite by adding its function. OLMo-core's callback lives in an environment of its own (``test_olmo_core.py`` holds it
+to a plain loop the same way).
 """
 
 from __future__ import annotations
