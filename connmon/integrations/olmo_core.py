@@ -82,14 +82,21 @@ class ConnectionMonitorCallback(Callback):
         self._model: torch.nn.Module | None = None
         self._hooks: list[Any] = []
         self._forwards = 0  # forwards of the step under way (its micro-batches)
+        self._restored = False  # OLMo-core loaded a saved state into the monitor for the coming run
 
     def _taken(self) -> int:
         """Optimizer steps taken before the step under way (OLMo-core counts its first batch as step 1)."""
         return self.trainer.global_step - 1
 
     def pre_train(self) -> None:
-        """Find the attention layers of the train module's model and watch its optimizer."""
-        self.monitor.reset()
+        """Find the attention layers of the train module's model and watch its optimizer.
+
+        A run OLMo-core resumed (it loads the callbacks' state before ``pre_train``) keeps what it loaded; any other
+        starts afresh.
+        """
+        if not self._restored:
+            self.monitor.reset()
+        self._restored = False
         self._model = None
         module = self.trainer.train_module
         model, optimizer = getattr(module, "model", None), getattr(module, "optim", None)
@@ -168,6 +175,7 @@ class ConnectionMonitorCallback(Callback):
         """Restore what :meth:`state_dict` saved."""
         if state_dict.get("monitor") is not None:
             self.monitor.load_state_dict(state_dict["monitor"])
+            self._restored = True
 
 
 def step_losses(module: Any, batch: dict[str, Any]) -> list[Callable[[], torch.Tensor]]:

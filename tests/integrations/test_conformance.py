@@ -7,12 +7,14 @@ logged, keyed by the optimizer steps taken before the sampled forward (every ent
 forward's loss); the alerts; the step the run stopped at; the final weights. Each runs every case of ``CASES``:
 rules that only warn, an ERROR that stops the run, actions (back-off, QK-clip every step, restore points), and a run
 interrupted after ``RESUME_AT`` steps and resumed from the entry point's own checkpoint. A new integration passes the
-suite by adding its function. OLMo-core's callback lives in an environment of its own (``test_olmo_core.py`` holds it
-to a plain loop the same way).
+suite by adding its function. The Hugging Face ``Trainer`` runs where transformers is installed (the default
+environment), OLMo-core's (through a small train module over the same model) where olmo-core is (an environment of
+its own: the two cannot share one).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import logging
 import re
@@ -207,9 +209,106 @@ def hugging_face(case: str, tmp_path: Any) -> dict[str, Any]:
             "weights": [p.detach().clone() for p in trainer.model.model.parameters()]}  # fmt: skip
 
 
-ENTRY_POINTS: dict[str, Callable[..., dict[str, Any]]] = {
-    "plain loop": plain_loop, "Lightning": lightning, "Hugging Face Trainer": hugging_face,
-}  # fmt: skip
+def olmo_core(case: str, tmp_path: Any) -> dict[str, Any]:
+    """OLMo-core's ``Trainer`` over LitGPT's model: a train module of SGD on the loss, the batch every step."""
+    from olmo_core.data.data_loader import DataLoaderBase
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.callbacks import Callback
+    from olmo_core.train.train_module import TrainModule
+
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    ids = torch.cat([torch.cat([idx[:, :1], target], dim=1) for idx, target in loader()])  # each sequence whole
+
+    class Batches(DataLoaderBase):
+        def _iter_batches(self) -> Any:
+            yield {"input_ids": ids}
+
+        def get_mock_batch(self) -> dict[str, Any]:
+            return {"input_ids": ids}
+
+        def reshuffle(self, epoch: int | None = None, **kwargs: Any) -> None:
+            pass
+
+        def state_dict(self) -> dict[str, Any]:
+            return {}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            pass
+
+        @property
+        def total_batches(self) -> int:
+            return 1
+
+    class NextTokenModule(TrainModule):
+        def __init__(self) -> None:
+            super().__init__()
+            module = LitGPT()
+            self.model = module.model
+            self.optim = torch.optim.SGD(self.model.parameters(), lr=module.lr)
+
+        def train_batch(self, batch: dict[str, Any], dry_run: bool = False) -> None:
+            if not dry_run:
+                idx, target = batch["input_ids"][:, :-1], batch["input_ids"][:, 1:]
+                torch.nn.functional.cross_entropy(self.model(idx).flatten(0, 1), target.flatten()).backward()
+
+        def optim_step(self) -> None:
+            self.optim.step()
+
+        def zero_grads(self) -> None:
+            self.optim.zero_grad()
+
+        def state_dict(self, *, optim: bool | None = None) -> dict[str, Any]:
+            return {"model": self.model.state_dict()}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            self.model.load_state_dict(state_dict["model"])
+
+        def eval_batch(self, batch: dict[str, Any], labels: Any = None) -> Any:
+            raise NotImplementedError
+
+        @property
+        def eval_batch_spec(self) -> Any:
+            raise NotImplementedError
+
+        def num_flops_per_token(self, seq_len: int) -> int | None:
+            return None
+
+        def global_num_flops_in_batch(self, batch: dict[str, Any]) -> int | None:
+            return None
+
+    rows: dict[int, dict[str, float]] = {}
+
+    class Rows(Callback):
+        def log_metrics(self, step: int, metrics: dict[str, float]) -> None:  # its step k + 1: the forward after k
+            rows.setdefault(step - 1, {}).update({k: float(v) for k, v in metrics.items()})
+
+    alerts: list = []
+
+    def fit(steps: int) -> Any:
+        module = NextTokenModule()
+        config = TrainerConfig(save_folder=str(tmp_path / "save"), max_duration=Duration.steps(steps),
+                               metrics_collect_interval=1, save_overwrite=True)  # fmt: skip
+        trainer = config.build(module, Batches(work_dir=str(tmp_path / "data"), global_batch_size=len(ids)))
+        runner = runner_for(case, alerts, tmp_path)
+        trainer.add_callback("connmon", ConnectionMonitorCallback(alerts=runner, **OPTIONS))
+        trainer.add_callback("rows", Rows())
+        trainer.fit()  # resumes from the latest checkpoint in its save folder, as OLMo-core does
+        return trainer
+
+    if case == "resume":
+        fit(RESUME_AT).save_checkpoint()
+    trainer = fit(STEPS)
+    stopped = trainer.global_step if trainer.global_step < STEPS else None
+    return {"rows": connmon_rows(rows), "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
+            "weights": [p.detach().clone() for p in trainer.train_module.model.parameters()]}  # fmt: skip
+
+
+ENTRY_POINTS: dict[str, Callable[..., dict[str, Any]]] = {"plain loop": plain_loop, "Lightning": lightning}
+if importlib.util.find_spec("transformers") is not None:  # the default environment
+    ENTRY_POINTS["Hugging Face Trainer"] = hugging_face
+if importlib.util.find_spec("olmo_core") is not None:  # an environment of its own (it cannot hold transformers)
+    ENTRY_POINTS["OLMo-core Trainer"] = olmo_core
 
 
 class Said(logging.Handler):
