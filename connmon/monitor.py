@@ -1,9 +1,9 @@
 """Monitor: the coordinator behind every entry point, over the run's parts; and the plain-PyTorch-loop API.
 
 A run's parts are its attention samplers (:class:`connmon.attention_sampler.AttentionSampler`), its curvature
-sampler (:class:`connmon.curvature.sampler.SharpnessSampler`), the optimizer's state
-(:class:`connmon.curvature.optimizer_state.OptimizerSignalWindow`) and the alert runner with its actions
-(:class:`connmon.alerts.AlertRunner`, the clips in :class:`connmon.alerts.step_clips.StepClips`). The
+sampler (:class:`connmon.curvature.sampler.SharpnessSampler`), its per-step signals
+(:class:`connmon.step_signals.StepSignals`: the clips, the optimizer's state) and the alert runner with its actions
+(:class:`connmon.alerts.AlertRunner`). The
 :class:`Monitor` takes one event protocol from every entry point (:meth:`Monitor.step_start`,
 :meth:`Monitor.read_forward`, :meth:`Monitor.forward_end`, :meth:`Monitor.before_optimizer_step`,
 :meth:`Monitor.after_optimizer_step`, :meth:`Monitor.step_end`, :meth:`Monitor.model_updated`), drives the parts
@@ -36,11 +36,10 @@ from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon._saved_state import checked_state
 from connmon.alerts.restore import remove_restore_point, write_restore_point
 from connmon.alerts.runner import AlertRunner
-from connmon.alerts.step_clips import StepClips
 from connmon.attention_sampler import AttentionSampler
-from connmon.curvature.optimizer_state import OptimizerSignalWindow
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingKeywords, SamplingOptions, sampling_options
+from connmon.step_signals import StepSignals
 
 __all__ = ["DIAGNOSTICS", "SAMPLING_OPTIONS", "Diagnostic", "LogFn", "Monitor", "SamplingOptions", "StepOutcome"]
 
@@ -168,7 +167,7 @@ class Monitor(CopiesDetached):
     """
 
     _not_copied = (
-        ("_pre_hook", lambda: None), ("_post_hooks", list), ("_beside", lambda: None),
+        ("_pre_hook", lambda: None), ("_beside", lambda: None),
     )  # fmt: skip  # hooks stay
 
     def __init__(
@@ -206,7 +205,7 @@ class Monitor(CopiesDetached):
         self.optimizer_hook = optimizer_hook
         self.owner = owner
         self.agree = agree
-        self.clips: StepClips | None = None
+        self.signals = StepSignals(options.optimizer_every_n_steps, owner)  # before use(): it holds the clips
         self.use(alerts=alerts, sharpness=sharpness)
         if sharpness is not None and optimizer is None:
             raise ValueError("sharpness needs the optimizer it watches: pass optimizer=...")
@@ -236,15 +235,9 @@ class Monitor(CopiesDetached):
         self._said_unentered = False  # monitor.step(...) called without `with` was said
         self._beside: contextlib.ExitStack | None = None  # a compiled model's reading beside its graph
         self._pre_hook: Any = None
-        self._post_hooks: list[Any] = []  # after each optimizer step: the clip actions, the optimizer's state
-        self._logits_after_step = False  # those hooks can read each step's max logits (and clip): an optimizer known
         self._said_cost = False  # close() said what the run cost
         self._uneven_from: int | None = None  # the first step only some processes took (uneven inputs under Join)
         self._said_join: set[str] = set()  # what uneven inputs turned off, said once each
-        every = options.optimizer_every_n_steps
-        self.optimizer_state = (
-            OptimizerSignalWindow(owner) if every is not None else None
-        )  # its signals since the sample
         if model is not None:
             self.attach(model)
 
@@ -269,14 +262,12 @@ class Monitor(CopiesDetached):
             )
         self.alerts = alerts
         self.sharpness = sharpness
-        self.clips = StepClips(alerts.qk_clip, alerts.transport_clip, self.owner) if alerts is not None else None
+        self.signals.use(alerts)
         for sampler in self.attention_samplers:
             # sampled besides the cadence: what the alert rules that watch only a run's first steps need to compare
             every = sampler.options.every_n_steps
             sampler.extra_steps = alerts.rules.regime_steps(every) if alerts is not None else frozenset()
-            sampler.reads_every_step = self.clips is not None and self.clips.active
-        if self.clips is not None and not self.clips.active:
-            self.clips = None
+            sampler.reads_every_step = self.signals.clips is not None
 
     @property
     def attention_sampler(self) -> AttentionSampler | None:
@@ -286,12 +277,12 @@ class Monitor(CopiesDetached):
     @property
     def qk_clip(self) -> Any:
         """The ``"qk_clip"`` action (None: off, or turned off after it raised)."""
-        return self.clips.qk_clip if self.clips is not None else None
+        return self.signals.clips.qk_clip if self.signals.clips is not None else None
 
     @property
     def transport_clip(self) -> Any:
         """The ``"transport_clip"`` action (None: off, or turned off after it raised)."""
-        return self.clips.transport_clip if self.clips is not None else None
+        return self.signals.clips.transport_clip if self.signals.clips is not None else None
 
     # the first attention sampler's state, read as the monitor's (a plain loop has one)
 
@@ -658,12 +649,9 @@ class Monitor(CopiesDetached):
         self._optimizer = optimizers[0] if len(optimizers) == 1 else None
         self._remove_optimizer_hooks()
         sampler = self.attention_sampler
-        self._logits_after_step = bool(optimizers) and sampler is not None and sampler.logits is not None
         # with no optimizer known, a step's max logits are read (and clipped) at the next step's start and at close()
-        if self._logits_after_step or self.optimizer_state is not None:
-            self._post_hooks = [
-                optimizer.register_step_post_hook(self._after_optimizer_step) for optimizer in optimizers
-            ]
+        reads_logits = sampler is not None and sampler.logits is not None
+        self.signals.attach(optimizers, reads_logits, self._after_optimizer_step)
         if self.sharpness is not None and self._optimizer is None:
             self.sharpness.turn_off(f"it needs exactly one optimizer, and the run has {len(optimizers)}")
         elif self.sharpness is not None and self._optimizer is not None:
@@ -674,7 +662,7 @@ class Monitor(CopiesDetached):
                 self._pre_hook = self._optimizer.register_step_pre_hook(self._before_optimizer_step)
         if self.alerts is not None:
             self.alerts.attach(optimizers, self.owner)
-        if self.clips is not None and not optimizers and self.optimizer_hook:
+        if self.signals.clips is not None and not optimizers and self.optimizer_hook:
             warn_rank_zero(
                 f"{self.owner}: no optimizer was given (optimizer=...), so the clip actions act at each step's start "
                 "on the step before (the last at close()) and cannot tell a step the optimizer skipped (a "
@@ -682,10 +670,10 @@ class Monitor(CopiesDetached):
             )
 
     def _remove_optimizer_hooks(self) -> None:
-        for handle in [self._pre_hook, *self._post_hooks]:
-            if handle is not None:
-                handle.remove()
-        self._pre_hook, self._post_hooks, self._logits_after_step = None, [], False
+        if self._pre_hook is not None:
+            self._pre_hook.remove()
+        self._pre_hook = None
+        self.signals.detach()
 
     def close(self, steps_taken: int | None = None) -> None:
         """The run is over: every hook removed (the capture's, the max logits', the optimizer's), what it cost said.
@@ -749,7 +737,7 @@ class Monitor(CopiesDetached):
         self._begun = step
         with self.clock.measuring():
             if joins_seen():  # no collective before the forward: a process out of data does not take this step
-                if not self._logits_after_step:
+                if not self.signals.logits_after_step:
                     self._say_uneven("logits", "the per-step max logits and the clips need optimizer=... there")
                     for sampler in self.attention_samplers:
                         sampler.drop_step_logits()
@@ -762,11 +750,8 @@ class Monitor(CopiesDetached):
                 sampler.begin_logits(step, threshold)
 
     def _reads_after_step(self) -> bool:
-        """Whether each step's max logits are read in the optimizer's post-hook (for a clip; under uneven inputs).
-
-        Elsewhere they are read at the next step's start, so a sample logs the steps before its own.
-        """
-        return self._logits_after_step and (self.clips is not None or joins_seen())
+        """Whether each step's max logits are read in the optimizer's post-hook (for a clip; under uneven inputs)."""
+        return self.signals.reads_after_step(uneven=joins_seen())
 
     def every_process_in_step(self) -> bool:
         """Whether every process took the current step's forward (no collective; False only for uneven inputs).
@@ -811,10 +796,10 @@ class Monitor(CopiesDetached):
         """The clip actions on the step just read (the first sampler's layers), once ``steps_taken`` steps are taken."""
         read = self._read_step_logits()
         sampler = self.attention_sampler
-        if self.clips is None or sampler is None or sampler.logits is None:
+        clips = self.signals.clips
+        if clips is None or sampler is None or sampler.logits is None:
             return
-        places = [layer.index for layer in sampler.selected]
-        self.clips.act(steps_taken, read, sampler.logits, places)
+        clips.act(steps_taken, read, sampler.logits, [layer.index for layer in sampler.selected])
 
     def _after_optimizer_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.after_optimizer_step(optimizer)
@@ -834,18 +819,7 @@ class Monitor(CopiesDetached):
         with self.clock.measuring():
             if self._reads_after_step() and self._begun is not None:
                 self._clip(self._begun + 1)
-            every = self.options.optimizer_every_n_steps
-            if optimizer is None or self.optimizer_state is None or every is None or (self._step_now + 1) % every:
-                pass
-            else:
-                try:
-                    self.optimizer_state.read(optimizer, self._step_now + 1)
-                except Exception as error:  # a reading must not end the training run
-                    warn_rank_zero(
-                        f"{self.owner}: reading the optimizer's state raised {type(error).__name__}: {error}; it is "
-                        "off for this run"
-                    )
-                    self.optimizer_state = None
+            self.signals.read_optimizer(optimizer, self._step_now + 1)
         if joins_seen() and self.optimizer_hook:  # a plain loop: saved here, where every process is known to be
             self.save_restore_point(self._step_now + 1)
 
@@ -899,10 +873,10 @@ class Monitor(CopiesDetached):
         with sampler.clock.measuring(), torch.inference_mode(False):  # a sample under inference mode: normal states
             sample = sampler.measure(step)
             scalars = sample.scalars
-            if self.clips is not None and sampler is self.attention_sampler:
-                scalars.update(self.clips.values(sampler.logits, [layer.index for layer in sampler.selected]))
-            if self.optimizer_state is not None:
-                scalars.update(self.optimizer_state.take())
+            if sampler is self.attention_sampler:  # the clips act on the first sampler's layers
+                scalars.update(self.signals.window(sampler.logits, [layer.index for layer in sampler.selected]))
+            else:
+                scalars.update(self.signals.optimizer_window())
             began = sampler.steps_trained
             scalars.update(overhead_values(sampler.clock, step - (began if began is not None else step)))
             if self.alerts is not None:
@@ -925,9 +899,7 @@ class Monitor(CopiesDetached):
         """
         if values is None:
             return
-        values = dict(values)
-        if self.optimizer_state is not None:
-            values.update(self.optimizer_state.take())
+        values = {**values, **self.signals.optimizer_window()}
         if self.alerts is not None:
             values.update(self._run_rules(values, step))
             if self.sharpness is not None:
@@ -991,9 +963,9 @@ class Monitor(CopiesDetached):
         sampler = sampler if sampler is not None else first
         own = sampler.state_dict() if sampler is not None else {}
         logits = own.get("logits")
-        if sampler is first and self.clips is not None:
-            logits = {**(logits or {}), "clip_window": self.clips.window_state()}
-        optimizer = self.optimizer_state if sampler is first else None
+        signals = self.signals.state_dict() if sampler is first else {}
+        if sampler is first and self.signals.clips is not None:
+            logits = {**(logits or {}), "clip_window": signals["clip_window"]}
         return {
             "config": sampler.config() if sampler is not None else self._config(),
             "samples": own.get("samples", 0),
@@ -1001,7 +973,7 @@ class Monitor(CopiesDetached):
             "drift": own.get("drift"),
             "full_every_n_samples": own.get("full_every_n_samples", 1),
             "logits": logits,
-            "optimizer_state": optimizer.state_dict() if optimizer is not None else None,
+            "optimizer_state": signals.get("optimizer_state"),
         }
 
     def _config(self) -> dict[str, Any]:
@@ -1031,11 +1003,8 @@ class Monitor(CopiesDetached):
 
     def load_run_state(self, state: Mapping[str, Any]) -> None:
         """The run's own windows from a saved state: what QK-clip did, the optimizer's state since the last sample."""
-        logits = state.get("logits")
-        if self.clips is not None and logits is not None:
-            self.clips.load_window(logits.get("clip_window"))
-        if self.optimizer_state is not None and state.get("optimizer_state") is not None:
-            self.optimizer_state.load_state_dict(state["optimizer_state"])
+        clip_window = (state.get("logits") or {}).get("clip_window")
+        self.signals.load_state_dict({"clip_window": clip_window, "optimizer_state": state.get("optimizer_state")})
 
     def reset(self) -> None:
         """Start the cadence and the time-drift references afresh (a new run)."""

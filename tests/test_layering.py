@@ -20,6 +20,7 @@ FLOORS = [
     ("connmon.capture",),
     ("connmon.metrics", "connmon.curvature", "connmon._probe"),
     ("connmon.alerts", "connmon.analysis", "connmon.attention_sampler", "connmon.sinks.workspace"),
+    ("connmon.step_signals",),
     ("connmon.monitor",),
     ("connmon.callbacks", "connmon.integrations"),
     ("connmon", "connmon.sinks"),

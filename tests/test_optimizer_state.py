@@ -224,7 +224,7 @@ def test_a_monitor_reads_the_optimizer_after_every_step_and_logs_the_largest_sin
     assert [step for step, _ in pending["recent"]] == [1, 2, 3, 4, 5]  # the steps taken of each reading
     fresh = connmon.Monitor(TinyGPT(), every_n_steps=3, diagnostics=("walk",))
     fresh.load_state_dict(monitor.state_dict())
-    assert fresh.optimizer_state.state_dict() == pending
+    assert fresh.signals.optimizer_state.state_dict() == pending
     monitor.close()
     off = connmon.Monitor(TinyGPT(), every_n_steps=3, optimizer_every_n_steps=None)
-    assert off.optimizer_state is None and not off._post_hooks
+    assert off.signals.optimizer_state is None and not off.signals._hooks

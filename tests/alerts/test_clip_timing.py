@@ -275,9 +275,9 @@ def test_what_qk_clip_did_is_logged_per_layer_at_the_next_sample_and_survives_a_
     state = copy.deepcopy(monitor.state_dict())
     resumed = connmon.Monitor(TinyGPT(), every_n_steps=3, diagnostics=("walk",), alerts=runner(QKClip(2.0)))
     resumed.load_state_dict(state)
-    assert resumed.clips.window is not None
-    assert resumed.clips.window["clips"] == monitor.clips.window["clips"]
-    assert torch.equal(torch.as_tensor(resumed.clips.window["after"]), monitor.clips.window["after"])
+    assert resumed.signals.clips.window is not None
+    assert resumed.signals.clips.window["clips"] == monitor.signals.clips.window["clips"]
+    assert torch.equal(torch.as_tensor(resumed.signals.clips.window["after"]), monitor.signals.clips.window["after"])
 
 
 def test_clips_without_an_optimizer_say_once_that_a_skipped_step_is_clipped_too():
