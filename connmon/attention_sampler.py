@@ -440,6 +440,17 @@ class AttentionSampler(CopiesDetached):
                 heads.update({keys.head_key(layer.index, head): value for head, value in read.items()})
         return layers, heads
 
+    def compiled_part(self, model: nn.Module) -> nn.Module | None:
+        """The ``torch.compile``'d module whose graph holds the layers read (``model`` or a part of it), or None."""
+        if hasattr(model, "_orig_mod"):
+            return model
+        layers = {id(layer.module) for layer in self.selected}
+        for module in model.modules():
+            original = getattr(module, "_orig_mod", None)
+            if isinstance(original, nn.Module) and any(id(inner) in layers for inner in original.modules()):
+                return module
+        return None
+
     # --- the run's end and its checkpoint ---------------------------------------------------------------------------
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack
 
-from connmon._collectives import from_rank_zero, joins_seen, process_count, processes_in_step, watch_joins
+from connmon._collectives import joins_seen, process_count, processes_in_step, watch_joins
 from connmon._copying import CopiesDetached
 from connmon._cost import CostClock, cost_line, overhead_values
 from connmon._optimizer import unwrap_optimizer
@@ -34,7 +34,6 @@ from connmon._options import check_callable, check_choice
 from connmon._probe import device_of, read_beside
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon._saved_state import checked_state
-from connmon.alerts.restore import remove_restore_point, write_restore_point
 from connmon.alerts.runner import AlertRunner
 from connmon.attention_sampler import AttentionSampler
 from connmon.curvature.sampler import SharpnessSampler
@@ -416,7 +415,7 @@ class Monitor(CopiesDetached):
             if sampler.options.probe is not None or not sampler.due(step):
                 continue
             sampled = True
-            compiled = _compiled_part(model, sampler)
+            compiled = sampler.compiled_part(model)
             if compiled is None:
                 sampler.arm(model)
                 self._pending.append((sampler, step))
@@ -602,18 +601,9 @@ class Monitor(CopiesDetached):
             ([('connmon_restore_points/step=8.ckpt', 8)], None)
         """
         points = self.alerts.restore_points if self.alerts is not None else None
-        if points is None or points.due is None:
+        if points is None:
             return None
-
-        def write(path: str) -> None:
-            if points.save is not None:
-                points.save(path, step)
-            else:
-                write_restore_point(
-                    path, step, model=self._model, optimizer=self._optimizer, connmon_state=self.state_dict()
-                )
-
-        return points.save_due(step, from_rank_zero(points.path(step)), write, remove_restore_point, owner=self.owner)
+        return points.save_loop_point(step, self._model, self._optimizer, self.state_dict, owner=self.owner)
 
     # --- the model and the optimizers -------------------------------------------------------------------------------
 
@@ -1038,15 +1028,3 @@ class _StepBlock(contextlib.AbstractContextManager):
             "`with monitor.step(step):` around the step's forward",
             stacklevel=2,
         )
-
-
-def _compiled_part(model: nn.Module, sampler: AttentionSampler) -> nn.Module | None:
-    """The ``torch.compile``'d module whose graph holds ``sampler``'s layers (``model`` or a part of it), or None."""
-    if hasattr(model, "_orig_mod"):
-        return model
-    layers = {id(layer.module) for layer in sampler.selected}
-    for module in model.modules():
-        original = getattr(module, "_orig_mod", None)
-        if isinstance(original, nn.Module) and any(id(inner) in layers for inner in original.modules()):
-            return module
-    return None

@@ -129,6 +129,29 @@ class RestorePoints(AlertAction):
         """Whether ``path`` exists and is not a restore point this run wrote (not to be written over or removed)."""
         return os.path.exists(path) and os.fspath(path) not in self.paths
 
+    def save_loop_point(
+        self,
+        step: int,
+        model: nn.Module | None,
+        optimizer: torch.optim.Optimizer | None,
+        connmon_state: Callable[[], Mapping[str, Any]],
+        owner: str,
+    ) -> str | None:
+        """A plain loop's restore point, if one is due: ``save(path, step)``, else :func:`write_restore_point`.
+
+        Every process calls it (rank zero's path); returns the path, or None.
+        """
+        if self.due is None:
+            return None
+
+        def write(path: str) -> None:
+            if self.save is not None:
+                self.save(path, step)
+            else:
+                write_restore_point(path, step, model=model, optimizer=optimizer, connmon_state=connmon_state())
+
+        return self.save_due(step, from_rank_zero(self.path(step)), write, remove_restore_point, owner=owner)
+
     def save_due(
         self,
         step: int,
