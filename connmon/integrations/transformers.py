@@ -5,7 +5,6 @@ Needs the ``transformers`` extra: ``pip install "torch-connmon[transformers]"``.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from connmon.sampling import SamplingKeywords, SamplingOptions, sampling_options
 from connmon.sinks.wandb import find_sink
 
 STATE_FILE = "connmon_monitor.pt"  # written into each checkpoint-<step> folder
+RUN_KEY = "connmon"  # in TrainerState.stateful_callbacks (every checkpoint's trainer_state.json): the run's output_dir
 STEP_KEY = "train/global_step"  # the step metric the Trainer's W&B integration defines
 PREFIX = "train/"  # the Trainer's W&B integration writes training logs as train/<key>
 
@@ -136,14 +136,8 @@ class ConnectionMonitorCallback(TrainerCallback):
         if model is None or not self.monitor.attach(model, optimizer):  # the optimizer: curvature and "backoff"
             return
         self.monitor.sink = _wandb_sink(args)
-        if state.global_step == 0:
-            return
-        saved = _resumed_checkpoint(args, state) / STATE_FILE
-        if not saved.is_file():
-            warn_rank_zero(
-                f"ConnectionMonitorCallback: training resumes at step {state.global_step}, but {saved} does not exist, "
-                "so connmon's cadence, time-drift references and alert baselines start afresh"
-            )
+        saved = _saved_state_file(args, state)
+        if saved is None or not saved.is_file():
             return
         device = next(model.parameters(), torch.empty(0)).device  # drift references live beside the model
         saved_state = torch.load(saved, map_location=device, weights_only=True)
@@ -296,21 +290,31 @@ class ConnectionMonitorCallback(TrainerCallback):
         self.trainer.control.should_log = due
 
 
-def _resumed_checkpoint(args: TrainingArguments, state: TrainerState) -> Path:
-    """The checkpoint folder this ``train()`` resumes from: ``resume_from_checkpoint`` wherever it lies.
+def _saved_state_file(args: TrainingArguments, state: TrainerState) -> Path | None:
+    """The monitor's state saved in the checkpoint this ``train()`` resumes from (None: a fresh run); one line if none.
 
-    The Trainer hands its callbacks no path, so it is read from the running ``_inner_training_loop``'s argument;
-    ``output_dir/checkpoint-<step>`` if that cannot be found.
+    The Trainer hands its callbacks no checkpoint path, so every checkpoint's ``trainer_state.json`` carries the
+    output folder of the run that saved it (``TrainerState.stateful_callbacks["connmon"]``): the checkpoint resumed
+    from is ``checkpoint-<step>`` there (or in this run's ``output_dir``), wherever this run writes.
     """
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code.co_name == "_inner_training_loop" and "resume_from_checkpoint" in frame.f_locals:
-            path = frame.f_locals["resume_from_checkpoint"]
-            if isinstance(path, (str, Path)):
-                return Path(path)
-            break
-        frame = frame.f_back
-    return _checkpoint_folder(args, state.global_step)
+    callbacks: Any = state.stateful_callbacks  # a dict once the TrainerState is built (annotated as its input)
+    if not isinstance(callbacks, dict):
+        callbacks = {}
+        setattr(state, "stateful_callbacks", callbacks)  # noqa: B010  # its annotation is a list's
+    saved_in = (callbacks.get(RUN_KEY) or {}).get("output_dir")  # the loaded state's: the run that saved it
+    callbacks[RUN_KEY] = {"output_dir": str(Path(str(args.output_dir)).resolve())}  # what this run's checkpoints say
+    if state.global_step == 0:
+        return None
+    here = _checkpoint_folder(args, state.global_step)
+    folders = [Path(saved_in) / here.name, here] if saved_in is not None else [here]
+    found = next((folder / STATE_FILE for folder in folders if (folder / STATE_FILE).is_file()), None)
+    if found is None:
+        warn_rank_zero(
+            f"ConnectionMonitorCallback: training resumes at step {state.global_step}, but no {STATE_FILE} is in "
+            f"{' or '.join(str(folder) for folder in dict.fromkeys(folders))}, so connmon's cadence, time-drift "
+            "references and alert baselines start afresh"
+        )
+    return found
 
 
 def _checkpoint_folder(args: TrainingArguments, step: int) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -121,15 +122,21 @@ def test_resume_from_a_checkpoint_restores_cadence_drift_and_alert_state(tmp_pat
     assert "connmon/time_drift/L00" in rows(resumed)[5]  # compared with the sample saved in the checkpoint
 
 
-def test_resume_from_a_checkpoint_outside_output_dir_reads_its_state(tmp_path):
+@pytest.mark.parametrize("restore_callbacks", [False, True])
+def test_resume_from_a_checkpoint_outside_output_dir_reads_its_state(tmp_path, restore_callbacks):
+    """The checkpoint's trainer_state.json names the run that saved it: its state is found from another output_dir."""
     options = {"every_n_steps": 2, "diagnostics": ("walk", "drift")}
     first = make_trainer(tmp_path / "first", monitor=options, save_strategy="steps", save_steps=4, max_steps=4)
     first.train()
-    resumed = make_trainer(tmp_path / "second", monitor=options, save_strategy="no", max_steps=8)
+    saved = json.loads((tmp_path / "first" / "checkpoint-4" / "trainer_state.json").read_text())
+    assert saved["stateful_callbacks"]["connmon"] == {"output_dir": str((tmp_path / "first").resolve())}
+    resumed = make_trainer(tmp_path / "second", monitor=options, save_strategy="no", max_steps=8,
+                           restore_callback_states_from_checkpoint=restore_callbacks)  # fmt: skip
     resumed.train(resume_from_checkpoint=str(tmp_path / "first" / "checkpoint-4"))
     callback = next(cb for cb in resumed.callback_handler.callbacks if isinstance(cb, ConnectionMonitorCallback))
     assert callback.monitor.samples == 4  # 2 before the checkpoint, 2 after
     assert "connmon/time_drift/L00" in rows(resumed)[5]
+    assert resumed.state.stateful_callbacks["connmon"] == {"output_dir": str((tmp_path / "second").resolve())}
 
 
 def test_resuming_without_connmons_state_says_so(tmp_path):
