@@ -163,6 +163,18 @@ class ConnectionMonitorCallback(Callback):
         self._unhook()
         self.monitor.close()
 
+    def on_error(self, exc: BaseException) -> None:
+        """The run failed (a forward raised, an interrupt): a partial sample is dropped, every hook removed."""
+        self._unhook()
+        self.monitor.discard()
+        self.monitor.close()
+
+    def close(self) -> None:
+        """Right before ``fit()`` returns or raises, whatever happened: no hook of connmon's is left on the model."""
+        self._unhook()
+        self.monitor.unwatch_logits()
+        self.monitor.disarm()
+
     def _log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
             self.trainer.record_metric(key, float(value))

@@ -320,3 +320,26 @@ def test_qk_clip_scales_the_heads_above_its_threshold_after_each_optim_step(tmp_
     clipped = dict(trainer.train_module.model.named_parameters())
     unclipped = dict(plain.train_module.model.named_parameters())
     assert any(not torch.equal(clipped[n], unclipped[n]) for n in clipped if ".w_q." in n)  # the clip acted
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook_on_the_model(tmp_path, error):
+    """OLMo-core calls ``on_error`` and ``close`` on the way out: the partial sample is dropped, every hook removed."""
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    callback = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",))
+    trainer, _ = build_trainer(tmp_path, {"connmon": callback}, steps=5)
+    model = trainer.train_module.model
+    head, forwards = model.lm_head, []
+
+    def broken(module, args, output):
+        forwards.append(1)
+        if len(forwards) == 5:  # the first micro-batch of the third step (the sample of the state after 2 steps)
+            raise error("out of memory, say")
+
+    handle = head.register_forward_hook(broken)  # after the attention layers ran, inside the armed forward
+    with pytest.raises(error):
+        trainer.fit()
+    handle.remove()
+    assert callback.monitor.samples == 1 and not callback.monitor.is_armed  # step 0's; the failed one dropped
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
