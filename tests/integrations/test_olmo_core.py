@@ -48,6 +48,7 @@ def build_trainer(
     z_loss: float | None = None,
     load=None,
     qk_norm: bool = True,
+    scheduler=None,
 ):
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.nn.transformer import TransformerConfig
@@ -72,7 +73,7 @@ def build_trainer(
     sharded = TransformerDataParallelConfig(name="fsdp") if data_parallel else None  # FSDP2 over the processes
     config = TransformerTrainModuleConfig(rank_microbatch_size=2 * LENGTH, max_sequence_length=LENGTH,
                                           optim=AdamWConfig(lr=1e-2), dp_config=sharded,
-                                          z_loss_multiplier=z_loss)  # fmt: skip
+                                          z_loss_multiplier=z_loss, scheduler=scheduler)  # fmt: skip
     module = config.build(model, device=torch.device("cpu"))  # initializes the weights
     initial = None if data_parallel else copy.deepcopy(module.model)  # FSDP2 modules do not deepcopy
     trainer = TrainerConfig(save_folder=str(tmp_path / "save"), max_duration=Duration.steps(steps),
@@ -343,3 +344,45 @@ def test_a_forward_that_raises_on_a_sampled_step_leaves_no_hook_on_the_model(tmp
     handle.remove()
     assert callback.monitor.samples == 1 and not callback.monitor.is_armed  # step 0's; the failed one dropped
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_the_backoff_scales_each_step_under_olmo_cores_scheduler_and_leaves_its_rates_alone(tmp_path):
+    """The rate OLMo-core's scheduler sets for each step, times the back-off's scale inside ``optim_step`` only."""
+    from olmo_core.optim import CosWithWarmup
+    from olmo_core.train.callbacks import Callback
+
+    from connmon.alerts import LearningRateBackoff
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    seen: dict[int, list[float]] = {}
+
+    class Rates(Callback):  # hooks registered after connmon's: the rate inside the step, and the group's after it
+        def post_train_batch(self) -> None:
+            optimizer = self.trainer.train_module.optim
+            if self.trainer.global_step == 1:
+                optimizer.register_step_pre_hook(
+                    lambda o, *_: seen.setdefault(self.step(), []).append(o.param_groups[0]["lr"])
+                )
+                optimizer.register_step_post_hook(lambda o, *_: seen[self.step()].append(o.param_groups[0]["lr"]))
+
+        def step(self) -> int:
+            return self.trainer.global_step
+
+    rule = logit_bound_rule(bound=0.0, level="WARN", cooldown=100)
+    alerts = AlertRunner([rule], actions=("backoff",), backoff=LearningRateBackoff(cooldown=100, rules=(rule.name,)))
+    callback = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",), alerts=alerts)
+    scheduler = CosWithWarmup(warmup_steps=2)
+    (tmp_path / "backed").mkdir()
+    trainer, _ = build_trainer(tmp_path / "backed", {"connmon": callback, "rates": Rates()}, steps=5,
+                               scheduler=scheduler)  # fmt: skip
+    with pytest.warns(UserWarning, match="learning rate is scaled by 0.5"):
+        trainer.fit()
+    assert alerts.backoff.scale == 0.5 and alerts.backoff.last_step == 0  # the first sample's alert, before step 1
+    backed, seen = dict(seen), {}
+    (tmp_path / "plain").mkdir()
+    plain, _ = build_trainer(tmp_path / "plain", {"rates": Rates()}, steps=5, scheduler=CosWithWarmup(warmup_steps=2))
+    plain.fit()
+    assert sorted(backed) == sorted(seen) == [2, 3, 4, 5] and len({after for _, after in seen.values()}) == 4
+    for step, (inside, after) in backed.items():
+        assert after == seen[step][1] == seen[step][0] > 0, step  # the scheduler's own rate, untouched
+        assert inside == pytest.approx(0.5 * after), step  # scaled inside the step only
