@@ -148,12 +148,13 @@ def test_the_monitors_state_round_trips_through_the_callback(tmp_path):
     assert repr(fresh.state_dict()) == repr(callback.state_dict()) and callback.monitor.samples == 2
 
 
-def fsdp_worker(rank: int, port: int, out: str, watched: bool) -> None:
+def fsdp_worker(rank: int, port: int, out: str, watched: bool, curvature: bool = False) -> None:
     """One arm on one process (OLMo-core builds its world mesh once per process): its weights and logged rows."""
     from pathlib import Path
 
     import torch.distributed as dist
 
+    from connmon.curvature.sampler import SharpnessSampler
     from connmon.integrations.olmo_core import ConnectionMonitorCallback
     from tests.gloo import leave
 
@@ -164,10 +165,11 @@ def fsdp_worker(rank: int, port: int, out: str, watched: bool) -> None:
         recorder = Recorder()
         callbacks = {"recorder": recorder}
         if watched:
-            callbacks["connmon"] = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",))
+            sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", budget=None) if curvature else None
+            callbacks["connmon"] = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",), sharpness=sampler)
         folder = Path(out) / f"{watched}"
         folder.mkdir(exist_ok=True)
-        trainer, _ = build_trainer(folder, callbacks, steps=3, data_parallel=True)
+        trainer, _ = build_trainer(folder, callbacks, steps=3, data_parallel=True, z_loss=1e-3 if curvature else None)
         trainer.fit()
         local = [p.to_local() if hasattr(p, "to_local") else p for p in trainer.train_module.model.parameters()]
         torch.save([w.detach().clone() for w in local], Path(out) / f"weights{rank}-{watched}.pt")
@@ -386,3 +388,27 @@ def test_the_backoff_scales_each_step_under_olmo_cores_scheduler_and_leaves_its_
     for step, (inside, after) in backed.items():
         assert after == seen[step][1] == seen[step][0] > 0, step  # the scheduler's own rate, untouched
         assert inside == pytest.approx(0.5 * after), step  # scaled inside the step only
+
+
+@pytest.mark.distributed
+def test_the_curvature_under_olmo_cores_fsdp_reads_the_global_batch_as_one_process_does(tmp_path):
+    """2 gloo processes with OLMo-core's FSDP (each process half the batch, its own shards): the Lanczos ratio of the
+    step after 2 optimizer steps is the same on both, and that of one process training on the whole batch."""
+    from connmon.curvature.sampler import SharpnessSampler
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+    from tests.gloo import free_port, spawn
+
+    spawn(fsdp_worker, args=(free_port(), str(tmp_path), True, True), nprocs=2, timeout=300)
+    rows = [json.loads((tmp_path / f"rows{rank}-True.json").read_text()) for rank in range(2)]
+    ratios = [{step: row["connmon/sharpness_ratio"] for step, row in r.items() if "connmon/sharpness_ratio" in row}
+              for r in rows]  # fmt: skip
+    recorder = Recorder()
+    sampler = SharpnessSampler(every_n_steps=2, cadence="fixed", budget=None)
+    callback = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",), sharpness=sampler)
+    (tmp_path / "one").mkdir()
+    one, _ = build_trainer(tmp_path / "one", {"connmon": callback, "recorder": recorder}, steps=3, z_loss=1e-3)
+    one.fit()
+    alone = {str(step): row["connmon/sharpness_ratio"] for step, row in recorder.rows.items()
+             if "connmon/sharpness_ratio" in row}  # fmt: skip
+    assert list(ratios[0]) == list(alone) == ["3"] and ratios[0] == ratios[1]
+    assert ratios[0]["3"] == pytest.approx(alone["3"], rel=1e-3)
