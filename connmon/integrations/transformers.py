@@ -131,6 +131,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         """Find the attention layers, the W&B run, and the state saved in the checkpoint training resumes from."""
         self.monitor.forward_end(raised=True)  # an earlier train() ended inside a sampled step: its sample is dropped
         self._forward_done()  # what a KeyboardInterrupt inside an earlier train()'s forward left (no hook ran then)
+        self._unlogged = {}  # an earlier train() that raised before its step's row: its values are not this run's
         self.monitor.reset()
         optimizer = kwargs.get("optimizer") or self.trainer.optimizer
         if model is None or not self.monitor.attach(model, optimizer):  # the optimizer: curvature and "backoff"
