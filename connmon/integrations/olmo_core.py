@@ -83,6 +83,7 @@ class ConnectionMonitorCallback(Callback):
         self._hooks: list[Any] = []
         self._forwards = 0  # forwards of the step under way (its micro-batches)
         self._restored = False  # OLMo-core loaded a saved state into the monitor for the coming run
+        self._logged: dict[str, float] = {}  # OLMo-core's latest logged metrics (loss, gradient norm): for the rules
 
     def _taken(self) -> int:
         """Optimizer steps taken before the step under way (OLMo-core counts its first batch as step 1)."""
@@ -96,7 +97,7 @@ class ConnectionMonitorCallback(Callback):
         """
         if not self._restored:
             self.monitor.reset()
-        self._restored = False
+        self._restored, self._logged = False, {}
         self._model = None
         module = self.trainer.train_module
         model, optimizer = getattr(module, "model", None), getattr(module, "optim", None)
@@ -135,7 +136,7 @@ class ConnectionMonitorCallback(Callback):
         """After the backward of every micro-batch, before ``optim_step``: the step's sample ends, the curvature."""
         self._unhook()
         if self._model is not None:
-            self.monitor.step_end(self._taken())
+            self.monitor.step_end(self._taken(), lambda: self._logged)
             self.monitor.before_optimizer_step(self._taken())
 
     def post_train_batch(self) -> None:
@@ -143,7 +144,7 @@ class ConnectionMonitorCallback(Callback):
         self._unhook()  # a step OLMo-core skipped has no pre_optim_step
         if self._model is None:
             return
-        outcome = self.monitor.step_end(self._taken())  # ended at pre_optim_step unless OLMo-core skipped it
+        outcome = self.monitor.step_end(self._taken(), lambda: self._logged)  # ended at pre_optim_step unless skipped
         trainer = self.trainer
 
         def stop() -> bool:
@@ -174,6 +175,13 @@ class ConnectionMonitorCallback(Callback):
         self._unhook()
         self.monitor.unwatch_logits()
         self.monitor.disarm()
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """OLMo-core's metrics as it logs them (``train/CE loss``, ``optim/total grad norm``, ...), kept for the rules.
+
+        The rules see the latest beside connmon's keys, as they see the Lightning module's and the HF Trainer's.
+        """
+        self._logged = {key: float(value) for key, value in metrics.items()}
 
     def _log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():

@@ -412,3 +412,24 @@ def test_the_curvature_under_olmo_cores_fsdp_reads_the_global_batch_as_one_proce
              if "connmon/sharpness_ratio" in row}  # fmt: skip
     assert list(ratios[0]) == list(alone) == ["3"] and ratios[0] == ratios[1]
     assert ratios[0]["3"] == pytest.approx(alone["3"], rel=1e-3)
+
+
+def test_the_rules_see_olmo_cores_own_logged_metrics(tmp_path):
+    """A sample's rules see the metrics OLMo-core logged last (the step before), beside connmon's keys."""
+    from connmon.alerts import Rule, Threshold
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    seen: list = []
+    rules = [Rule("loss seen", "train/CE loss", Threshold(-1.0), cooldown=1),
+             Rule("perplexity seen", "train/PPL", Threshold(-1.0), cooldown=1)]  # fmt: skip
+    callback = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",),
+                                         alerts=AlertRunner(rules, on_alert=seen.append, actions=("log",)))  # fmt: skip
+    recorder = Recorder()
+    trainer, _ = build_trainer(tmp_path, {"connmon": callback, "recorder": recorder}, steps=5)
+    with pytest.warns(UserWarning, match="loss seen"):
+        trainer.fit()
+    losses = [(a.step, a.value) for a in seen if a.rule == "loss seen"]
+    # the samples of the states after 2 and 4 steps (OLMo-core's steps 3 and 5) see its steps 2 and 4's rows
+    assert losses == [(2, pytest.approx(recorder.rows[2]["train/CE loss"])),
+                      (4, pytest.approx(recorder.rows[4]["train/CE loss"]))]  # fmt: skip
+    assert [a.step for a in seen if a.rule == "perplexity seen"] == [2, 4]
