@@ -173,15 +173,13 @@ class ConnectionMonitorCallback(Callback):
     def close(self) -> None:
         """Right before ``fit()`` returns or raises, whatever happened: no hook of connmon's is left on the model."""
         self._unhook()
-        self.monitor.unwatch_logits()
-        self.monitor.disarm()
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         """OLMo-core's metrics as it logs them (``train/CE loss``, ``optim/total grad norm``, ...), kept for the rules.
 
         The rules see the latest beside connmon's keys, as they see the Lightning module's and the HF Trainer's.
         """
-        self._logged = {key: float(value) for key, value in metrics.items()}
+        self._logged = {key: float(value) for key, value in metrics.items() if _is_number(value)}
 
     def _log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
@@ -196,6 +194,13 @@ class ConnectionMonitorCallback(Callback):
         if state_dict.get("monitor") is not None:
             self.monitor.load_state_dict(state_dict["monitor"])
             self._restored = True
+
+
+def _is_number(value: Any) -> bool:
+    """A float, an int or a one-element tensor (what a rule can read); not a bool."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def step_losses(module: Any, batch: dict[str, Any]) -> list[Callable[[], torch.Tensor]]:

@@ -138,7 +138,7 @@ class ConnectionMonitorCallback(TrainerCallback):
             return
         self.monitor.sink = _wandb_sink(args)
         saved = _saved_state_file(args, state)
-        if saved is None or not saved.is_file():
+        if saved is None:
             return
         device = next(model.parameters(), torch.empty(0)).device  # drift references live beside the model
         saved_state = torch.load(saved, map_location=device, weights_only=True)

@@ -66,10 +66,17 @@ def connmon_rows(rows: dict[int, dict[str, float]]) -> dict[int, dict[str, float
     return {step: row for step, row in readings.items() if row}
 
 
+def result(rows: dict, alerts: list, steps_taken: int, model: torch.nn.Module) -> dict[str, Any]:
+    """What an entry point did: connmon's rows, the alerts, the step the run stopped at (None: all), the weights."""
+    return {"rows": connmon_rows(rows), "alerts": [(a.rule, a.step) for a in alerts],
+            "stopped": steps_taken if steps_taken < STEPS else None,
+            "weights": [p.detach().clone() for p in model.parameters()]}  # fmt: skip
+
+
 def plain_loop(case: str, tmp_path: Any) -> dict[str, Any]:
     rows: dict[int, dict[str, float]] = {}
     alerts: list = []
-    done: dict[str, Any] = {"stopped": None}
+    done: dict[str, Any] = {}
 
     def train(first: int, last: int, saved: dict[str, Any] | None = None) -> dict[str, Any]:
         module = LitGPT()
@@ -83,6 +90,7 @@ def plain_loop(case: str, tmp_path: Any) -> dict[str, Any]:
             optimizer.load_state_dict(saved["optimizer"])
             monitor.load_state_dict(saved["connmon"])
         batches = itertools.islice(itertools.cycle(loader()), first, None)
+        done["steps"] = last
         for step in range(first, last):
             idx, target = next(batches)
             with monitor.step(step):
@@ -91,18 +99,18 @@ def plain_loop(case: str, tmp_path: Any) -> dict[str, Any]:
             optimizer.step()
             optimizer.zero_grad()
             if monitor.should_stop:
-                done["stopped"] = step + 1  # the optimizer steps taken when the run ended
+                done["steps"] = step + 1  # the optimizer steps taken when the run ended
                 break
         saved = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "connmon": monitor.state_dict()}
         monitor.close()
-        done["weights"] = [p.detach().clone() for p in model.parameters()]
+        done["model"] = model
         return saved
 
     if case == "resume":
         train(RESUME_AT, STEPS, torch.load(save(train(0, RESUME_AT), tmp_path), weights_only=True))
     else:
         train(0, STEPS)
-    return {"rows": connmon_rows(rows), "alerts": [(a.rule, a.step) for a in alerts], **done}
+    return result(rows, alerts, done["steps"], done["model"])
 
 
 def save(state: dict[str, Any], tmp_path: Any) -> str:
@@ -145,9 +153,7 @@ def lightning(case: str, tmp_path: Any) -> dict[str, Any]:
         trainer = fit(STEPS, str(tmp_path / "resume.ckpt"))
     else:
         trainer = fit(STEPS)
-    stopped = trainer.global_step if trainer.global_step < STEPS else None
-    return {"rows": connmon_rows(logger.rows), "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
-            "weights": [p.detach().clone() for p in trainer.lightning_module.model.parameters()]}  # fmt: skip
+    return result(logger.rows, alerts, trainer.global_step, trainer.lightning_module.model)
 
 
 class NextToken(torch.nn.Module):
@@ -185,10 +191,10 @@ def hugging_face(case: str, tmp_path: Any) -> dict[str, Any]:
         module = LitGPT()
         model = NextToken(module.model)
         optimizer = torch.optim.SGD(model.parameters(), lr=module.lr)
-        saves = {"save_strategy": "steps", "save_steps": RESUME_AT} if max_steps == RESUME_AT else {}
         args = transformers.TrainingArguments(str(tmp_path), max_steps=max_steps, per_device_train_batch_size=4,
                                               max_grad_norm=0.0, report_to=[], use_cpu=True, disable_tqdm=True,
-                                              logging_steps=1, **{"save_strategy": "no", **saves})  # fmt: skip
+                                              logging_steps=1, save_steps=RESUME_AT,
+                                              save_strategy="steps" if max_steps == RESUME_AT else "no")  # fmt: skip
         constant = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
         trainer = transformers.Trainer(model=model, args=args, train_dataset=Batches(),
                                        optimizers=(optimizer, constant))  # fmt: skip
@@ -204,9 +210,7 @@ def hugging_face(case: str, tmp_path: Any) -> dict[str, Any]:
         trainer = train(STEPS, str(tmp_path / f"checkpoint-{RESUME_AT}"))
     else:
         trainer = train(STEPS)
-    stopped = trainer.state.global_step if trainer.state.global_step < STEPS else None
-    return {"rows": connmon_rows(rows), "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
-            "weights": [p.detach().clone() for p in trainer.model.model.parameters()]}  # fmt: skip
+    return result(rows, alerts, trainer.state.global_step, trainer.model.model)
 
 
 def olmo_core(case: str, tmp_path: Any) -> dict[str, Any]:
@@ -299,9 +303,7 @@ def olmo_core(case: str, tmp_path: Any) -> dict[str, Any]:
     if case == "resume":
         fit(RESUME_AT).save_checkpoint()
     trainer = fit(STEPS)
-    stopped = trainer.global_step if trainer.global_step < STEPS else None
-    return {"rows": connmon_rows(rows), "alerts": [(a.rule, a.step) for a in alerts], "stopped": stopped,
-            "weights": [p.detach().clone() for p in trainer.train_module.model.parameters()]}  # fmt: skip
+    return result(rows, alerts, trainer.global_step, trainer.train_module.model)
 
 
 ENTRY_POINTS: dict[str, Callable[..., dict[str, Any]]] = {"plain loop": plain_loop, "Lightning": lightning}
