@@ -50,7 +50,7 @@ class AttentionSampler(CopiesDetached):
 
     On a due step :meth:`arm` puts the capture on the model for one forward (no hook exists on other steps) and
     :meth:`measure` syncs what it recorded across processes; the eigen- and SVD-bound diagnostics run on every
-    ``full_every_n_samples``-th sample. Every ``logit_every_n_steps``-th step (every step when ``reads_every_step``,
+    ``full_every_n_samples``-th sample. Every :attr:`logit_every_n_steps`-th step (every step when ``reads_every_step``,
     for a clip action) each head's max logit over the step's forwards is read into a window the next sample shows the
     rules. :class:`connmon.Monitor` drives it; nothing here logs, runs a rule or acts.
 
@@ -87,6 +87,7 @@ class AttentionSampler(CopiesDetached):
         self._budget = None if budget is None else FullSampleBudget(budget, options.every_n_steps, owner)
         self.extra_steps: frozenset[int] = frozenset()  # sampled besides the cadence (what early rules compare)
         self.reads_every_step = False  # a clip action acts on every step's max logits
+        self.logit_every_n_steps = options.logit_every_n_steps  # the run's step options set it (StepSignals)
         self.samples = 0
         self.last_sampled_step = -1
         self.last_values: dict[str, float] = {}
@@ -148,7 +149,7 @@ class AttentionSampler(CopiesDetached):
             "drift": lambda: DriftMetrics(num_layers),
         }
         self.metrics = {name: groups[name]() for name in self.options.diagnostics}
-        if self.options.logit_every_n_steps is not None or self.reads_every_step:
+        if self.logit_every_n_steps is not None or self.reads_every_step:
             modules, names = [layer.module for layer in self.selected], [layer.name for layer in self.selected]
             fused = fused_path_modules(getattr(model, "_orig_mod", model))
             self.logits = HeadMaxLogits(modules, names, clock=self.clock, fused=fused)
@@ -377,7 +378,7 @@ class AttentionSampler(CopiesDetached):
         """
         if self.logits is None:
             return
-        every = self.options.logit_every_n_steps
+        every = self.logit_every_n_steps
         self.logits.exact = every is not None and step % every == 0
         self.logits.threshold = threshold
         self._logit_step = step

@@ -38,7 +38,8 @@ from connmon.alerts.runner import AlertRunner
 from connmon.attention_sampler import AttentionSampler
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.sampling import DIAGNOSTICS, OPTION_NAMES, Diagnostic, SamplingKeywords, SamplingOptions, sampling_options
-from connmon.step_signals import StepSignals
+from connmon.step_options import StepOptions
+from connmon.step_signals import StepSignals, TrainerValues
 
 __all__ = ["DIAGNOSTICS", "SAMPLING_OPTIONS", "Diagnostic", "LogFn", "Monitor", "SamplingOptions", "StepOutcome"]
 
@@ -47,7 +48,6 @@ LogFn = Callable[..., Any]  # called as log(values, step=step)
 SAMPLING_OPTIONS = OPTION_NAMES  # the sampling options every entry point takes with the same names and defaults
 Listener = Callable[[int, dict[str, float]], None]
 ListenedTo = Literal["attention", "curvature"]
-RuleValues = Mapping[str, float] | Callable[[], Mapping[str, float]] | None  # a callable is read only when rules run
 
 
 class RestorePointWriter(NamedTuple):
@@ -135,6 +135,13 @@ class Monitor(CopiesDetached):
         attention: True to read the attention with ``options``; False to read none (the curvature and the rules
             only); or the attention samplers to coordinate (each with its own options: how Lightning composes
             several ``ConnectionMonitor``).
+        step_options: how often the per-step signals are read (:class:`connmon.step_options.StepOptions`: the max
+            logits, the optimizer's state) for every sampler; None: those of ``options`` (how Lightning hands the
+            options its callbacks set together, :func:`connmon.step_options.run_step_options`).
+        trainer_values: the trainer's own latest values (``trainer_values()``: its loss, gradient norm, ... as it
+            logged them), shown to ``alerts`` beside every sample's values, the mean over processes
+            (:meth:`connmon.step_signals.StepSignals.trainer_values`); how an entry point hands its trainer's. A plain
+            loop passes them to :meth:`step` instead.
         optimizer_hook: read the curvature in ``optimizer``'s step pre-hook (a plain loop); False for an entry point
             that calls :meth:`before_optimizer_step` from its trainer's own pre-step event.
         agree: a decision every process takes together (a trainer's any-process reduction, Lightning's
@@ -183,6 +190,8 @@ class Monitor(CopiesDetached):
         owner: str = "connmon.Monitor",
         log_on_every_rank: bool = False,
         attention: bool | Sequence[AttentionSampler] = True,
+        step_options: StepOptions | None = None,
+        trainer_values: TrainerValues | None = None,
         optimizer_hook: bool = True,
         agree: Callable[[bool], bool] = bool,
         **sampling: Unpack[SamplingKeywords],
@@ -204,7 +213,14 @@ class Monitor(CopiesDetached):
         self.optimizer_hook = optimizer_hook
         self.owner = owner
         self.agree = agree
-        self.signals = StepSignals(options.optimizer_every_n_steps, owner)  # before use(): it holds the clips
+        step_options = step_options if step_options is not None else options.step_options()
+        if not isinstance(step_options, StepOptions):
+            raise ValueError(
+                f"step_options must be a connmon.step_options.StepOptions, got {type(step_options).__name__}"
+            )
+        for sampler in samplers:
+            sampler.logit_every_n_steps = step_options.logit_every_n_steps
+        self.signals = StepSignals(step_options, owner, trainer_values)  # before use(): it holds the clips
         self.use(alerts=alerts, sharpness=sharpness)
         if sharpness is not None and optimizer is None:
             raise ValueError("sharpness needs the optimizer it watches: pass optimizer=...")
@@ -349,12 +365,14 @@ class Monitor(CopiesDetached):
 
         On a sampled step the capture is armed for the block and the sample is measured and logged when it ends.
         If the block raises, every hook is removed and the partial sample is discarded (:meth:`discard`).
-        ``rule_values`` (say, the previous step's ``{"loss": ..., "grad_norm": ...}``) are shown to the alert
-        rules beside the sample's keys. ``batch`` is what ``loss_fn(model, batch)`` reads for a ``sharpness``
-        estimator that needs a loss. ``loss_weight`` is the factor the loop puts on this micro-batch's loss before
-        its backward: None when each micro-batch's loss is its own mean and the loop divides it by the number of
-        micro-batches (the step's loss is their mean), ``1.0`` when ``loss_fn`` already normalises it over the whole
-        step (a token count of every micro-batch, as Hugging Face's ``num_items_in_batch``) and the loop sums them.
+        ``rule_values`` (say, the previous step's ``{"loss": ..., "grad_norm": ...}``) are shown to the alert rules
+        beside the samples' keys until the next :meth:`step` (the trainer's values of
+        :class:`connmon.step_signals.StepSignals`, the mean over processes). ``batch`` is what ``loss_fn(model,
+        batch)`` reads for a ``sharpness`` estimator that needs a loss. ``loss_weight`` is the factor the loop puts on
+        this micro-batch's loss before its backward: None when each micro-batch's loss is its own mean and the loop
+        divides it by the number of micro-batches (the step's loss is their mean), ``1.0`` when ``loss_fn`` already
+        normalises it over the whole step (a token count of every micro-batch, as Hugging Face's
+        ``num_items_in_batch``) and the loop sums them.
         Called without ``with`` it does nothing, and says so once.
 
         Raises:
@@ -370,6 +388,7 @@ class Monitor(CopiesDetached):
     ) -> Iterator[bool]:
         model = self._model
         self._step_now = step
+        self.signals.given = rule_values
         self.begin_step(step)
         if self.alerts is not None and self.alerts.restore_points is not None and not joins_seen():
             self.save_restore_point(step)  # under uneven inputs, after the optimizer step instead
@@ -378,7 +397,7 @@ class Monitor(CopiesDetached):
             loss = None if loss_fn is None or batch is None else lambda: loss_fn(model, batch)
             self.read_forward(step, loss, model, loss_weight)
         if model is not None:
-            self.model_updated(step, model, rule_values)  # a probe: the model after `step` optimizer steps
+            self.model_updated(step, model)  # a probe: the model after `step` optimizer steps
         sampled = model is not None and self.step_start(step, model)
         try:
             yield sampled
@@ -386,7 +405,7 @@ class Monitor(CopiesDetached):
             self.forward_end(raised=True)
             raise
         self.forward_end()
-        self.step_end(step, rule_values)
+        self.step_end(step)
 
     # --- the event protocol every entry point calls ---------------------------------------------------------------
 
@@ -456,13 +475,12 @@ class Monitor(CopiesDetached):
             stack, self._beside = self._beside, None
             stack.close()
 
-    def step_end(self, step: int, rule_values: RuleValues = None) -> StepOutcome:
+    def step_end(self, step: int) -> StepOutcome:
         """The sampled forwards of step ``step`` are over: their samples are measured, logged and shown to the rules.
 
-        Every process must call it on the same steps (the accumulators sync across processes). ``rule_values`` (the
-        trainer's own loss, gradient norm, ...; or a function that returns them, called only when the rules run) are
-        shown to the alert rules beside the sample's keys; they are not logged. Returns what the entry point carries
-        out: the values logged, a stop, a restore point due.
+        Every process must call it on the same steps (the accumulators sync across processes). The trainer's own
+        values (``trainer_values``) are shown to the alert rules beside the sample's keys; they are not logged. Returns
+        what the entry point carries out: the values logged, a stop, a restore point due.
 
         Raises:
             RuntimeError: the step's forward never ended (no :meth:`forward_end`): every hook is removed and its
@@ -478,7 +496,7 @@ class Monitor(CopiesDetached):
             return self.outcome(values)
         for sampler, sampled_step in pending:
             sampler.disarm()
-            values.update(self.finish(sampled_step, rule_values, sampler))
+            values.update(self.finish(sampled_step, sampler))
         return self.outcome(values)
 
     def _out_of_order(self, event: str, missing: str) -> None:
@@ -531,7 +549,7 @@ class Monitor(CopiesDetached):
         if outcome.stop is not None and stop():
             alerts.say_stop(owner, outcome.stop)
 
-    def model_updated(self, steps_taken: int, model: nn.Module, rule_values: RuleValues = None) -> StepOutcome:
+    def model_updated(self, steps_taken: int, model: nn.Module) -> StepOutcome:
         """The model after ``steps_taken`` optimizer steps: a sampler with a ``probe`` due then records it now."""
         values: dict[str, float] = {}
         for sampler in self.attention_samplers:
@@ -539,7 +557,7 @@ class Monitor(CopiesDetached):
                 self._say_uneven("probe", "a probe is not recorded: its forward would count as a step of the Join")
                 continue
             if sampler.options.probe is not None and sampler.due(steps_taken) and sampler.record(model):
-                values.update(self.finish(steps_taken, rule_values, sampler))
+                values.update(self.finish(steps_taken, sampler))
         return self.outcome(values)
 
     def outcome(self, values: dict[str, float] | None = None) -> StepOutcome:
@@ -848,14 +866,12 @@ class Monitor(CopiesDetached):
 
     # --- what the parts measured: rules, logs, listeners -------------------------------------------------------------
 
-    def finish(
-        self, step: int, rule_values: RuleValues = None, sampler: AttentionSampler | None = None
-    ) -> dict[str, float]:
+    def finish(self, step: int, sampler: AttentionSampler | None = None) -> dict[str, float]:
         """Sync, log and reset the sample just recorded (by ``sampler``, default the first), run the alert rules.
 
-        Every process must call it on the same steps (the accumulators sync across processes). ``rule_values``
-        (the trainer's own loss, gradient norm, ...) are shown to the alert rules beside the sample's keys; they are
-        not logged here. Returns the values logged.
+        Every process must call it on the same steps (the accumulators sync across processes). The trainer's own
+        values (:meth:`connmon.step_signals.StepSignals.trainer_values`) are shown to the alert rules beside the
+        sample's keys; they are not logged here. Returns the values logged.
         """
         sampler = sampler if sampler is not None else self.attention_sampler
         if sampler is None:
@@ -870,8 +886,8 @@ class Monitor(CopiesDetached):
             began = sampler.steps_trained
             scalars.update(overhead_values(sampler.clock, step - (began if began is not None else step)))
             if self.alerts is not None:
-                given = rule_values() if callable(rule_values) else rule_values
-                scalars.update(self._run_rules({**(given or {}), **sample.heads, **scalars}, step))
+                trainer = self.signals.trainer_values()
+                scalars.update(self._run_rules({**trainer, **sample.heads, **scalars}, step))
             self._emit(step, scalars)
             if self.sink is not None and is_rank_zero():
                 sampler.panels(self.sink, step, sample)
@@ -891,7 +907,7 @@ class Monitor(CopiesDetached):
             return
         values = {**values, **self.signals.optimizer_window()}
         if self.alerts is not None:
-            values.update(self._run_rules(values, step))
+            values.update(self._run_rules({**self.signals.trainer_values(), **values}, step))
             if self.sharpness is not None:
                 self.sharpness.hold_for(self.alerts.rules)
         self._emit(step, values, sink_scalars=True)

@@ -12,19 +12,20 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypedDict, get_args
+from typing import Any, Literal, get_args
 
 from typing_extensions import Unpack
 
 from connmon._cost import check_budget
 from connmon._options import check_int
+from connmon.step_options import StepKeywords, StepOptions
 
 Diagnostic = Literal["walk", "transport", "spectrum", "drift"]
 DIAGNOSTICS: tuple[Diagnostic, ...] = get_args(Diagnostic)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class SamplingOptions:
+@dataclasses.dataclass(frozen=True, eq=False, kw_only=True)
+class SamplingOptions(StepOptions):
     """The sampling options of every attention monitor, checked when built.
 
     Attributes:
@@ -51,20 +52,8 @@ class SamplingOptions:
             monitor sets ``full_every_n_samples`` from the measured costs of its light and full samples and the
             training step's time (the largest figures across processes, so the same everywhere; saved in its
             ``state_dict``; said once per change).
-        logit_every_n_steps: read every head's max attention logit over the whole batch of every this-many-th
-            optimizer step exactly (every training forward of it, MAX-reduced across processes:
-            :mod:`connmon.capture.max_logit`), shown to the alert rules and logged at each sample as
-            ``connmon/step_max_logit/L<ll>``; None for never. An exact reading costs a training step 5% (256 tokens)
-            to 25% (4096 tokens) on a CPU (``benchmarks/bench_max_logit.py``); on the other steps each head's bound
-            comes free from the attention kernel's logsumexp (``connmon/max_logit_bound/L<ll>``), and the
-            ``"qk_clip"`` action reads exactly only a call whose bound passes its threshold.
-        optimizer_every_n_steps: after every this-many-th optimizer step, read the update the optimizer took from
-            its own state (Adam's and AdamW's update RMS, stale-second-moment share and update-to-weight ratio;
-            RMSprop's and Adagrad's RMS and ratio; SGD momentum's ratio: :mod:`connmon.curvature.optimizer_state`),
-            logged at each sample as the largest over the steps read since the previous one (``connmon/update_rms``,
-            ``connmon/stale_second_moment``, ``connmon/update_to_weight``); None for never. One reading costs
-            1.2-1.5% of a CPU step at widths 128-768 and 256+ tokens and 7.8% of the example's small step (width
-            128, 16 x 64 tokens; ``benchmarks/bench_step_signals.py``), so the default 10 spends 0.8% there.
+        logit_every_n_steps, optimizer_every_n_steps: how often the per-step signals are read (the max logits, the
+            optimizer's state): :class:`connmon.step_options.StepOptions`.
 
     Raises:
         ValueError: for an invalid option (the message names it and the valid values).
@@ -94,14 +83,12 @@ class SamplingOptions:
     full_every_n_samples: int = 25
     edge_lanczos_steps: int | None = 32
     budget: float | None = None
-    logit_every_n_steps: int | None = 25
-    optimizer_every_n_steps: int | None = 10
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("every_n_steps", "num_sequences", "spectrum_k", "full_every_n_samples"):
             check_int(name, getattr(self, name))
-        optional = ("max_tokens", "figures_every_n_samples", "edge_samples", "edge_queries", "edge_lanczos_steps",
-                    "logit_every_n_steps", "optimizer_every_n_steps")  # fmt: skip
+        optional = ("max_tokens", "figures_every_n_samples", "edge_samples", "edge_queries", "edge_lanczos_steps")
         for name in optional:
             check_int(name, getattr(self, name), optional=True)
         check_budget(self.budget)
@@ -137,7 +124,7 @@ class SamplingOptions:
 OPTION_NAMES: tuple[str, ...] = tuple(field.name for field in dataclasses.fields(SamplingOptions))
 
 
-class SamplingKeywords(TypedDict, total=False):
+class SamplingKeywords(StepKeywords, total=False):
     """The sampling options as keywords, for an entry point's ``**sampling: Unpack[SamplingKeywords]``.
 
     Names and types only: each is documented, defaulted and checked in :class:`SamplingOptions` (a test holds the
@@ -159,8 +146,6 @@ class SamplingKeywords(TypedDict, total=False):
     full_every_n_samples: int
     edge_lanczos_steps: int | None
     budget: float | None
-    logit_every_n_steps: int | None
-    optimizer_every_n_steps: int | None
 
 
 def sampling_options(

@@ -16,6 +16,7 @@ FLOORS = [
      "connmon._options", "connmon._pause", "connmon.demo", "connmon.sample_text", "connmon.sinks.figures",
      "connmon.sinks.wandb"),
     ("connmon._ranks", "connmon._cost", "connmon._linalg"),
+    ("connmon.step_options",),
     ("connmon._saved_state", "connmon._budget", "connmon.functional", "connmon.sampling", "connmon.sinks.panels"),
     ("connmon.capture",),
     ("connmon.metrics", "connmon.curvature", "connmon._probe"),

@@ -26,6 +26,7 @@ from connmon.attention_sampler import AttentionSampler
 from connmon.curvature.sampler import SharpnessSampler
 from connmon.monitor import Monitor, RestorePointWriter, StepOutcome
 from connmon.sinks.wandb import find_sink
+from connmon.step_options import StepOptions, run_step_options
 
 _RUNS: weakref.WeakKeyDictionary[Trainer, LightningRun] = weakref.WeakKeyDictionary()
 Listener = Callable[[int, dict[str, float]], None]
@@ -60,6 +61,7 @@ class LightningRun:
         self.monitor: Monitor | None = None  # put together at the fit's start
         self._driver: Callback | None = None  # the callback whose events the run translates (the first registered)
         self._curvature_listener: Listener | None = None
+        self._sharpness_steps: StepOptions | None = None
         self._started = False
         self._ended = False
         self._step_at_batch_start = -1
@@ -77,11 +79,17 @@ class LightningRun:
             self.samplers.append((sampler, listener, saved))
 
     def add_sharpness(
-        self, caller: Callback, sampler: SharpnessSampler, listener: Listener, loss_fn: Callable[..., Tensor] | None
+        self,
+        caller: Callback,
+        sampler: SharpnessSampler,
+        listener: Listener,
+        loss_fn: Callable[..., Tensor] | None,
+        step_options: StepOptions,
     ) -> None:
-        """A ``SharpnessMonitor``'s sampler, its ``listener(step, values)`` of every curvature sample, its loss."""
+        """A ``SharpnessMonitor``'s sampler, ``listener(step, values)`` of each sample, loss and step options."""
         self._join(caller)
         self.sharpness, self._curvature_listener, self.loss_fn = sampler, listener, loss_fn
+        self._sharpness_steps = step_options
 
     def add_alerts(self, caller: Callback, runner: AlertRunner) -> None:
         """A ``DriftAlert``'s rules and actions."""
@@ -105,11 +113,16 @@ class LightningRun:
         if self.alerts is not None and not self.samplers and self.sharpness is None:
             rank_zero_warn("DriftAlert watches the values of a ConnectionMonitor, and the Trainer has none: add one")
         owner = "ConnectionMonitor" if self.samplers else "SharpnessMonitor"
+        steps: list[tuple[str, StepOptions]] = [("ConnectionMonitor", each.options) for each, _, _ in self.samplers]
+        if self._sharpness_steps is not None:
+            steps.append(("SharpnessMonitor", self._sharpness_steps))
         monitor = Monitor(
             log=self.log,
             wandb=find_sink(trainer.loggers),
             owner=owner,
             attention=[sampler for sampler, _, _ in self.samplers],
+            step_options=run_step_options(steps),
+            trainer_values=lambda: trainer.callback_metrics,
             optimizer_hook=False,
             agree=lambda flag: trainer.strategy.reduce_boolean_decision(flag, all=False),
         )
@@ -156,7 +169,7 @@ class LightningRun:
         if self.drives(caller):
             assert self.monitor is not None
             self.monitor.forward_end()
-            self.monitor.step_end(trainer.global_step, self.rule_values)
+            self.monitor.step_end(trainer.global_step)
             with trainer.precision_plugin.train_step_context():
                 self.monitor.before_optimizer_step(trainer.global_step)
 
@@ -170,8 +183,8 @@ class LightningRun:
         self.monitor.forward_end()
         if not stepped:
             return
-        self.monitor.step_end(self._step_at_batch_start, self.rule_values)  # an optimizer that gave no pre-step event
-        self._carry_out(trainer, self.monitor.model_updated(trainer.global_step, pl_module, self.rule_values))
+        self.monitor.step_end(self._step_at_batch_start)  # an optimizer that gave no pre-step event
+        self._carry_out(trainer, self.monitor.model_updated(trainer.global_step, pl_module))
 
     def finish(self, caller: Callback, trainer: Trainer) -> None:
         """Training is over (``on_train_end``, loggers still open): what the run cost, logged and said once."""
@@ -196,18 +209,6 @@ class LightningRun:
         """Every logger of the trainer (the monitor calls it on rank zero)."""
         for logger in self.trainer.loggers:
             logger.log_metrics(values, step=step)
-
-    def rule_values(self) -> dict[str, float]:
-        """The LightningModule's own logged scalars (``self.log``: loss, grad norm, ...) for the rules, if any."""
-        if self.alerts is None:
-            return {}
-        scalars = {}
-        for key, value in self.trainer.callback_metrics.items():
-            if isinstance(value, Tensor) and value.numel() == 1:
-                scalars[key] = float(value.item())
-            elif isinstance(value, (int, float)) and not isinstance(value, bool):
-                scalars[key] = float(value)
-        return scalars
 
     def _carry_out(self, trainer: Trainer, outcome: StepOutcome) -> None:
         """A stop becomes ``trainer.should_stop``; a restore point due is saved once the optimizer stepped."""

@@ -13,8 +13,13 @@ from typing_extensions import Unpack
 from connmon._options import check_callable
 from connmon.callbacks._run import LightningRun, RunPart
 from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessKeywords, SharpnessSampler
+from connmon.step_options import STEP_OPTION_NAMES, StepKeywords, StepOptions
 
-__all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor"]
+__all__ = ["EIGENVALUE_KEY", "RATIO_KEY", "SharpnessMonitor", "SharpnessMonitorKeywords"]
+
+
+class SharpnessMonitorKeywords(SharpnessKeywords, StepKeywords, total=False):
+    """:class:`SharpnessMonitor`'s keywords: the curvature sampler's options and the run's step options."""
 
 
 class SharpnessMonitor(RunPart):
@@ -64,12 +69,15 @@ class SharpnessMonitor(RunPart):
             ``"secant"``. It is called outside ``training_step``, on the batch as the dataloader gave it (on the
             model's device), in the trainer's precision context (autocast under ``bf16-mixed``). A capture that a
             :class:`ConnectionMonitor` armed for the same step records nothing of these forwards.
-        **sampler: the :class:`~connmon.curvature.sampler.SharpnessSampler`'s options by keyword (``every_n_steps``,
+        **options: the :class:`~connmon.curvature.sampler.SharpnessSampler`'s options by keyword (``every_n_steps``,
             ``estimator``, ``lanczos_steps``, ``budget``, ``cadence``, ``storage``), documented, defaulted and checked
-            there once (typed by :class:`~connmon.curvature.sampler.SharpnessKeywords` for editors).
+            there once; and the run's step options (:class:`~connmon.step_options.StepOptions`:
+            ``optimizer_every_n_steps``, ``logit_every_n_steps``), so a run without a ``ConnectionMonitor`` sets how
+            often the optimizer's state is read (logged with each curvature sample). Typed by
+            :class:`SharpnessMonitorKeywords` for editors.
 
     Raises:
-        TypeError: for a keyword that is not one of the sampler's options.
+        TypeError: for a keyword that is not one of the sampler's or the step options.
         ValueError: for a ``loss_fn`` that is not callable, an estimator that needs one and has none, or an invalid
             option.
 
@@ -85,10 +93,13 @@ class SharpnessMonitor(RunPart):
     def __init__(
         self,
         loss_fn: Callable[[LightningModule, Any], Tensor] | None = None,
-        **sampler: Unpack[SharpnessKeywords],
+        **options: Unpack[SharpnessMonitorKeywords],
     ) -> None:
         check_callable("loss_fn", loss_fn, optional=True, signature="loss_fn(pl_module, batch)")
-        self.sampler = SharpnessSampler(**sampler, owner="SharpnessMonitor")
+        keywords: dict[str, Any] = dict(options)
+        steps = {name: keywords.pop(name) for name in STEP_OPTION_NAMES if name in keywords}
+        self.step_options = StepOptions(**steps)
+        self.sampler = SharpnessSampler(**keywords, owner="SharpnessMonitor")
         estimator = self.sampler.estimator
         if loss_fn is None and estimator != "secant":
             raise ValueError(f"estimator={estimator!r} reads a loss: pass loss_fn=..., or use estimator='secant'")
@@ -135,7 +146,7 @@ class SharpnessMonitor(RunPart):
             self.sampler.reset()
         self._restored = False
         self._trainer = trainer
-        run.add_sharpness(self, self.sampler, self._notify, self.loss_fn)
+        run.add_sharpness(self, self.sampler, self._notify, loss_fn=self.loss_fn, step_options=self.step_options)
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
         fsdp2 = isinstance(strategy, ModelParallelStrategy)  # DTensor parameters: every estimator reads their shards

@@ -75,7 +75,9 @@ class ConnectionMonitorCallback(Callback):
         **sampling: Unpack[SamplingKeywords],
     ) -> None:
         options = sampling_options(options, "ConnectionMonitorCallback", **sampling)
-        self.monitor = Monitor(options=options, owner=OWNER, log=self._log, log_on_every_rank=True)
+        self.monitor = Monitor(
+            options=options, owner=OWNER, log=self._log, log_on_every_rank=True, trainer_values=lambda: self._logged
+        )
         self.monitor.use(alerts=alerts, sharpness=sharpness)
         if sharpness is not None:
             sharpness.owner = f"{OWNER} (sharpness)"
@@ -83,7 +85,7 @@ class ConnectionMonitorCallback(Callback):
         self._hooks: list[Any] = []
         self._forwards = 0  # forwards of the step under way (its micro-batches)
         self._restored = False  # OLMo-core loaded a saved state into the monitor for the coming run
-        self._logged: dict[str, float] = {}  # OLMo-core's latest logged metrics (loss, gradient norm): for the rules
+        self._logged: dict[str, Any] = {}  # OLMo-core's latest logged metrics (loss, gradient norm): for the rules
 
     def _taken(self) -> int:
         """Optimizer steps taken before the step under way (OLMo-core counts its first batch as step 1)."""
@@ -136,7 +138,7 @@ class ConnectionMonitorCallback(Callback):
         """After the backward of every micro-batch, before ``optim_step``: the step's sample ends, the curvature."""
         self._unhook()
         if self._model is not None:
-            self.monitor.step_end(self._taken(), lambda: self._logged)
+            self.monitor.step_end(self._taken())
             self.monitor.before_optimizer_step(self._taken())
 
     def post_train_batch(self) -> None:
@@ -144,7 +146,7 @@ class ConnectionMonitorCallback(Callback):
         self._unhook()  # a step OLMo-core skipped has no pre_optim_step
         if self._model is None:
             return
-        outcome = self.monitor.step_end(self._taken(), lambda: self._logged)  # ended at pre_optim_step unless skipped
+        outcome = self.monitor.step_end(self._taken())  # ended at pre_optim_step unless skipped
         trainer = self.trainer
 
         def stop() -> bool:
@@ -179,7 +181,7 @@ class ConnectionMonitorCallback(Callback):
 
         The rules see the latest beside connmon's keys, as they see the Lightning module's and the HF Trainer's.
         """
-        self._logged = {key: float(value) for key, value in metrics.items() if _is_number(value)}
+        self._logged = dict(metrics)  # read (its numbers) only where the rules run
 
     def _log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
@@ -194,13 +196,6 @@ class ConnectionMonitorCallback(Callback):
         if state_dict.get("monitor") is not None:
             self.monitor.load_state_dict(state_dict["monitor"])
             self._restored = True
-
-
-def _is_number(value: Any) -> bool:
-    """A float, an int or a one-element tensor (what a rule can read); not a bool."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() == 1
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def step_losses(module: Any, batch: dict[str, Any]) -> list[Callable[[], torch.Tensor]]:

@@ -5,6 +5,7 @@ Needs the ``transformers`` extra: ``pip install "torch-connmon[transformers]"``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         # Trainer.log runs on every process, and its reporters pick rank zero
         self.monitor = Monitor(
             options=options, owner="ConnectionMonitorCallback", log=self._log, log_on_every_rank=True,
-            optimizer_hook=False,
+            optimizer_hook=False, trainer_values=lambda: _latest_logged(trainer.state),
         )  # fmt: skip
         self.monitor.use(alerts=alerts, sharpness=sharpness)  # not the constructor's: the optimizer comes with train()
         self.loss_fn = loss_fn or _model_loss
@@ -153,7 +154,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         self._step = state.global_step
         if model is None:
             return
-        self.monitor.model_updated(self._step, model, lambda: _latest_logged(state))  # a probe, before the hooks below
+        self.monitor.model_updated(self._step, model)  # a probe, before the hooks below
         sharpness = self.monitor.sharpness
         if sharpness is not None and sharpness.reads_forward(self._step):
             self._batch_hook = model.register_forward_pre_hook(self._read_curvature, with_kwargs=True, prepend=True)
@@ -165,7 +166,7 @@ class ConnectionMonitorCallback(TrainerCallback):
     ) -> None:
         """After the backward (and clipping), before the step: the step's sample ends, then the curvature's readings."""
         self._forward_done()
-        self.monitor.step_end(self._step, lambda: _latest_logged(state))
+        self.monitor.step_end(self._step)
         if self.monitor.sharpness is not None:
             self._drop_batch_hook()
             self._reading = True
@@ -205,7 +206,7 @@ class ConnectionMonitorCallback(TrainerCallback):
         """The step is over: its values logged in its row, its outcome (stop, restore point) carried out."""
         self._forward_done()
         self._drop_batch_hook()
-        outcome = self.monitor.step_end(self._step, lambda: _latest_logged(state))  # ended before its optimizer step
+        outcome = self.monitor.step_end(self._step)  # ended before its optimizer step
         self._log_unlogged()
 
         def stop() -> bool:
@@ -275,20 +276,23 @@ class ConnectionMonitorCallback(TrainerCallback):
             self._log_unlogged()
 
     def _log_unlogged(self) -> None:
-        """``trainer.log`` (every reporter, ``log_history``), without the console printers' copy of the row."""
+        """A row as ``trainer.log`` writes one (``log_history``, every reporter's ``on_log``), not to the console.
+
+        The reporters are called through a copy of the Trainer's callback handler without its console printers; the
+        Trainer's own handler is left as it is, and ``control.should_log`` (this step's loss row) is not cleared.
+        """
         values, self._unlogged = self._unlogged, {}
         if not values:
             return
-        control = self.trainer.control
-        due = control.should_log  # Trainer.log clears it, which would cancel the loss row of this step
-        handler = self.trainer.callback_handler
-        callbacks = handler.callbacks
-        handler.callbacks = [cb for cb in callbacks if not isinstance(cb, (ProgressCallback, PrinterCallback))]
-        try:
-            self.trainer.log(values)
-        finally:
-            handler.callbacks = callbacks
-        self.trainer.control.should_log = due
+        trainer, state = self.trainer, self.trainer.state
+        if state.epoch is not None:
+            values["epoch"] = state.epoch
+        state.log_history.append({**values, "step": state.global_step})
+        reporters = copy.copy(trainer.callback_handler)
+        reporters.callbacks = [
+            cb for cb in reporters.callbacks if not isinstance(cb, (ProgressCallback, PrinterCallback))
+        ]
+        reporters.call_event("on_log", trainer.args, state, trainer.control, logs=values)
 
 
 def _saved_state_file(args: TrainingArguments, state: TrainerState) -> Path | None:
@@ -351,11 +355,11 @@ def _model_loss(model: Any, inputs: dict) -> torch.Tensor:
     return model(**inputs).loss
 
 
-def _latest_logged(state: TrainerState) -> dict[str, float]:
-    """The Trainer's latest logged training values (``loss``, ``grad_norm``, ``learning_rate``), for the rules."""
+def _latest_logged(state: TrainerState) -> dict[str, Any]:
+    """The Trainer's latest logged training row (``loss``, ``grad_norm``, ``learning_rate``), for the rules."""
     for row in reversed(state.log_history):
         if "loss" in row:
-            return {k: float(v) for k, v in row.items() if isinstance(v, (int, float)) and k not in ("step", "epoch")}
+            return {key: value for key, value in row.items() if key not in ("step", "epoch")}
     return {}
 
 

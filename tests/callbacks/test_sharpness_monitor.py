@@ -489,3 +489,25 @@ def test_gradient_differences_read_what_exact_lanczos_reads_with_tied_embeddings
     fit(tmp_path, [monitor, exact], module=TiedGPT(), max_steps=6)
     values = logged(tmp_path)
     assert sorted(values) == [2, 4] and values == pytest.approx(exact.ratios, rel=0.02)
+
+
+def test_a_run_with_only_the_sharpness_monitor_sets_how_often_the_optimizer_is_read(tmp_path):
+    """The step options are the run's: SharpnessMonitor takes them, and its curvature samples log what they read."""
+    options = dict(every_n_steps=2, cadence="fixed", budget=None, estimator="secant")
+    fit(tmp_path / "default", [SharpnessMonitor(**options)], AdamGPT())  # the default reads after every 10th step
+    fit(tmp_path / "every", [SharpnessMonitor(**options, optimizer_every_n_steps=1)], AdamGPT())
+    assert logged(tmp_path / "default", "connmon/update_rms") == {}
+    every = logged(tmp_path / "every", "connmon/update_rms")
+    assert sorted(every) == sorted(logged(tmp_path / "every", UPDATE)) and len(every) >= 2
+    assert all(math.isfinite(value) and value > 0 for value in every.values())
+
+
+def test_callbacks_that_set_one_step_option_differently_are_told_and_the_first_is_read(tmp_path):
+    callbacks = [
+        ConnectionMonitor(every_n_steps=2, diagnostics=("walk",), optimizer_every_n_steps=3),
+        SharpnessMonitor(every_n_steps=2, estimator="secant", budget=None, optimizer_every_n_steps=1),
+    ]
+    with pytest.warns(UserWarning, match="optimizer_every_n_steps is set to 3 by ConnectionMonitor and to 1 by Sharp"):
+        trainer = fit(tmp_path, callbacks, AdamGPT())
+    assert trainer.global_step == 6
+    assert set(logged(tmp_path, "connmon/update_rms")) == {4}  # read after step 3, logged at the sample after step 4

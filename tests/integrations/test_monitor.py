@@ -297,23 +297,69 @@ def test_rules_see_the_loops_own_values():
     assert "loss" not in monitor.last_values  # shown to the rules, not logged
 
 
+def test_a_curvature_sample_shows_the_rules_the_trainers_values_too():
+    """The trainer's values are a step signal: every sample's rules see them, the curvature's as the attention's."""
+    from connmon.curvature.sampler import SharpnessSampler
+
+    model, seen = TinyGPT(), []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    rule = Rule("loss seen", "loss", Threshold(-1.0), cooldown=1)
+    sharpness = SharpnessSampler(every_n_steps=1, estimator="secant", cadence="fixed", budget=None)
+    monitor = connmon.Monitor(
+        model, attention=False, optimizer=optimizer, sharpness=sharpness,
+        alerts=AlertRunner([rule], actions=(), on_alert=seen.append),
+    )  # fmt: skip
+    for step, batch in enumerate(batches(3)):
+        with monitor.step(step, rule_values={"loss": torch.tensor(2.0 + step)}):
+            loss = model(batch).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [(a.step, a.value) for a in seen] == [(step, 2.0 + step) for step in range(3)][-sharpness.samples :]
+    assert sharpness.samples >= 1
+
+
+def test_a_trainers_values_that_raise_are_said_once_and_the_rules_go_on():
+    model, seen = TinyGPT(), []
+    rule = Rule("gap seen", "connmon/stochasticity_gap/all", Threshold(-1.0), cooldown=1)
+
+    def trainer_values():
+        raise KeyError("loss")
+
+    monitor = connmon.Monitor(
+        model, every_n_steps=1, diagnostics=("walk",), trainer_values=trainer_values,
+        alerts=AlertRunner([rule], actions=(), on_alert=seen.append),
+    )  # fmt: skip
+    with pytest.warns(UserWarning, match="reading the trainer's latest values for the rules raised KeyError") as said:
+        for step, batch in enumerate(batches(2)):
+            with monitor.step(step):
+                model(batch)
+    assert len([w for w in said if "trainer's latest values" in str(w.message)]) == 1 and len(seen) == 2
+
+
 def test_each_option_is_declared_once_and_every_entry_point_takes_it_by_keyword():
     """Defaults and checks live in SamplingOptions (SharpnessSampler); the entry points take typed ``**keywords``."""
     import dataclasses
     import inspect
 
     from connmon.callbacks import ConnectionMonitor, SharpnessMonitor
+    from connmon.callbacks.sharpness_monitor import SharpnessMonitorKeywords
     from connmon.curvature.sampler import SharpnessKeywords, SharpnessSampler
     from connmon.integrations.transformers import ConnectionMonitorCallback
     from connmon.sampling import SamplingKeywords, SamplingOptions
+    from connmon.step_options import StepKeywords, StepOptions
 
     def written(annotations):  # a TypedDict keeps its string annotations as ForwardRefs
         return {name: getattr(kind, "__forward_arg__", kind) for name, kind in annotations.items()}
 
     fields = {field.name: field.type for field in dataclasses.fields(SamplingOptions)}
     assert written(SamplingKeywords.__annotations__) == fields  # the same names and types, as written
+    steps = {field.name: field.type for field in dataclasses.fields(StepOptions)}
+    assert written(StepKeywords.__annotations__) == steps and steps.items() <= fields.items()  # SamplingOptions' too
+    both = written(SharpnessMonitorKeywords.__annotations__)
+    assert both == {**written(SharpnessKeywords.__annotations__), **steps}
     attention = [(each, "SamplingKeywords") for each in (ConnectionMonitor, ConnectionMonitorCallback, connmon.Monitor)]
-    for entry_point, keywords in [*attention, (SharpnessMonitor, "SharpnessKeywords")]:
+    for entry_point, keywords in [*attention, (SharpnessMonitor, "SharpnessMonitorKeywords")]:
         parameters = inspect.signature(entry_point).parameters
         assert not set(parameters) & set(fields), entry_point  # no option re-declared with a default of its own
         (rest,) = [p for p in parameters.values() if p.kind is p.VAR_KEYWORD]

@@ -249,3 +249,33 @@ def test_tensor_parallel_qk_and_transport_clips_change_each_processs_heads_as_on
     assert all(r["counts"] == [action.clipped for action in clip] for r in ranks)  # the model's count
     for whole, parts in zip(model.parameters(), ranks[0]["weights"], strict=True):
         torch.testing.assert_close(torch.tensor(parts), whole.detach(), rtol=1e-3, atol=1e-4)
+
+
+def trainer_values_worker(rank: int, port: int, out: str) -> None:
+    """Each process's own loss (of its own batch): the rules of every process see their mean, and decide alike."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        from connmon.alerts import AlertRunner, Rule, Threshold
+
+        torch.manual_seed(0)
+        model = torch.nn.parallel.DistributedDataParallel(TinyGPT())
+        seen = []
+        rules = [Rule("loss", "loss", Threshold(1.2), cooldown=1), Rule("own", "rank_zero_only", Threshold(0.0))]
+        alerts = AlertRunner(rules, actions=(), on_alert=lambda alert: seen.append((alert.key, alert.value)))
+        monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk",), alerts=alerts)
+        mine = {"loss": 1.0 + rank, **({"rank_zero_only": 3.0} if rank == 0 else {}), "note": "not a number"}
+        with monitor.step(0, rule_values=mine):
+            model(inputs(rank)).pow(2).mean().backward()
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+            json.dump(seen, file)
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    leave()
+
+
+def test_the_rules_of_every_process_see_the_trainers_values_as_their_mean_over_processes(tmp_path):
+    spawn(trainer_values_worker, args=(free_port(), str(tmp_path)), nprocs=2, timeout=120)
+    seen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert seen[0] == seen[1] == [["loss", 1.5], ["rank_zero_only", 3.0]]

@@ -292,12 +292,27 @@ def test_a_second_run_in_the_same_output_dir_saves_no_restore_point_over_the_fir
 
 
 def test_connmon_rows_reach_the_log_history_but_not_the_console(tmp_path, capsys):
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
+
+    class Reporter(TrainerCallback):  # a reporter (W&B, TensorBoard) gets every row, the Trainer's handler as it was
+        rows: list = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            handler = trainer.callback_handler.callbacks
+            self.rows.append((sorted(logs), any(isinstance(each, PrinterCallback) for each in handler)))
+
     trainer = make_trainer(tmp_path, logging_steps=1)  # disable_tqdm: the PrinterCallback prints every row it gets
     trainer.add_callback(ConnectionMonitorCallback(trainer, every_n_steps=2, diagnostics=("walk",)))
+    trainer.add_callback(Reporter())
     trainer.train()
     printed = capsys.readouterr().out
     assert "'loss'" in printed and "connmon/" not in printed  # the Trainer's own rows still print
     assert any("connmon/attention_entropy/all" in row for row in trainer.state.log_history)
+    connmon_rows = [row for row in trainer.state.log_history if "connmon/attention_entropy/all" in row]
+    assert all(row["step"] in (1, 3, 5) and "epoch" in row for row in connmon_rows) and len(connmon_rows) == 3
+    assert sum("connmon/attention_entropy/all" in keys for keys, _ in Reporter.rows) == 3
+    assert all(printer_listed for _, printer_listed in Reporter.rows)  # the Trainer's handler is never edited
 
 
 def test_qk_clip_runs_after_every_optimizer_step_the_last_too_and_a_resumed_run_clips_as_the_uninterrupted(tmp_path):
