@@ -3,7 +3,9 @@
 A plain loop with ``connmon.Monitor`` (every diagnostic group, alerts with every action, the curvature sampler) takes
 one sampled step; a tracer records every connmon file whose code runs from the start of ``monitor.step`` to the end of
 ``optimizer.step()``, split into the attention sample (the ``with monitor.step(...)`` block and its finish) and the
-curvature sample (inside ``optimizer.step()``). Run it on two commits to compare the layouts.
+curvature sample (inside ``optimizer.step()``); and how often the attention sample crosses between the coordinator
+(``monitor.py``) and the attention part (``attention_sampler.py``): the calls from one into the other. Run it on two
+commits to compare the layouts.
 
     python benchmarks/files_a_sample_visits.py
 """
@@ -36,6 +38,7 @@ class Files:
 
     def __init__(self) -> None:
         self.seen: set[str] = set()
+        self.crossings: dict[str, int] = {}  # "monitor.py -> attention_sampler.py.<function>": calls
 
     def __enter__(self) -> Files:
         sys.setprofile(self._call)
@@ -49,6 +52,11 @@ class Files:
             path = Path(frame.f_code.co_filename)  # type: ignore[attr-defined]
             if path.is_relative_to(ROOT):
                 self.seen.add(str(path.relative_to(ROOT.parent)))
+                caller = frame.f_back  # type: ignore[attr-defined]
+                pair = {Path(caller.f_code.co_filename).name if caller is not None else "", path.name}
+                if path.parent == ROOT and pair == {"monitor.py", "attention_sampler.py"}:
+                    callee = f"{path.name}.{frame.f_code.co_name}"  # type: ignore[attr-defined]
+                    self.crossings[callee] = self.crossings.get(callee, 0) + 1
 
 
 def main() -> None:
@@ -80,6 +88,10 @@ def main() -> None:
         print(f"{name}: {len(files)} files")
         for path in sorted(files):
             print(f"    {path}")
+    crossings = attention.crossings
+    print(f"an attention sample crosses monitor.py <-> attention_sampler.py {sum(crossings.values())} times:")
+    for callee, calls in sorted(crossings.items()):
+        print(f"    {calls} x {callee}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import contextlib
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from connmon import keys
 from connmon._budget import FullSampleBudget
 from connmon._copying import CopiesDetached
-from connmon._cost import CostClock
+from connmon._cost import CostClock, overhead_values
 from connmon._probe import device_of, probing, run_forward
 from connmon._ranks import is_rank_zero, warn_rank_zero
 from connmon.capture import AttentionRecord, armed, attention_layers
@@ -43,6 +43,13 @@ class Sample:
 
     def __init__(self, scalars: dict[str, float], tensors: dict[str, Tensor], heads: dict[str, float], full: bool):
         self.scalars, self.tensors, self.heads, self.full = scalars, tensors, heads, full
+
+
+class Forward(NamedTuple):
+    """What :meth:`AttentionSampler.start_forward` did: ``armed`` the capture, or left a compiled part ``beside``."""
+
+    armed: bool
+    beside: nn.Module | None
 
 
 class AttentionSampler(CopiesDetached):
@@ -196,14 +203,33 @@ class AttentionSampler(CopiesDetached):
         return bool(self.selected) and cadence and step != self.last_sampled_step
 
     @property
-    def steps_trained(self) -> int | None:
-        """The first step asked about since :meth:`attach` (where the cost clock's training time starts), or None."""
-        return self._start_step
-
-    @property
     def is_armed(self) -> bool:
         """Whether a capture is armed now."""
         return self._armed is not None
+
+    def start_forward(self, step: int, model: nn.Module, first: bool) -> Forward:
+        """A forward of step ``step`` begins: its max logits are watched; a due step's ``first`` forward is recorded.
+
+        The capture is armed on ``model`` (``armed``), or, where the layers sit inside a compiled part, that part is
+        returned (``beside``) for the caller to read its batch beside the graph with :meth:`record`. A sampler with a
+        ``probe`` records only the probe (:meth:`record`). :meth:`end_forward` ends it.
+        """
+        beside, armed_now = None, False
+        if first and self.options.probe is None and self.due(step):
+            beside = self.compiled_part(model)
+            if beside is None:
+                self.arm(model)
+                armed_now = True
+        self.watch_logits()
+        return Forward(armed_now, beside)
+
+    def end_forward(self, discard: bool = False) -> None:
+        """The forward ended: the max logits' hooks and the capture's removed (``discard``: its sample forgotten)."""
+        self.unwatch_logits()
+        if discard:
+            self.discard()
+        else:
+            self.disarm()
 
     def arm(self, model: nn.Module) -> None:
         """Arm the capture on ``model`` until :meth:`disarm` (each layer is recorded once per arming)."""
@@ -292,9 +318,11 @@ class AttentionSampler(CopiesDetached):
     def measure(self, step: int) -> Sample:
         """The recorded sample's values, synced across processes (every process calls it on the same steps).
 
-        The per-layer and ``/all`` scalars (NaN where a layer's forward went non-finite, said once per sample), the
-        max-logit window since the last sample; the accumulators are reset and the sample counted.
+        The capture is disarmed first. The per-layer and ``/all`` scalars (NaN where a layer's forward went non-finite,
+        said once per sample), the max-logit window since the last sample, and what the sampler has cost
+        (:func:`connmon._cost.overhead_values`) over the steps since it started.
         """
+        self.disarm()
         full = self._is_full()
         values: dict[str, Tensor] = {}
         broken: set[int] = set()
@@ -306,6 +334,8 @@ class AttentionSampler(CopiesDetached):
         scalars = self._scalars(values, broken_layers)
         layers, heads = self._logit_values()
         scalars.update(layers)
+        began = self._start_step if self._start_step is not None else step
+        scalars.update(overhead_values(self.clock, step - began))
         if broken_layers and is_rank_zero():
             names = sorted(layer.name for layer in self.selected if layer.index in broken_layers)
             warn_rank_zero(

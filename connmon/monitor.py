@@ -430,20 +430,15 @@ class Monitor(CopiesDetached):
         if first:
             self.begin_step(step)
         sampled = False
-        for sampler in self.attention_samplers if first else ():
-            if sampler.options.probe is not None or not sampler.due(step):
-                continue
-            sampled = True
-            compiled = sampler.compiled_part(model)
-            if compiled is None:
-                sampler.arm(model)
-                self._pending.append((sampler, step))
-                continue
-            if self._beside is None:
-                self._beside = contextlib.ExitStack()
-            self._beside.enter_context(read_beside(compiled, self._reader(sampler, step, model)))
         for sampler in self.attention_samplers:
-            sampler.watch_logits()
+            forward = sampler.start_forward(step, model, first)
+            if forward.armed:
+                self._pending.append((sampler, step))
+            elif forward.beside is not None:
+                if self._beside is None:
+                    self._beside = contextlib.ExitStack()
+                self._beside.enter_context(read_beside(forward.beside, self._reader(sampler, step, model)))
+            sampled = sampled or forward.armed or forward.beside is not None
         return sampled
 
     def _reader(
@@ -464,11 +459,7 @@ class Monitor(CopiesDetached):
         """
         self._forward_of = None
         for sampler in self.attention_samplers:
-            sampler.unwatch_logits()
-            if raised and any(sampler is pending for pending, _ in self._pending):
-                sampler.discard()
-            else:
-                sampler.disarm()
+            sampler.end_forward(discard=raised and any(sampler is pending for pending, _ in self._pending))
         if raised:
             self._drop()
         elif self._beside is not None:
@@ -495,7 +486,6 @@ class Monitor(CopiesDetached):
                 sampler.discard()
             return self.outcome(values)
         for sampler, sampled_step in pending:
-            sampler.disarm()
             values.update(self.finish(sampled_step, sampler))
         return self.outcome(values)
 
@@ -883,8 +873,6 @@ class Monitor(CopiesDetached):
                 scalars.update(self.signals.window(sampler.logits, [layer.index for layer in sampler.selected]))
             else:
                 scalars.update(self.signals.optimizer_window())
-            began = sampler.steps_trained
-            scalars.update(overhead_values(sampler.clock, step - (began if began is not None else step)))
             if self.alerts is not None:
                 trainer = self.signals.trainer_values()
                 scalars.update(self._run_rules({**trainer, **sample.heads, **scalars}, step))
