@@ -337,35 +337,11 @@ def test_a_trainers_values_that_raise_are_said_once_and_the_rules_go_on():
     assert len([w for w in said if "trainer's latest values" in str(w.message)]) == 1 and len(seen) == 2
 
 
-def test_each_option_is_declared_once_and_every_entry_point_takes_it_by_keyword():
-    """Defaults and checks live in SamplingOptions (SharpnessSampler); the entry points take typed ``**keywords``."""
-    import dataclasses
-    import inspect
-
+def test_each_entry_point_builds_its_options_by_keyword_checked_once():
+    """Defaults and checks live in SamplingOptions (SharpnessSampler); tests/test_keywords.py holds the types."""
     from connmon.callbacks import ConnectionMonitor, SharpnessMonitor
-    from connmon.callbacks.sharpness_monitor import SharpnessMonitorKeywords
-    from connmon.curvature.sampler import SharpnessKeywords, SharpnessSampler
-    from connmon.integrations.transformers import ConnectionMonitorCallback
-    from connmon.sampling import SamplingKeywords, SamplingOptions
-    from connmon.step_options import StepKeywords, StepOptions
+    from connmon.sampling import SamplingOptions
 
-    def written(annotations):  # a TypedDict keeps its string annotations as ForwardRefs
-        return {name: getattr(kind, "__forward_arg__", kind) for name, kind in annotations.items()}
-
-    fields = {field.name: field.type for field in dataclasses.fields(SamplingOptions)}
-    assert written(SamplingKeywords.__annotations__) == fields  # the same names and types, as written
-    steps = {field.name: field.type for field in dataclasses.fields(StepOptions)}
-    assert written(StepKeywords.__annotations__) == steps and steps.items() <= fields.items()  # SamplingOptions' too
-    both = written(SharpnessMonitorKeywords.__annotations__)
-    assert both == {**written(SharpnessKeywords.__annotations__), **steps}
-    attention = [(each, "SamplingKeywords") for each in (ConnectionMonitor, ConnectionMonitorCallback, connmon.Monitor)]
-    for entry_point, keywords in [*attention, (SharpnessMonitor, "SharpnessMonitorKeywords")]:
-        parameters = inspect.signature(entry_point).parameters
-        assert not set(parameters) & set(fields), entry_point  # no option re-declared with a default of its own
-        (rest,) = [p for p in parameters.values() if p.kind is p.VAR_KEYWORD]
-        assert rest.annotation == f"Unpack[{keywords}]", entry_point
-    sampler = inspect.signature(SharpnessSampler).parameters
-    assert written(SharpnessKeywords.__annotations__) == {n: p.annotation for n, p in sampler.items() if n != "owner"}
     assert (
         SharpnessMonitor(lambda module, batch: 0, every_n_steps=3, cadence="fixed", budget=None).sampler.every_n_steps
         == 3

@@ -292,11 +292,13 @@ def test_a_second_run_in_the_same_output_dir_saves_no_restore_point_over_the_fir
 
 
 def test_connmon_rows_reach_the_log_history_but_not_the_console(tmp_path, capsys):
+    from typing import ClassVar
+
     from transformers import TrainerCallback
     from transformers.trainer_callback import PrinterCallback
 
     class Reporter(TrainerCallback):  # a reporter (W&B, TensorBoard) gets every row, the Trainer's handler as it was
-        rows: list = []
+        rows: ClassVar[list] = []
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             handler = trainer.callback_handler.callbacks
