@@ -88,7 +88,7 @@ class Monitor(CopiesDetached):
     ``full_every_n_samples``-th sample, the first included. Pass the same ``step`` for every micro-batch of a
     gradient-accumulation step: only its first forward is sampled. With ``alerts`` whose rules watch only the first
     steps (``until=``), a sparse cadence also samples the steps those rules need
-    (:meth:`connmon.alerts.RuleSet.regime_steps`, in :attr:`extra_steps`). Every ``logit_every_n_steps``-th step
+    (:meth:`connmon.alerts.RuleSet.regime_steps`, the sampler's ``extra_steps``). Every ``logit_every_n_steps``-th step
     each head's max logit over the step's whole batch is read (:mod:`connmon.capture.max_logit`), logged at the next
     sample as ``connmon/step_max_logit/L<ll>`` and shown to ``alerts`` per head; with their ``"qk_clip"`` action it
     is read every step and the heads above the threshold are clipped after the optimizer step; with their
@@ -313,39 +313,9 @@ class Monitor(CopiesDetached):
         return self.attention_sampler.samples if self.attention_sampler is not None else 0
 
     @property
-    def last_sampled_step(self) -> int:
-        """The step of the latest attention sample (-1 before the first)."""
-        return self.attention_sampler.last_sampled_step if self.attention_sampler is not None else -1
-
-    @property
     def last_values(self) -> dict[str, float]:
         """The values logged at the latest attention sample."""
         return self.attention_sampler.last_values if self.attention_sampler is not None else {}
-
-    @property
-    def selected(self) -> list:
-        """The attention layers read."""
-        return self.attention_sampler.selected if self.attention_sampler is not None else []
-
-    @property
-    def metrics(self) -> dict:
-        """The torchmetrics accumulators, by diagnostic group."""
-        return self.attention_sampler.metrics if self.attention_sampler is not None else {}
-
-    @property
-    def logits(self) -> Any:
-        """The per-step max-logit reader (:class:`connmon.capture.max_logit.HeadMaxLogits`), or None."""
-        return self.attention_sampler.logits if self.attention_sampler is not None else None
-
-    @property
-    def full_every_n_samples(self) -> int:
-        """How often a sample computes the costly diagnostics (the budget moves it)."""
-        return self.attention_sampler.full_every_n_samples if self.attention_sampler is not None else 1
-
-    @property
-    def extra_steps(self) -> frozenset[int]:
-        """The steps sampled besides the cadence, for rules that watch a run's first steps."""
-        return self.attention_sampler.extra_steps if self.attention_sampler is not None else frozenset()
 
     @property
     def is_armed(self) -> bool:

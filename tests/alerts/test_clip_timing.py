@@ -261,7 +261,7 @@ def test_what_qk_clip_did_is_logged_per_layer_at_the_next_sample_and_survives_a_
         warnings.simplefilter("ignore")
         plain_run(model, optimizer, monitor, steps=4)  # samples at 0 and 3: the window of steps 0, 1, 2 at 3
     window = per_step[:3]
-    layers = len(monitor.selected)
+    layers = len(monitor.attention_sampler.selected)
     for layer in range(layers):
         clips = [clip for _, step_clips in window for clip in step_clips if clip[0] == layer]
         values = logged[3]

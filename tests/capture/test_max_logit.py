@@ -285,7 +285,7 @@ def test_a_reading_that_raises_warns_once_and_leaves_training_bitwise_unchanged(
         warnings.simplefilter("always")
         watched = _train(model, monitor)
     said = [str(w.message) for w in caught if "reading its max logit raised RuntimeError" in str(w.message)]
-    assert len(said) == 2 and monitor.logits._unread == {0, 1}  # once per layer, then never read again
+    assert len(said) == 2 and monitor.attention_sampler.logits._unread == {0, 1}  # once per layer, never read again
     assert torch.equal(plain[0], watched[0])
     assert all(torch.equal(a, b) for a, b in zip(plain[1], watched[1], strict=True))
     assert not any(key.startswith("connmon/step_max_logit") for key in monitor.last_values)

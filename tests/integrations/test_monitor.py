@@ -385,12 +385,12 @@ def test_a_budget_sets_the_full_sample_cadence_from_measured_costs_and_is_saved(
     monitor = connmon.Monitor(model, every_n_steps=1, full_every_n_samples=1, budget=0.02)
     with pytest.warns(UserWarning, match=r"connmon.Monitor: budget 2%: a full sample costs .* a light one .* so "):
         train(model, batches(8), monitor)
-    chosen = monitor.full_every_n_samples
+    chosen = monitor.attention_sampler.full_every_n_samples
     assert chosen > 1  # full samples (the spectrum group) cost more than 2% of these tiny steps
     assert monitor.state_dict()["full_every_n_samples"] == chosen
     fresh = connmon.Monitor(TinyGPT(), every_n_steps=1, budget=0.02)
     fresh.load_state_dict(monitor.state_dict())
-    assert fresh.full_every_n_samples == chosen
+    assert fresh.attention_sampler.full_every_n_samples == chosen
     with pytest.raises(ValueError, match=r"budget must be None or a fraction of training time in \(0, 1\)"):
         connmon.Monitor(budget=0.0)
 
@@ -402,7 +402,7 @@ def test_a_monitor_given_the_compiled_model_reads_its_layers():
     model = TinyGPT()
     compiled = torch.compile(model)
     monitor = connmon.Monitor(compiled, every_n_steps=1, diagnostics=("walk",))
-    assert [layer.name for layer in monitor.selected] == ["blocks.0.attn", "blocks.1.attn"]
+    assert [layer.name for layer in monitor.attention_sampler.selected] == ["blocks.0.attn", "blocks.1.attn"]
     for step in range(2):
         with monitor.step(step):
             compiled(batches(1)[0]).sum().backward()
@@ -477,7 +477,7 @@ def test_an_error_in_a_metrics_update_is_warned_not_swallowed():
     torch.manual_seed(0)
     model = TinyGPT()
     monitor = connmon.Monitor(model, every_n_steps=1, diagnostics=("walk", "drift"))
-    monitor.metrics["drift"].previous_transports = {0: torch.zeros(3, 3)}
+    monitor.attention_sampler.metrics["drift"].previous_transports = {0: torch.zeros(3, 3)}
     with pytest.warns(UserWarning, match="transport_drift reference of layer 0"):
         with monitor.step(0):
             model(batches(1)[0])
@@ -486,7 +486,7 @@ def test_an_error_in_a_metrics_update_is_warned_not_swallowed():
     def broken(record):
         raise RuntimeError("metric state on another device")
 
-    monitor.metrics["walk"].measure = broken
+    monitor.attention_sampler.metrics["walk"].measure = broken
     with pytest.warns(UserWarning, match="recording failed .*another device"):
         with monitor.step(1):
             model(batches(1)[0])
@@ -565,7 +565,7 @@ def test_a_meta_device_model_turns_the_monitor_off_with_a_warning():
         model = TinyGPT()
     with pytest.warns(UserWarning, match="meta device"):
         monitor = connmon.Monitor(model, every_n_steps=1)
-    assert monitor.selected == []
+    assert monitor.attention_sampler.selected == []
     with pytest.raises(ValueError, match="meta device"):
         connmon.capture(model, batches(1)[0])
 
