@@ -341,3 +341,41 @@ def test_qk_clip_runs_after_every_optimizer_step_the_last_too_and_a_resumed_run_
     assert resumed_clip.clipped == whole_clip.clipped > 0
     for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)  # HF's resume reloads the RNG and data order
+
+
+def ddp_worker(rank: int, port: int, out: str) -> None:
+    """The Trainer under DDP on 2 gloo processes (as torchrun starts it): each process's rows, alerts and weights."""
+    import os
+
+    from tests.gloo import leave
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")  # fmt: skip
+    seen = []
+    rules = [Rule("loss seen", "loss", Threshold(-1.0), cooldown=1)]
+    alerts = AlertRunner(rules, actions=(), on_alert=lambda alert: seen.append((alert.step, alert.value)))
+    monitor = {"every_n_steps": 2, "diagnostics": ("walk", "transport"), "alerts": alerts, "optimizer_every_n_steps": 1}
+    trainer = make_trainer(Path(out) / "run", monitor=monitor, logging_steps=1, ddp_backend="gloo", max_steps=5)
+    trainer.train()
+    weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as file:
+        json.dump({"rows": rows(trainer), "losses": losses(trainer), "alerts": seen, "weights": weights.tolist()}, file)
+    leave()
+
+
+@pytest.mark.distributed
+def test_under_ddp_every_process_samples_the_same_forwards_logs_the_same_rows_and_decides_alike(tmp_path):
+    from tests.gloo import free_port, spawn
+
+    spawn(ddp_worker, args=(free_port(), str(tmp_path)), nprocs=2, timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert ranks[0]["weights"] == ranks[1]["weights"] and ranks[0]["losses"] == ranks[1]["losses"]
+    assert set(ranks[0]["rows"]) == {"1", "3", "5"}  # the forwards after 0, 2 and 4 steps, in their loss rows
+    for step, row in ranks[0]["rows"].items():  # synced: every process logs the values of both processes' batches
+        other = ranks[1]["rows"][step]
+        assert {k: v for k, v in row.items() if "overhead" not in k} == {
+            k: v for k, v in other.items() if "overhead" not in k
+        }
+        assert ("connmon/update_rms" in row) == (step != "1")  # the optimizer's state after every step before it
+    # the rules of the samples after 2 and 4 steps see the Trainer's latest row, its mean loss over both processes
+    assert ranks[0]["alerts"] == ranks[1]["alerts"] == [[step, ranks[0]["losses"][str(step)]] for step in (2, 4)]
