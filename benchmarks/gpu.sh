@@ -34,6 +34,14 @@ status=0
   echo "## The sharded curvature on a one-rank FSDP2 mesh with NCCL (tests/integrations/test_sharded_curvature.py)"
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/integrations/test_sharded_curvature.py -k "one_rank" || status=1
   echo
+  echo "## OLMo-core on CUDA: SDPA read exactly, flash-attn skipped with one line (tests/integrations/test_olmo_core.py)"
+  if python3 -c "import olmo_core" 2>/dev/null; then
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m olmo_core tests/integrations/test_olmo_core.py \
+      -k "each_attention_backend" -rs || status=1
+  else
+    echo "olmo-core is not installed here (pip install -e '.[olmo-core]' in an environment of its own): not run"
+  fi
+  echo
   echo "## bench_capture.py --device cuda --no-memory (memory tables are CPU resident memory: not run here)"
   timeout 120 python3 benchmarks/bench_capture.py --device cuda --no-memory || status=1
 } 2>&1 | tee "$out"

@@ -49,6 +49,8 @@ def build_trainer(
     load=None,
     qk_norm: bool = True,
     scheduler=None,
+    device: str = "cpu",
+    backend: str | None = None,
 ):
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.nn.transformer import TransformerConfig
@@ -65,16 +67,17 @@ def build_trainer(
                                    work_dir=str(tmp_path / "loader")).build(dataset)  # fmt: skip
     torch.manual_seed(0)
     if qk_norm:  # OLMo-2: QK-norm
-        model = TransformerConfig.olmo2_1M(vocab_size=VOCAB).build(init_device="cpu")
+        model = TransformerConfig.olmo2_1M(vocab_size=VOCAB, attn_backend=backend).build(init_device=device)
     else:
         model = TransformerConfig.llama_like(d_model=32, vocab_size=VOCAB, n_layers=2, n_heads=4).build(
             init_device="cpu"
         )
     sharded = TransformerDataParallelConfig(name="fsdp") if data_parallel else None  # FSDP2 over the processes
+    autocast = torch.bfloat16 if backend == "flash_2" else None  # flash-attn takes bf16 and fp16 only
     config = TransformerTrainModuleConfig(rank_microbatch_size=2 * LENGTH, max_sequence_length=LENGTH,
-                                          optim=AdamWConfig(lr=1e-2), dp_config=sharded,
-                                          z_loss_multiplier=z_loss, scheduler=scheduler)  # fmt: skip
-    module = config.build(model, device=torch.device("cpu"))  # initializes the weights
+                                          optim=AdamWConfig(lr=1e-2), dp_config=sharded, z_loss_multiplier=z_loss,
+                                          scheduler=scheduler, autocast_precision=autocast)  # fmt: skip
+    module = config.build(model, device=torch.device(device))  # initializes the weights
     initial = None if data_parallel else copy.deepcopy(module.model)  # FSDP2 modules do not deepcopy
     trainer = TrainerConfig(save_folder=str(tmp_path / "save"), max_duration=Duration.steps(steps),
                             metrics_collect_interval=1, save_overwrite=True, load_path=load)  # fmt: skip
@@ -433,3 +436,54 @@ def test_the_rules_see_olmo_cores_own_logged_metrics(tmp_path):
     assert losses == [(2, pytest.approx(recorder.rows[2]["train/CE loss"])),
                       (4, pytest.approx(recorder.rows[4]["train/CE loss"]))]  # fmt: skip
     assert [a.step for a in seen if a.rule == "perplexity seen"] == [2, 4]
+
+
+def _has_flash_attn_2() -> bool:
+    from olmo_core.nn.attention import FlashAttention2Backend
+
+    try:
+        FlashAttention2Backend.assert_supported()
+    except RuntimeError:
+        return False
+    return True
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: benchmarks/gpu.sh runs it")
+
+
+@pytest.mark.parametrize(
+    ("device", "backend"),
+    [("cpu", "torch"), pytest.param("cuda", "torch", marks=CUDA), pytest.param("cuda", "flash_2", marks=CUDA)],
+)
+def test_each_attention_backend_is_read_exactly_or_skipped_with_one_line_and_training_is_unchanged(
+    tmp_path, device, backend
+):
+    """SDPA (its ``torch`` backend) is read exactly on every device; flash-attn's kernels (bf16 autocast, which they
+    need) are skipped, said once."""
+    from connmon.integrations.olmo_core import ConnectionMonitorCallback
+
+    if backend == "flash_2" and not _has_flash_attn_2():
+        pytest.skip("flash-attn is not installed on this machine")
+    runs = {}
+    for name in ("plain", "again", "watched"):
+        (tmp_path / name).mkdir()
+        recorder = Recorder()
+        callbacks = {"recorder": recorder}
+        if name == "watched":
+            callbacks["connmon"] = ConnectionMonitorCallback(every_n_steps=2, diagnostics=("walk",))
+        trainer, _ = build_trainer(tmp_path / name, callbacks, device=device, backend=backend)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit()
+        said = [str(w.message) for w in caught if "connmon" in str(w.message) or "skip" in str(w.message)]
+        weights = [p.detach().float().cpu() for p in trainer.train_module.model.parameters()]
+        runs[name] = (weights, recorder.rows, said)
+    plain, again, (watched, rows, said) = runs["plain"][0], runs["again"][0], runs["watched"]
+    spread = max((a - b).abs().max().item() for a, b in zip(plain, again, strict=True))  # 0 where deterministic
+    assert max((a - b).abs().max().item() for a, b in zip(plain, watched, strict=True)) <= spread
+    sampled = {step: row for step, row in rows.items() if "connmon/attention_entropy/all" in row}
+    if backend == "torch":
+        assert said == [] and sorted(sampled) == [1, 3, 5]
+        assert all(row["connmon/reconstruction_error/all"] < 1e-4 for row in sampled.values())
+    else:  # not SDPA calls: nothing is read, and why is said once per layer
+        assert sampled == {} and said and all("flash" in line.lower() or "skip" in line for line in said)
