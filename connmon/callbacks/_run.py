@@ -60,8 +60,10 @@ class LightningRun:
         self.alerts: AlertRunner | None = None
         self.monitor: Monitor | None = None  # put together at the fit's start
         self._driver: Callback | None = None  # the callback whose events the run translates (the first registered)
+        self._parts: list[RunPart] = []  # every callback registered
         self._curvature_listener: Listener | None = None
         self._sharpness_steps: StepOptions | None = None
+        self._saved_signals: dict[str, Any] | None = None
         self._started = False
         self._ended = False
         self._step_at_batch_start = -1
@@ -85,11 +87,17 @@ class LightningRun:
         listener: Listener,
         loss_fn: Callable[..., Tensor] | None,
         step_options: StepOptions,
+        saved_signals: dict[str, Any] | None = None,
     ) -> None:
-        """A ``SharpnessMonitor``'s sampler, ``listener(step, values)`` of each sample, loss and step options."""
+        """A ``SharpnessMonitor``'s sampler, ``listener(step, values)`` of each sample, loss and step options.
+
+        ``saved_signals``: the step signals' window it loaded (it saves them where no ``ConnectionMonitor`` does:
+        :meth:`signals_state`).
+        """
         self._join(caller)
         self.sharpness, self._curvature_listener, self.loss_fn = sampler, listener, loss_fn
         self._sharpness_steps = step_options
+        self.load_signals(saved_signals)
 
     def add_alerts(self, caller: Callback, runner: AlertRunner) -> None:
         """A ``DriftAlert``'s rules and actions."""
@@ -99,6 +107,8 @@ class LightningRun:
     def _join(self, caller: Callback) -> None:
         if self._driver is None:
             self._driver = caller
+        if isinstance(caller, RunPart) and all(part is not caller for part in self._parts):
+            self._parts.append(caller)
 
     def drives(self, caller: Callback) -> bool:
         """Whether ``caller``'s events are the ones the run translates (the first callback registered)."""
@@ -136,6 +146,7 @@ class LightningRun:
         if self._curvature_listener is not None:
             monitor.add_listener(self._curvature_listener, of="curvature")
         self.monitor = monitor
+        self.load_signals(self._saved_signals)
         if monitor.attach(pl_module) and not trainer.loggers:
             rank_zero_warn("ConnectionMonitor: no logger is attached, so its values are computed but not logged")
         return monitor
@@ -201,7 +212,28 @@ class LightningRun:
             if failed:
                 self.monitor.discard()
             self.monitor.close()
+            for part in self._parts:
+                part.keep_state(self)
         _RUNS.pop(self.trainer, None)
+
+    def load_signals(self, state: dict[str, Any] | None) -> None:
+        """The step signals' window a ``SharpnessMonitor`` loaded (:meth:`signals_state`), into the run's monitor.
+
+        Kept until the monitor is put together (Lightning loads a checkpoint's callback states after ``setup``).
+        """
+        self._saved_signals = state
+        if state is not None and self.monitor is not None and not self.samplers:
+            self.monitor.signals.load_state_dict(state)
+            self._saved_signals = None
+
+    def signals_state(self) -> dict[str, Any] | None:
+        """The step signals' window not logged yet, for a ``SharpnessMonitor`` to save.
+
+        None where a ``ConnectionMonitor`` saves it (with its own state) or no monitor runs.
+        """
+        if self.monitor is None or self.samplers:
+            return None
+        return self.monitor.signals.state_dict()
 
     # --- what the monitor calls and asks for --------------------------------------------------------------------------
 
@@ -240,6 +272,9 @@ class RunPart(Callback, abc.ABC):
     @abc.abstractmethod
     def join(self, run: LightningRun, trainer: Trainer) -> None:
         """Register this callback's part with ``run`` (``setup`` on fit)."""
+
+    def keep_state(self, run: LightningRun) -> None:
+        """The fit is over: keep what :meth:`state_dict` saves of ``run`` (a checkpoint saved after the fit)."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """On fit: join the Trainer's run."""

@@ -61,6 +61,7 @@ class ConnectionMonitor(CopiesDetached, RunPart):
         self._trainer: Trainer | None = None
         self._restored = False  # load_state_dict ran since the last fit began: keep its state
         self._saved_run: dict[str, Any] | None = None  # the run's windows a loaded checkpoint holds
+        self._ended_run: dict[str, Any] | None = None  # state_dict() of the fit that ended, for a save after it
         self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
 
     @property
@@ -96,7 +97,7 @@ class ConnectionMonitor(CopiesDetached, RunPart):
         if not self._restored:
             self.sampler.reset()
             self._saved_run = None
-        self._restored = False
+        self._restored, self._ended_run = False, None
         self._trainer = trainer
         run.add_attention(self, self.sampler, self._notify, self._saved_run)
         self._saved_run = None
@@ -108,6 +109,11 @@ class ConnectionMonitor(CopiesDetached, RunPart):
             self._restored = False  # the next fit starts afresh unless a checkpoint is loaded into it
             self._trainer = None
 
+    def keep_state(self, run: LightningRun) -> None:
+        """The fit is over: what :meth:`state_dict` saves of it, kept for a checkpoint saved after it."""
+        if run.monitor is not None:
+            self._ended_run = run.monitor.attention_state(self.sampler)
+
     def state_dict(self) -> dict[str, Any]:
         """Sampling cadence and the previous sample of each layer (so a resumed run continues its time drift).
 
@@ -117,11 +123,14 @@ class ConnectionMonitor(CopiesDetached, RunPart):
         run = running(self._trainer)
         if run is not None and run.monitor is not None:
             return run.monitor.attention_state(self.sampler)
+        kept = self._saved_run if self._saved_run is not None else self._ended_run  # loaded, or of the fit that ended
+        if kept is not None:
+            return kept
         return {"config": self.sampler.config(), **self.sampler.state_dict(), "optimizer_state": None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self._restored = True
+        self._restored, self._ended_run = True, None
         checked = checked_state(state_dict, self.sampler.config(), "ConnectionMonitor")
         if checked is None:
             return

@@ -11,7 +11,7 @@ from torch import Tensor
 from typing_extensions import Unpack
 
 from connmon._options import check_callable
-from connmon.callbacks._run import LightningRun, RunPart
+from connmon.callbacks._run import LightningRun, RunPart, running
 from connmon.curvature.sampler import EIGENVALUE_KEY, RATIO_KEY, Estimator, SharpnessKeywords, SharpnessSampler
 from connmon.step_options import STEP_OPTION_NAMES, StepKeywords, StepOptions
 
@@ -105,6 +105,8 @@ class SharpnessMonitor(RunPart):
             raise ValueError(f"estimator={estimator!r} reads a loss: pass loss_fn=..., or use estimator='secant'")
         self.loss_fn = loss_fn
         self._restored = False  # load_state_dict ran since the last fit began: keep its state
+        self._saved_signals: dict[str, Any] | None = None  # the run's step-signal window it loaded
+        self._ended_signals: dict[str, Any] | None = None  # the window of the fit that ended, for a save after it
         self._listeners: list[Callable[[Trainer, int, dict[str, float]], None]] = []
         self._trainer: Trainer | None = None
 
@@ -144,9 +146,11 @@ class SharpnessMonitor(RunPart):
         """
         if not self._restored:
             self.sampler.reset()
-        self._restored = False
+        self._restored, self._ended_signals = False, None
         self._trainer = trainer
-        run.add_sharpness(self, self.sampler, self._notify, loss_fn=self.loss_fn, step_options=self.step_options)
+        saved, self._saved_signals = self._saved_signals, None
+        run.add_sharpness(self, self.sampler, self._notify, loss_fn=self.loss_fn, step_options=self.step_options,
+                          saved_signals=saved)  # fmt: skip
         strategy = trainer.strategy
         plain = isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and "DeepSpeed" not in type(strategy).__name__
         fsdp2 = isinstance(strategy, ModelParallelStrategy)  # DTensor parameters: every estimator reads their shards
@@ -167,14 +171,32 @@ class SharpnessMonitor(RunPart):
             self._restored = False
             self._trainer = None
 
+    def keep_state(self, run: LightningRun) -> None:
+        """The fit is over: the step signals' window it saves (:meth:`state_dict`), kept for a save after it."""
+        self._ended_signals = run.signals_state()
+
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's state (:meth:`connmon.curvature.sampler.SharpnessSampler.state_dict`)."""
-        return self.sampler.state_dict()
+        """The sampler's state (:meth:`connmon.curvature.sampler.SharpnessSampler.state_dict`).
+
+        In a run without a ``ConnectionMonitor``, also the step signals' window not logged yet (the optimizer's state
+        since the last sample), so a resumed run logs what the uninterrupted one does.
+        """
+        state = self.sampler.state_dict()
+        run = running(self._trainer)
+        signals = run.signals_state() if run is not None else (self._saved_signals or self._ended_signals)
+        return {**state, "step_signals": signals} if signals is not None else state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        self._restored = True
-        self.sampler.load_state_dict(state_dict)
+        self._restored, self._ended_signals = True, None
+        state = dict(state_dict)
+        signals = state.pop("step_signals", None)
+        self.sampler.load_state_dict(state)
+        run = running(self._trainer)
+        if run is not None:  # loaded into a fit under way (Lightning's ckpt_path): the run keeps it
+            run.load_signals(signals)
+        else:
+            self._saved_signals = signals
 
     def _notify(self, step: int, values: dict[str, float]) -> None:
         trainer = self._trainer

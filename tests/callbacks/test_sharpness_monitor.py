@@ -511,3 +511,29 @@ def test_callbacks_that_set_one_step_option_differently_are_told_and_the_first_i
         trainer = fit(tmp_path, callbacks, AdamGPT())
     assert trainer.global_step == 6
     assert set(logged(tmp_path, "connmon/update_rms")) == {4}  # read after step 3, logged at the sample after step 4
+
+
+@pytest.mark.parametrize("part", ["SharpnessMonitor", "ConnectionMonitor"])
+def test_a_checkpoint_saved_after_the_fit_resumes_the_optimizers_state_as_the_uninterrupted_run(tmp_path, part):
+    """The optimizer's state read since the last sample rides in the checkpoint, saved during the fit or after it:
+    the SharpnessMonitor's in a run without a ConnectionMonitor, else the first ConnectionMonitor's."""
+    steps = dict(every_n_steps=4, optimizer_every_n_steps=1)
+
+    def run(folder, max_steps, ckpt_path=None):
+        if part == "SharpnessMonitor":
+            callback = SharpnessMonitor(**steps, cadence="fixed", budget=None, estimator="secant")
+        else:
+            callback = ConnectionMonitor(**steps, diagnostics=("walk",))
+        trainer = L.Trainer(
+            max_steps=max_steps, callbacks=[callback], logger=CSVLogger(folder, name="csv"),
+            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, accelerator="cpu",
+            devices=1, log_every_n_steps=1,
+        )  # fmt: skip
+        trainer.fit(AdamGPT(), loader(), ckpt_path=ckpt_path)
+        return trainer
+
+    run(tmp_path / "whole", 10)
+    run(tmp_path / "first", 6).save_checkpoint(tmp_path / "at6.ckpt")
+    run(tmp_path / "resumed", 10, ckpt_path=str(tmp_path / "at6.ckpt"))
+    whole = logged(tmp_path / "whole", "connmon/update_rms")
+    assert sorted(whole) == [4, 8] and logged(tmp_path / "resumed", "connmon/update_rms") == {8: whole[8]}
