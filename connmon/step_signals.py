@@ -34,7 +34,7 @@ TrainerValues = Callable[[], Mapping[str, Any]]
 
 
 class StepSignals:
-    """The per-step signals of a run: the clips, the optimizer's state, and when each step's are read.
+    """The per-step signals of a run: the clips, the optimizer's state, the trainer's values, and when each is read.
 
     Args:
         options: how often each signal is read (:class:`connmon.step_options.StepOptions`).
