@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import connmon
+from connmon.alerts import AlertRunner, Rule, Threshold
 from connmon.curvature.sampler import SharpnessSampler
 from tests.capture.models import TinyGPT
 from tests.gloo import free_port, leave, spawn
@@ -35,12 +36,14 @@ def train(rank: int, counts: tuple[int, int], watched: bool) -> dict:
     model = torch.nn.parallel.DistributedDataParallel(TinyGPT())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     logged: list = []
+    seen: list = []  # the rules see each process's own loss as their mean over processes (a gather, every sample)
+    rules = AlertRunner([Rule("loss seen", "loss", Threshold(-1.0))], actions=(), on_alert=lambda a: seen.append(a))
     monitor = None
     if watched:
         monitor = connmon.Monitor(
             model, every_n_steps=4, diagnostics=("walk", "transport"), optimizer=optimizer, loss_fn=loss_fn,
             sharpness=SharpnessSampler(every_n_steps=4, cadence="fixed", budget=None), logit_every_n_steps=2,
-            optimizer_every_n_steps=1, log=lambda values, step: logged.append([step, values]),
+            optimizer_every_n_steps=1, log=lambda values, step: logged.append([step, values]), alerts=rules,
         )  # fmt: skip
     with warnings.catch_warnings(record=True) as said, model.join():
         warnings.simplefilter("always")
@@ -48,7 +51,7 @@ def train(rank: int, counts: tuple[int, int], watched: bool) -> dict:
             if monitor is None:
                 loss = loss_fn(model, ids)
             else:
-                with monitor.step(step, batch=ids):
+                with monitor.step(step, batch=ids, rule_values={"loss": float(rank)}):
                     loss = loss_fn(model, ids)
             loss.backward()
             optimizer.step()
@@ -56,7 +59,8 @@ def train(rank: int, counts: tuple[int, int], watched: bool) -> dict:
     if monitor is not None:
         monitor.close()
     weights = [p.detach().tolist() for p in model.parameters()]
-    return {"logged": logged, "weights": weights, "said": [str(w.message) for w in said if "Join" in str(w.message)]}
+    said_join = [str(w.message) for w in said if "Join" in str(w.message)]
+    return {"logged": logged, "weights": weights, "said": said_join, "alerts": [[a.step, a.value] for a in seen]}
 
 
 def timeless(values: dict) -> dict:
@@ -97,3 +101,7 @@ def test_ddp_join_with_uneven_inputs_trains_unchanged_and_logs_the_steps_every_p
     (said,) = ranks[0]["uneven"]["said"]  # rank 0 took steps 5 and 6 alone
     assert "step 5 was taken by 1 of 2 processes" in said
     assert ranks[1]["uneven"]["said"] == []
+    alerts = [rank[run]["alerts"] for rank in ranks for run in ("uneven", "even")]
+    assert all(alerts_of == alerts[0] for alerts_of in alerts[::2])  # the uneven run's, alike on both processes
+    assert alerts[0] and all(value == 0.5 for _, value in alerts[0])  # losses 0 and 1: their mean
+    assert alerts[0] == [alert for alert in alerts[1] if alert[0] <= 4]  # as where both processes had the data
